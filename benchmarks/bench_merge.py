@@ -1,0 +1,49 @@
+"""Merge bandwidth: GB/s of the bytes merge must move, against the device copy bandwidth.
+
+    PYTHONPATH=. python benchmarks/bench_merge.py [--csv results/merge.csv]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+import cuattn
+from benchmarks.timing import copy_bandwidth_gbs, environment, median_ms, write_csv
+
+
+def main() -> None:
+    import cupy
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--csv", default="results/merge.csv")
+    args = parser.parse_args()
+    env = environment()
+    copy = copy_bandwidth_gbs()
+    rows = []
+    rng = cupy.random.default_rng(0)
+    for dtype, n, (b, s, h, d) in [
+        ("bfloat16", 2, (8, 4096, 16, 128)),
+        ("bfloat16", 4, (8, 4096, 16, 128)),
+        ("bfloat16", 2, (8, 4096, 32, 64)),
+        ("float16", 8, (4, 4096, 16, 128)),
+        ("float32", 2, (4, 4096, 16, 128)),
+    ]:
+        np_dtype = cuattn.variants.BFLOAT16 if dtype == "bfloat16" else np.dtype(dtype)
+        outs = rng.standard_normal((n, b, s, h, d), dtype=np.float32).astype(np_dtype)
+        lses = rng.standard_normal((n, b, h, s), dtype=np.float32)
+        ms = median_ms(lambda _: cuattn.merge(outs, lses))
+        rows_ = b * s * h
+        moved = (n + 1) * rows_ * (d * np_dtype.itemsize + 4)
+        gbs = moved / ms / 1e6
+        rows.append({"dtype": dtype, "partials": n, "shape": f"{b}x{s}x{h}x{d}", "ms": round(ms, 4), "GB/s": round(gbs, 1), "of_copy": round(gbs / copy, 3), **env})
+    write_csv(args.csv, rows)
+    print(f"{env['gpu']}, {env['date']}: device copy {copy:.0f} GB/s (read + write)")
+    print(f"{'dtype':<9} {'N':>2} {'shape':<18} {'ms':>8} {'GB/s':>7} {'of copy':>8}")
+    for r in rows:
+        print(f"{r['dtype']:<9} {r['partials']:>2} {r['shape']:<18} {r['ms']:>8.4f} {r['GB/s']:>7.0f} {r['of_copy']:>8.0%}")
+
+
+if __name__ == "__main__":
+    main()

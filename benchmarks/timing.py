@@ -1,0 +1,60 @@
+"""Timing helpers for benchmarks: CUDA events, warm-up, medians, rotation of input sets."""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import pathlib
+import platform
+import statistics
+
+
+def median_ms(fn, *, warmup: int = 3, repeat: int = 20, input_sets: int = 1) -> float:
+    """Median over ``repeat`` timed calls of ``fn(i)``, i cycling over ``input_sets`` so that
+    inputs larger together than L2 are not served from it. Each call is timed with CUDA events
+    on CuPy's current stream."""
+    import cupy
+
+    for i in range(warmup):
+        fn(i % input_sets)
+    stream = cupy.cuda.get_current_stream()
+    times = []
+    for i in range(repeat):
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record(stream)
+        fn(i % input_sets)
+        stop.record(stream)
+        stop.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, stop))
+    return statistics.median(times)
+
+
+def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth, counting bytes read plus bytes written."""
+    import cupy
+
+    src = cupy.ones(nbytes // 4, dtype=cupy.float32)
+    dst = cupy.empty_like(src)
+    ms = median_ms(lambda _: dst.__setitem__(Ellipsis, src), repeat=10)
+    return 2 * nbytes / ms / 1e6
+
+
+def environment() -> dict:
+    import cupy
+
+    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+    return {
+        "gpu": props["name"].decode(),
+        "date": datetime.date.today().isoformat(),
+        "cupy": cupy.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def write_csv(path: str | pathlib.Path, rows: list[dict]) -> None:
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)

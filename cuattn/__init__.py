@@ -1,0 +1,11 @@
+"""cuattn: exact, memory-efficient attention for any array framework.
+
+Raw CUDA kernels compiled at run time with NVRTC through CuPy; arrays from CuPy, NumPy,
+PyTorch, JAX or any DLPack producer. See README.md.
+"""
+
+from cuattn import reference
+from cuattn.merge import merge, merge_
+
+__version__ = "0.1.0"
+__all__ = ["merge", "merge_", "reference", "__version__"]

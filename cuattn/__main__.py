@@ -1,0 +1,3 @@
+from cuattn.cli import main
+
+raise SystemExit(main())

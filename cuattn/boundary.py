@@ -1,0 +1,229 @@
+"""The array boundary: caller arrays in, device buffers for the kernels, caller arrays out.
+
+Device arrays cross zero-copy (CuPy directly, PyTorch through its data pointer and strides,
+JAX and any other ``__dlpack__`` producer through ``cupy.from_dlpack``). NumPy arrays are
+uploaded, computed on, and the results downloaded (documented copies). Kernels run on the
+caller's current stream: PyTorch's for torch tensors, CuPy's otherwise. Outputs are allocated
+by the caller's framework where it can allocate (PyTorch, CuPy) so that its memory accounting
+and stream-ordered allocator see them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from cuattn.variants import BFLOAT16
+
+CUPY, TORCH, JAX, NUMPY, DLPACK = "cupy", "torch", "jax", "numpy", "dlpack"
+_KDL_CUDA = 2
+
+
+@dataclasses.dataclass
+class DeviceArray:
+    """One device buffer as the kernels see it: address, shape, strides in elements, dtype.
+
+    ``native`` is the object that owns the memory (a cupy.ndarray or torch.Tensor).
+    """
+
+    ptr: int | None  # None for a host array not yet staged
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    dtype: np.dtype
+    native: Any
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+
+def framework_of(x) -> str:
+    if isinstance(x, np.ndarray):
+        return NUMPY
+    module = type(x).__module__
+    if module.startswith("cupy"):
+        return CUPY
+    if module.startswith("torch"):
+        return TORCH
+    if module.startswith(("jax", "jaxlib")):
+        return JAX
+    if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
+        return DLPACK
+    raise TypeError(f"expected a CuPy, NumPy, PyTorch or JAX array (or any __dlpack__ object), got {type(x).__name__}")
+
+
+def _numpy_dtype_of_torch(dtype) -> np.dtype:
+    name = str(dtype).removeprefix("torch.")
+    if name == "bfloat16":
+        return BFLOAT16
+    try:
+        return np.dtype(name)
+    except TypeError:
+        return np.dtype(object)
+
+
+def _torch_dtype(dtype: np.dtype):
+    import torch
+
+    return torch.bfloat16 if dtype == BFLOAT16 else getattr(torch, np.dtype(dtype).name)
+
+
+def _from_cupy(x) -> DeviceArray:
+    item = x.dtype.itemsize
+    strides = tuple(s // item for s in x.strides)
+    return DeviceArray(int(x.data.ptr), tuple(x.shape), strides, np.dtype(x.dtype), x)
+
+
+def _from_torch(x) -> DeviceArray:
+    return DeviceArray(int(x.data_ptr()), tuple(x.shape), tuple(x.stride()), _numpy_dtype_of_torch(x.dtype), x)
+
+
+class CallContext:
+    """The framework, device and stream shared by all array arguments of one call.
+
+    Nothing here touches the GPU until :meth:`stage` or a launch scope, so arguments can be
+    validated first (and on machines without one).
+    """
+
+    def __init__(self, framework: str, device_id: int | None, stream_ptr: int | None):
+        self.framework = framework
+        self.device_id = device_id
+        self._stream_ptr = stream_ptr
+        self._device = self._stream = None
+
+    @property
+    def device(self):
+        if self._device is None:
+            import cupy
+
+            if self.device_id is None:
+                self.device_id = cupy.cuda.runtime.getDevice()
+            self._device = cupy.cuda.Device(self.device_id)
+        return self._device
+
+    @property
+    def stream(self):
+        if self._stream is None:
+            import cupy
+
+            device = self.device
+            self._stream = (
+                cupy.cuda.get_current_stream(device.id) if self._stream_ptr is None
+                else _external_stream(self._stream_ptr, device.id)
+            )
+        return self._stream
+
+    def stage(self, *arrays: DeviceArray | None) -> None:
+        """Uploads host (NumPy) arguments; device arguments are already in place."""
+        import cupy
+
+        for a in arrays:
+            if a is not None and a.ptr is None:
+                with self.device, self.stream:
+                    staged = _from_cupy(cupy.asarray(a.native))
+                a.ptr, a.strides, a.native = staged.ptr, staged.strides, staged.native
+
+    def empty(self, shape, dtype) -> DeviceArray:
+        shape = tuple(int(s) for s in shape)
+        if self.framework == TORCH:
+            import torch
+
+            return _from_torch(torch.empty(shape, dtype=_torch_dtype(dtype), device=f"cuda:{self.device_id}"))
+        import cupy
+
+        with self.device, self.stream:
+            return _from_cupy(cupy.empty(shape, dtype=dtype))
+
+    def export(self, array: DeviceArray):
+        """The caller's array type for a result."""
+        if self.framework in (TORCH, CUPY, DLPACK):
+            return array.native
+        if self.framework == NUMPY:
+            with self.device:
+                return array.native.get(stream=self.stream)
+        import jax.dlpack  # JAX arrays are immutable: results are handed over, never written later
+
+        with self.device, self.stream:
+            return jax.dlpack.from_dlpack(array.native)
+
+
+_external_streams: dict[tuple[int, int], Any] = {}
+
+
+def _external_stream(ptr: int, device_id: int):
+    key = (ptr, device_id)
+    if key not in _external_streams:
+        import cupy
+
+        _external_streams[key] = cupy.cuda.ExternalStream(ptr, device_id)
+    return _external_streams[key]
+
+
+def _device_of(name: str, x, framework: str) -> int:
+    if framework == NUMPY:
+        return -1
+    if framework == TORCH:
+        if x.device.type != "cuda":
+            raise ValueError(f"{name} is on device '{x.device}'; cuattn computes on CUDA devices (move it with .cuda(), or pass a NumPy array)")
+        return int(x.device.index)
+    if framework == CUPY:
+        return int(x.device.id)
+    kind, index = x.__dlpack_device__()
+    if int(kind) != _KDL_CUDA:
+        raise ValueError(f"{name} is not in CUDA device memory (DLPack device type {int(kind)}); cuattn computes on CUDA devices")
+    return int(index)
+
+
+def _from_numpy(x: np.ndarray) -> DeviceArray:
+    """Host array: metadata now, device buffer at CallContext.stage (ptr None until then)."""
+    item = x.dtype.itemsize
+    return DeviceArray(None, tuple(x.shape), tuple(st // item for st in x.strides), np.dtype(x.dtype), x)
+
+
+def import_arrays(**arrays) -> tuple[CallContext, dict[str, DeviceArray | None]]:
+    """Checks that every given array comes from one framework and device, then wraps each
+    without copying (NumPy arrays are uploaded later, by ``CallContext.stage``).
+
+    ``None`` values pass through. Raises TypeError / ValueError naming the argument.
+    """
+    present = {k: v for k, v in arrays.items() if v is not None}
+    if not present:
+        raise TypeError("no array arguments given")
+    frameworks = {k: framework_of(v) for k, v in present.items()}
+    first = next(iter(present))
+    framework = frameworks[first]
+    for k, f in frameworks.items():
+        if f != framework:
+            raise TypeError(f"{k} is a {f} array but {first} is a {framework} array; pass arrays of one framework")
+    devices = {k: _device_of(k, v, framework) for k, v in present.items()}
+    for k, d in devices.items():
+        if d != devices[first]:
+            raise ValueError(f"{k} is on device {d} but {first} is on device {devices[first]}")
+
+    stream_ptr = None
+    if framework == TORCH:
+        import torch
+
+        stream_ptr = torch.cuda.current_stream(devices[first]).cuda_stream
+    ctx = CallContext(framework, None if framework == NUMPY else devices[first], stream_ptr)
+
+    wrapped: dict[str, DeviceArray | None] = {k: None for k in arrays}
+    for k, v in present.items():
+        if framework == TORCH:
+            wrapped[k] = _from_torch(v)
+        elif framework == CUPY:
+            wrapped[k] = _from_cupy(v)
+        elif framework == NUMPY:
+            wrapped[k] = _from_numpy(v)
+        else:  # JAX and other DLPack producers: zero-copy, synchronized to our stream
+            import cupy
+
+            with ctx.device, ctx.stream:
+                wrapped[k] = _from_cupy(cupy.from_dlpack(v))
+    return ctx, wrapped

@@ -1,0 +1,118 @@
+"""Kernel loader: CUDA source, specialization, NVRTC compile, per-device memo, disk cache.
+
+Kernels are compiled at run time by ``cupy.RawModule`` with NVRTC, one module per variant
+(see :mod:`cuattn.variants`), and cached on disk by CuPy (``CUPY_CACHE_DIR``). CuPy's cache key
+covers the source string but not headers found through ``-I``, so the source handed to it
+starts with a hash of the whole ``cuda_src/`` tree: any edit there makes a new key.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import pathlib
+import time
+
+from cuattn.variants import Variant
+
+_PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
+BASE_OPTIONS = ("-std=c++17", "-ftz=true")
+
+
+@functools.cache
+def source_dir() -> pathlib.Path:
+    """``cuda_src/``: inside the installed package, else beside it in a source checkout."""
+    for candidate in (_PACKAGE_DIR / "cuda_src", _PACKAGE_DIR.parent / "cuda_src"):
+        if (candidate / "common").is_dir():
+            return candidate
+    raise FileNotFoundError(f"cuattn: no cuda_src/ next to {_PACKAGE_DIR}")
+
+
+@functools.cache
+def source_hash() -> str:
+    """SHA-256 over every file of ``cuda_src/`` (paths and contents)."""
+    digest = hashlib.sha256()
+    root = source_dir()
+    for path in sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in (".cu", ".cuh")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def translation_unit(family: str) -> str:
+    """The source string for one kernel family, keyed by the hash of all of ``cuda_src/``."""
+    if not (source_dir() / f"{family}.cu").is_file():
+        raise FileNotFoundError(f"cuattn: no kernel source {family}.cu in {source_dir()}")
+    return f'// cuattn cuda_src sha256 {source_hash()}\n#include "{family}.cu"\n'
+
+
+def compile_options(arch: str) -> tuple[str, ...]:
+    return BASE_OPTIONS + (f"-I{source_dir()}", f"-arch={arch}")
+
+
+def arch_for(compute_capability: str | int) -> str:
+    """Target for a device: ``sm_90a`` on Hopper (wgmma, setmaxnreg), else ``sm_XY``."""
+    cc = int(compute_capability)
+    if cc < 80:
+        raise RuntimeError(f"cuattn needs compute capability 8.0 or newer, this device has {cc / 10:.1f}")
+    return "sm_90a" if cc == 90 else f"sm_{cc}"
+
+
+def device_arch(device_id: int | None = None) -> str:
+    import cupy
+
+    return arch_for(cupy.cuda.Device(device_id).compute_capability)
+
+
+def cache_dir() -> pathlib.Path:
+    default = pathlib.Path.home() / ".cupy" / "kernel_cache"
+    return pathlib.Path(os.environ.get("CUPY_CACHE_DIR", default))
+
+
+def _manifest_path() -> pathlib.Path:
+    return cache_dir() / "cuattn-manifest.json"
+
+
+def read_manifest() -> dict:
+    try:
+        return json.loads(_manifest_path().read_text())
+    except (FileNotFoundError, ValueError):
+        return {}
+
+
+def _record(variant: Variant, arch: str, seconds: float) -> None:
+    manifest = read_manifest()
+    manifest[f"{source_hash()[:16]}/{arch}/{variant.uri}"] = {"seconds": round(seconds, 3), "time": time.time()}
+    try:
+        _manifest_path().parent.mkdir(parents=True, exist_ok=True)
+        tmp = _manifest_path().with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
+        tmp.replace(_manifest_path())
+    except OSError:  # a read-only cache still works; only the listing is lost
+        pass
+
+
+@functools.cache
+def _kernel_loader():
+    import cupy
+
+    @cupy.memoize(for_each_device=True)
+    def load(variant: Variant):
+        arch = device_arch()
+        start = time.perf_counter()
+        module = cupy.RawModule(
+            code=translation_unit(variant.family),
+            options=compile_options(arch),
+            name_expressions=[variant.expression],
+        )
+        kernel = module.get_function(variant.expression)
+        _record(variant, arch, time.perf_counter() - start)
+        return kernel
+
+    return load
+
+
+def load_kernel(variant: Variant):
+    """The ``cupy.RawKernel`` of a variant on the current device, compiled once per device."""
+    return _kernel_loader()(variant)

@@ -1,0 +1,143 @@
+"""Merging partial attention results computed over disjoint key sets."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from cuattn import boundary, params, plans, validation
+from cuattn.loader import load_kernel
+from cuattn.variants import MERGE_VEC_WIDTHS, merge_variant
+
+_OUT_LAYOUT = "(batch, seqlen, heads, head_dim)"
+_LSE_LAYOUT = "(batch, heads, seqlen)"
+
+
+def merge(outs, lses):
+    """Combine partial attention results over disjoint key sets into the result over their union.
+
+    For partials ``(out_i, lse_i)`` of the same queries::
+
+        lse = log(sum_i exp(lse_i))
+        out = sum_i exp(lse_i - lse) * out_i
+
+    Parameters
+    ----------
+    outs : sequence of N arrays ``(batch, seqlen, heads, head_dim)``, or one array
+        ``(N, batch, seqlen, heads, head_dim)``; float16, bfloat16 or float32, all one dtype.
+    lses : the matching log-sum-exps: N arrays ``(batch, heads, seqlen)`` or one
+        ``(N, batch, heads, seqlen)``, float32 (natural log).
+
+    Returns
+    -------
+    (out, lse) : ``out`` like one partial (its dtype), ``lse`` ``(batch, heads, seqlen)`` float32,
+        as arrays of the caller's framework. Arithmetic is fp32. A partial with ``lse = -inf``
+        (it saw no key) contributes nothing and its ``out`` is not read; rows where every partial
+        is ``-inf`` get ``out = 0`` and ``lse = -inf``. More than 16 partials are merged 16 at a
+        time, the running result rounded to the output dtype between groups.
+    """
+    stacked = not isinstance(outs, Sequence)
+    if stacked != (not isinstance(lses, Sequence)):
+        raise TypeError("outs and lses must both be sequences of arrays or both be stacked arrays")
+    names = {"outs": outs, "lses": lses} if stacked else {
+        **{f"outs[{i}]": o for i, o in enumerate(outs)}, **{f"lses[{i}]": l for i, l in enumerate(lses)}
+    }
+    if not stacked and (len(outs) == 0 or len(outs) != len(lses)):
+        raise ValueError(f"outs and lses must be non-empty and of equal length, got {len(outs)} and {len(lses)}")
+    ctx, arrays = boundary.import_arrays(**names)
+    count = None if stacked else len(outs)
+    out_names, part_outs, lse_names, part_lses = _partials(arrays, count)
+    batch, seqlen, heads, head_dim = _check_partials(out_names, part_outs, lse_names, part_lses)
+    ctx.stage(*arrays.values())
+    _, part_outs, _, part_lses = _partials(arrays, count)
+
+    dst = ctx.empty((batch, seqlen, heads, head_dim), part_outs[0].dtype)
+    dst_lse = ctx.empty((batch, heads, seqlen), np.float32)
+    if dst.size or dst_lse.size:
+        _launch(ctx, part_outs, part_lses, dst, dst_lse)
+    return ctx.export(dst), ctx.export(dst_lse)
+
+
+def merge_(out, lse, out_b, lse_b):
+    """In-place two-way merge: ``(out, lse) <- merge([out, out_b], [lse, lse_b])``.
+
+    For loops that accumulate partial results (KV chunks, ring steps). Shapes and dtypes as in
+    :func:`merge`; ``out`` and ``lse`` are overwritten and returned. Not for JAX or NumPy
+    arrays, which cannot be updated in place.
+    """
+    ctx, a = boundary.import_arrays(out=out, lse=lse, out_b=out_b, lse_b=lse_b)
+    if ctx.framework in (boundary.JAX, boundary.NUMPY):
+        raise TypeError(f"merge_ updates out and lse in place, which {ctx.framework} arrays cannot be; use merge")
+    _check_partials(["out", "out_b"], [a["out"], a["out_b"]], ["lse", "lse_b"], [a["lse"], a["lse_b"]])
+    if a["out"].size or a["lse"].size:
+        _launch(ctx, [a["out"], a["out_b"]], [a["lse"], a["lse_b"]], a["out"], a["lse"])
+    return out, lse
+
+
+def _partials(arrays: dict, count: int | None):
+    """Names and per-partial arrays of merge's arguments: ``count`` listed partials, or the
+    slices of the stacked ``outs`` / ``lses`` when count is None."""
+    if count is not None:
+        out_names, lse_names = [f"outs[{i}]" for i in range(count)], [f"lses[{i}]" for i in range(count)]
+        return out_names, [arrays[n] for n in out_names], lse_names, [arrays[n] for n in lse_names]
+    outs, lses = _unstack("outs", arrays["outs"], 5), _unstack("lses", arrays["lses"], 4)
+    if len(outs) != len(lses):
+        raise ValueError(f"outs holds {len(outs)} partials but lses holds {len(lses)}")
+    if not outs:
+        raise ValueError("outs holds no partials")
+    return ["outs"] * len(outs), outs, ["lses"] * len(lses), lses
+
+
+def _unstack(name: str, a: boundary.DeviceArray, ndim: int) -> list[boundary.DeviceArray]:
+    validation.check_rank(name, a, ndim, "(N, ...) for stacked partials")
+    step = a.strides[0] * a.dtype.itemsize
+    return [
+        boundary.DeviceArray(None if a.ptr is None else a.ptr + i * step, a.shape[1:], a.strides[1:], a.dtype, a.native)
+        for i in range(a.shape[0])
+    ]
+
+
+def _check_partials(out_names, outs, lse_names, lses) -> tuple[int, int, int, int]:
+    for name, o in zip(out_names, outs):
+        validation.check_rank(name, o, 4, _OUT_LAYOUT)
+        validation.check_dtype(name, o)
+        validation.check_same_dtype(name, o, out_names[0], outs[0])
+        validation.check_shape(name, o, outs[0].shape, _OUT_LAYOUT)
+        validation.check_unit_last_stride(name, o)
+    batch, seqlen, heads, head_dim = outs[0].shape
+    for name, l in zip(lse_names, lses):
+        validation.check_rank(name, l, 3, _LSE_LAYOUT)
+        validation.check_float32(name, l)
+        validation.check_shape(name, l, (batch, heads, seqlen), _LSE_LAYOUT)
+    return batch, seqlen, heads, head_dim
+
+
+def _launch(ctx, outs, lses, dst, dst_lse) -> None:
+    c_type = validation.check_dtype("out", dst)
+    wide = MERGE_VEC_WIDTHS[c_type][0]
+    head_dim = dst.shape[3]
+    vec = wide if validation.aligned(
+        [o.ptr for o in outs + [dst]], [s for o in outs + [dst] for s in o.strides[:3]],
+        dst.dtype.itemsize, wide, head_dim,
+    ) else 1
+    batch, seqlen, heads, _ = dst.shape
+    grid = plans.merge_grid(batch * seqlen * heads, head_dim, vec, ctx.device_id)
+    with ctx.device, ctx.stream:
+        kernel = load_kernel(merge_variant(c_type, vec))
+        first = 0
+        while first < len(outs):
+            # After the first group, the running result in dst is partial 0 of the next.
+            carried = [] if first == 0 else [(dst, dst_lse)]
+            take = params.MAX_MERGE_PARTIALS - len(carried)
+            group = carried + list(zip(outs[first:first + take], lses[first:first + take]))
+            first += take
+            p = params.new(params.MERGE_PARAMS)
+            for i, (o, l) in enumerate(group):
+                p["outs"][i], p["lses"][i] = o.ptr, l.ptr
+                p["out_strides"][i], p["lse_strides"][i] = o.strides[:3], l.strides
+            p["dst_out"], p["dst_lse"] = dst.ptr, dst_lse.ptr
+            p["dst_out_strides"], p["dst_lse_strides"] = dst.strides[:3], dst_lse.strides
+            p["num_partials"] = len(group)
+            p["batch"], p["seqlen"], p["heads"], p["head_dim"] = batch, seqlen, heads, head_dim
+            kernel(grid, (plans.MERGE_THREADS, 1, 1), (p,))

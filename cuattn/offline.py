@@ -1,0 +1,96 @@
+"""Compile kernel variants without a GPU and report their resources.
+
+Uses the same NVRTC and options as the run-time loader, asks ptxas for its report
+(``-Xptxas=-v``) and parses registers, spills, stack frame and static shared memory.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import re
+
+from cuattn import loader
+from cuattn.variants import Variant, all_variants
+
+DEFAULT_ARCHS = ("sm_80", "sm_90a")
+
+
+@dataclasses.dataclass
+class CompileReport:
+    uri: str
+    arch: str
+    hot: bool
+    ok: bool
+    registers: int = -1
+    spill_stores: int = -1
+    spill_loads: int = -1
+    stack_bytes: int = -1
+    static_smem: int = 0
+    seconds: float = 0.0
+    log: str = ""
+
+    @property
+    def spills(self) -> bool:
+        return self.spill_stores > 0 or self.spill_loads > 0
+
+    @property
+    def failed(self) -> bool:
+        """A compile error, or a spill in a kernel marked hot."""
+        return not self.ok or (self.hot and self.spills)
+
+
+def _parse(report: CompileReport, log: str) -> None:
+    if m := re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log):
+        report.stack_bytes, report.spill_stores, report.spill_loads = map(int, m.groups())
+    if m := re.search(r"Used (\d+) registers", log):
+        report.registers = int(m.group(1))
+    if m := re.search(r"(\d+) bytes smem", log):
+        report.static_smem = int(m.group(1))
+
+
+def compile_variant(variant: Variant, arch: str) -> CompileReport:
+    """Compile one variant to a cubin for ``arch``; never raises on a compile error."""
+    import time
+
+    from cupy.cuda import nvrtc
+
+    report = CompileReport(variant.uri, arch, variant.hot, ok=False)
+    start = time.perf_counter()
+    prog = nvrtc.createProgram(loader.translation_unit(variant.family), f"cuattn_{variant.family}_unit.cu", [], [])
+    try:
+        nvrtc.addNameExpression(prog, variant.expression)
+        try:
+            nvrtc.compileProgram(prog, list(loader.compile_options(arch)) + ["-Xptxas=-v"])
+            report.ok = len(nvrtc.getCUBIN(prog)) > 0
+        except nvrtc.NVRTCError:
+            pass
+        report.log = nvrtc.getProgramLog(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    report.seconds = time.perf_counter() - start
+    _parse(report, report.log)
+    return report
+
+
+def compile_all(archs=DEFAULT_ARCHS, variants=None, jobs: int = 2) -> list[CompileReport]:
+    variants = all_variants() if variants is None else variants
+    tasks = [(v, a) for a in archs for v in variants]
+    if not tasks:
+        return []
+    # The first compile runs alone: NVRTC loads its builtins library lazily, and concurrent
+    # first calls were seen to fail to open it.
+    first = compile_variant(*tasks[0])
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        return [first] + list(pool.map(lambda t: compile_variant(*t), tasks[1:]))
+
+
+def format_table(reports: list[CompileReport]) -> str:
+    rows = [f"{'variant':<48} {'arch':<7} {'regs':>4} {'spill':>6} {'stack':>5} {'smem':>6} {'s':>5}  status"]
+    for r in reports:
+        status = "ERROR" if not r.ok else ("SPILL(hot)" if r.failed else ("spill" if r.spills else "ok"))
+        rows.append(
+            f"{r.uri:<48} {r.arch:<7} {r.registers:>4} {r.spill_stores + r.spill_loads:>6} "
+            f"{r.stack_bytes:>5} {r.static_smem:>6} {r.seconds:>5.1f}  {status}"
+        )
+    return "\n".join(rows)

@@ -1,0 +1,71 @@
+"""Host mirrors of the kernel parameter structs in ``cuda_src/common/params.cuh``.
+
+Each struct is a NumPy structured dtype with C alignment; a kernel receives one
+``numpy.void`` scalar of it by value. CI checks every field offset against the C struct.
+"""
+
+import numpy as np
+
+MAX_MERGE_PARTIALS = 16
+
+_P = np.uint64  # device pointer
+_S3 = (np.int64, (3,))
+
+MERGE_PARAMS = np.dtype(
+    [
+        ("outs", _P, (MAX_MERGE_PARTIALS,)),
+        ("lses", _P, (MAX_MERGE_PARTIALS,)),
+        ("out_strides", np.int64, (MAX_MERGE_PARTIALS, 3)),
+        ("lse_strides", np.int64, (MAX_MERGE_PARTIALS, 3)),
+        ("dst_out", _P),
+        ("dst_lse", _P),
+        ("dst_out_strides", *_S3),
+        ("dst_lse_strides", *_S3),
+        ("num_partials", np.int32),
+        ("batch", np.int32),
+        ("seqlen", np.int32),
+        ("heads", np.int32),
+        ("head_dim", np.int32),
+    ],
+    align=True,
+)
+
+ATTN_PARAMS = np.dtype(
+    [
+        ("q", _P),
+        ("k", _P),
+        ("v", _P),
+        ("out", _P),
+        ("lse", _P),
+        ("q_strides", *_S3),
+        ("k_strides", *_S3),
+        ("v_strides", *_S3),
+        ("out_strides", *_S3),
+        ("lse_strides", np.int64, (2,)),
+        ("batch", np.int32),
+        ("seqlen_q", np.int32),
+        ("seqlen_k", np.int32),
+        ("heads_q", np.int32),
+        ("heads_kv", np.int32),
+        ("head_dim", np.int32),
+        ("window_left", np.int32),
+        ("window_right", np.int32),
+        ("diagonal_offset", np.int32),
+        ("scale", np.float32),
+        ("softcap", np.float32),
+        ("exp2_scale", np.float32),
+    ],
+    align=True,
+)
+
+# C struct name for each host mirror, for the layout check.
+C_STRUCTS = {"MergeParams": MERGE_PARAMS, "AttnParams": ATTN_PARAMS}
+
+
+def new(dtype: np.dtype) -> np.void:
+    """A zeroed parameter scalar of the given struct dtype."""
+    return np.zeros((), dtype=dtype)[()]
+
+
+def field_offsets(dtype: np.dtype) -> dict[str, int]:
+    return {name: dtype.fields[name][1] for name in dtype.names}

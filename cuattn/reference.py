@@ -1,0 +1,154 @@
+"""Float64 NumPy reference of cuattn's public math: the oracle of every test.
+
+Same names and signatures as the GPU functions. Attention is computed as online softmax over
+chunks of keys (and chunks of queries), so memory stays bounded on long sequences; it runs on
+machines without a GPU. Inputs may be any array NumPy can read (host memory).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+QUERY_CHUNK = 256
+KEY_CHUNK = 1024
+
+
+def _f64(x) -> np.ndarray:
+    return np.asarray(x).astype(np.float64)
+
+
+def diagonal_offset(seqlen_q: int, seqlen_k: int, align: str) -> int:
+    """Key column that query row 0 lines up with: bottom-right puts the last query on the last key."""
+    if align == "bottom_right":
+        return seqlen_k - seqlen_q
+    if align == "top_left":
+        return 0
+    raise ValueError(f"align must be 'bottom_right' or 'top_left', got {align!r}")
+
+
+def window_bounds(causal: bool, window) -> tuple[int, int]:
+    """(left, right) reach of the mask, -1 meaning unbounded; causal caps right at 0."""
+    left, right = -1, -1
+    if window is not None:
+        left, right = (-1 if w is None else int(w) for w in window)
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    return left, right
+
+
+def visible(rows: np.ndarray, cols: np.ndarray, offset: int, left: int, right: int) -> np.ndarray:
+    """Boolean (len(rows), len(cols)): query row i sees key j when
+    i + offset - left <= j <= i + offset + right (a bound of -1 is unbounded)."""
+    diag = rows[:, None] + offset
+    ok = np.ones((len(rows), len(cols)), dtype=bool)
+    if left >= 0:
+        ok &= cols[None, :] >= diag - left
+    if right >= 0:
+        ok &= cols[None, :] <= diag + right
+    return ok
+
+
+def _scores(qc, kc, scale, softcap):
+    """Scaled (and soft-capped) scores of a query chunk against a key chunk: (h, m, n)."""
+    s = np.einsum("mhd,nhd->hmn", qc, kc) * scale
+    if softcap:
+        s = softcap * np.tanh(s / softcap)
+    return s
+
+
+def _expand_kv(x: np.ndarray, heads_q: int) -> np.ndarray:
+    return np.repeat(x, heads_q // x.shape[2], axis=2)
+
+
+def attention(q, k, v, *, causal=False, window=None, align="bottom_right", scale=None, softcap=None, return_lse=False, out=None):
+    """Reference attention; see :func:`cuattn.attention`. Returns float64 ``out`` (and ``lse``)."""
+    q, k, v = _f64(q), _f64(k), _f64(v)
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    seqlen_k = k.shape[1]
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    offset = diagonal_offset(seqlen_q, seqlen_k, align)
+    left, right = window_bounds(causal, window)
+    result = np.zeros((batch, seqlen_q, heads_q, v.shape[3]))
+    lse = np.full((batch, heads_q, seqlen_q), -np.inf)
+    for b in range(batch):
+        kb, vb = _expand_kv(k[b:b + 1], heads_q)[0], _expand_kv(v[b:b + 1], heads_q)[0]
+        for m0 in range(0, seqlen_q, QUERY_CHUNK):
+            rows = np.arange(m0, min(m0 + QUERY_CHUNK, seqlen_q))
+            row_max = np.full((heads_q, len(rows)), -np.inf)
+            denom = np.zeros((heads_q, len(rows)))
+            acc = np.zeros((heads_q, len(rows), v.shape[3]))
+            for n0 in range(0, seqlen_k, KEY_CHUNK):
+                cols = np.arange(n0, min(n0 + KEY_CHUNK, seqlen_k))
+                s = _scores(q[b, rows], kb[cols], scale, softcap)
+                s = np.where(visible(rows, cols, offset, left, right)[None], s, -np.inf)
+                new_max = np.maximum(row_max, s.max(axis=2))
+                safe = np.where(np.isfinite(new_max), new_max, 0.0)
+                rescale = np.exp(row_max - safe)  # online softmax: old terms move to the new max
+                p = np.exp(s - safe[..., None])
+                denom = denom * rescale + p.sum(axis=2)
+                acc = acc * rescale[..., None] + np.einsum("hmn,nhd->hmd", p, vb[cols])
+                row_max = new_max
+            seen = denom > 0
+            result[b, rows] = np.where(seen[..., None], acc / np.where(seen, denom, 1.0)[..., None], 0.0).transpose(1, 0, 2)
+            lse[b, :, rows] = np.where(seen, row_max + np.log(np.where(seen, denom, 1.0)), -np.inf).T
+    if out is not None:
+        np.copyto(out, result.astype(out.dtype))
+    return (result, lse) if return_lse else result
+
+
+def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, align="bottom_right", scale=None, softcap=None, dlse=None, deterministic=False):
+    """Reference gradients ``(dq, dk, dv)`` of :func:`attention`, from the saved ``lse``.
+
+    ``dlse`` is the gradient flowing into ``lse``; since d lse / d s = softmax(s), it adds
+    ``dlse * p`` to the score gradient. ``deterministic`` is accepted for signature parity.
+    """
+    dout, q, k, v, out, lse = map(_f64, (dout, q, k, v, out, lse))
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    seqlen_k, heads_kv = k.shape[1], k.shape[2]
+    group = heads_q // heads_kv
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    offset = diagonal_offset(seqlen_q, seqlen_k, align)
+    left, right = window_bounds(causal, window)
+    dlse = np.zeros_like(lse) if dlse is None else _f64(dlse)
+    delta = np.einsum("bshd,bshd->bhs", dout, out)
+    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    for b in range(batch):
+        kb, vb = _expand_kv(k[b:b + 1], heads_q)[0], _expand_kv(v[b:b + 1], heads_q)[0]
+        dkb, dvb = np.zeros_like(kb), np.zeros_like(vb)
+        for m0 in range(0, seqlen_q, QUERY_CHUNK):
+            rows = np.arange(m0, min(m0 + QUERY_CHUNK, seqlen_q))
+            for n0 in range(0, seqlen_k, KEY_CHUNK):
+                cols = np.arange(n0, min(n0 + KEY_CHUNK, seqlen_k))
+                raw = np.einsum("mhd,nhd->hmn", q[b, rows], kb[cols]) * scale
+                s = softcap * np.tanh(raw / softcap) if softcap else raw
+                mask = visible(rows, cols, offset, left, right)[None]
+                row_lse = lse[b][:, rows][..., None]
+                p = np.where(mask & np.isfinite(row_lse), np.exp(s - np.where(np.isfinite(row_lse), row_lse, 0.0)), 0.0)
+                dp = np.einsum("mhd,nhd->hmn", dout[b, rows], vb[cols])
+                ds = p * (dp - delta[b][:, rows][..., None] + dlse[b][:, rows][..., None])
+                if softcap:
+                    ds = ds * (1.0 - np.tanh(raw / softcap) ** 2)
+                ds = ds * scale
+                dq[b, rows] += np.einsum("hmn,nhd->mhd", ds, kb[cols])
+                dkb[cols] += np.einsum("hmn,mhd->nhd", ds, q[b, rows])
+                dvb[cols] += np.einsum("hmn,mhd->nhd", p, dout[b, rows])
+        dk[b] = dkb.reshape(seqlen_k, heads_kv, group, head_dim).sum(axis=2)
+        dv[b] = dvb.reshape(seqlen_k, heads_kv, group, v.shape[3]).sum(axis=2)
+    return dq, dk, dv
+
+
+def merge(outs, lses):
+    """Reference :func:`cuattn.merge`: float64 ``(out, lse)``."""
+    outs = np.stack([_f64(o) for o in outs]) if isinstance(outs, (list, tuple)) else _f64(outs)
+    lses = np.stack([_f64(l) for l in lses]) if isinstance(lses, (list, tuple)) else _f64(lses)
+    lse_max = lses.max(axis=0)
+    shift = np.where(np.isfinite(lse_max), lse_max, 0.0)
+    weights = np.exp(lses - shift)  # (N, b, h, s); exp(-inf) = 0 for empty partials
+    total = weights.sum(axis=0)
+    lse = np.where(total > 0, shift + np.log(np.where(total > 0, total, 1.0)), -np.inf)
+    w = np.where(total > 0, weights / np.where(total > 0, total, 1.0), 0.0)
+    safe_outs = np.where(np.isfinite(lses).transpose(0, 1, 3, 2)[..., None], outs, 0.0)
+    out = np.einsum("nbhs,nbshd->bshd", w, safe_outs)
+    return out, lse

@@ -1,0 +1,57 @@
+// Kernel parameter structs, passed by value as `const __grid_constant__`. Strides are in
+// elements. Plain C++ (no device code): cuattn/params.py mirrors each struct field for field and
+// CI checks every offset with the host compiler (tests/test_compile.py); edit both together.
+#pragma once
+#include "int_types.cuh"
+
+namespace cuattn {
+
+constexpr int kMaxMergePartials = 16;
+
+// Merge of N partial attention results over disjoint key sets.
+struct MergeParams {
+  const void* outs[kMaxMergePartials];      // each (batch, seqlen, heads, head_dim)
+  const float* lses[kMaxMergePartials];     // each (batch, heads, seqlen)
+  i64 out_strides[kMaxMergePartials][3];    // batch, row, head
+  i64 lse_strides[kMaxMergePartials][3];    // batch, head, row
+  void* dst_out;                            // may alias outs[0] (in-place merge_)
+  float* dst_lse;                           // may alias lses[0]
+  i64 dst_out_strides[3];
+  i64 dst_lse_strides[3];
+  int num_partials;
+  int batch;
+  int seqlen;
+  int heads;
+  int head_dim;
+};
+
+// Attention over (batch, seqlen, heads, head_dim) tensors. Query row i sees key j when
+// i + diagonal_offset - window_left <= j <= i + diagonal_offset + window_right, a bound of -1
+// meaning unbounded on that side; causal is window_right = 0. diagonal_offset is
+// seqlen_k - seqlen_q for bottom-right alignment and 0 for top-left.
+struct AttnParams {
+  const void* q;
+  const void* k;
+  const void* v;
+  void* out;
+  float* lse;                               // (batch, heads_q, seqlen_q), row stride 1
+  i64 q_strides[3];                         // batch, row, head
+  i64 k_strides[3];
+  i64 v_strides[3];
+  i64 out_strides[3];
+  i64 lse_strides[2];                       // batch, head
+  int batch;
+  int seqlen_q;
+  int seqlen_k;
+  int heads_q;
+  int heads_kv;
+  int head_dim;
+  int window_left;
+  int window_right;
+  int diagonal_offset;
+  float scale;                              // applied to q.k before softcap
+  float softcap;                            // 0: none; else softcap * tanh(s / softcap)
+  float exp2_scale;                         // log2(e) * (softcap ? 1 : scale), for exp2f
+};
+
+}  // namespace cuattn

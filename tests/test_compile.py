@@ -1,0 +1,90 @@
+"""Kernel sources, compiled without a GPU: every variant for sm_80 and sm_90a, the resource
+report, and the host mirrors of the parameter structs."""
+
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from cuattn import loader, offline, params, variants
+
+
+def test_source_hash_tracks_every_header(tmp_path, monkeypatch):
+    """An edit to an included header changes the source string handed to CuPy's cache."""
+    copy = tmp_path / "cuda_src"
+    shutil.copytree(loader.source_dir(), copy)
+    monkeypatch.setattr(loader, "source_dir", lambda: copy)
+    loader.source_hash.cache_clear()
+    before = loader.translation_unit("merge")
+    (copy / "common" / "dtypes.cuh").write_text((copy / "common" / "dtypes.cuh").read_text() + "\n// edit\n")
+    loader.source_hash.cache_clear()
+    after = loader.translation_unit("merge")
+    loader.source_hash.cache_clear()
+    assert before != after
+
+
+def test_arch_selection():
+    assert loader.arch_for(90) == "sm_90a"
+    assert loader.arch_for("80") == "sm_80"
+    assert loader.arch_for(89) == "sm_89"
+    with pytest.raises(RuntimeError, match="8.0"):
+        loader.arch_for(75)
+
+
+def test_variant_uris_are_unique():
+    all_v = variants.all_variants()
+    assert len({v.uri for v in all_v}) == len(all_v)
+    assert len({v.expression for v in all_v}) == len(all_v)
+    assert set(variants.common_variants()) <= set(all_v)
+
+
+@pytest.mark.skipif(shutil.which("c++") is None, reason="needs a host C++ compiler")
+def test_param_struct_layouts_match_the_host_mirrors(tmp_path):
+    """static_assert every field offset and struct size of params.cuh against params.py
+    (host and device share struct layout; NVRTC has no offsetof)."""
+    checks = ["#include <cstddef>", f'#include "{loader.source_dir() / "common" / "params.cuh"}"']
+    for struct, dtype in params.C_STRUCTS.items():
+        checks.append(f'static_assert(sizeof(cuattn::{struct}) == {dtype.itemsize}, "{struct} size");')
+        for name, offset in params.field_offsets(dtype).items():
+            checks.append(f'static_assert(offsetof(cuattn::{struct}, {name}) == {offset}, "{struct}.{name}");')
+    src = tmp_path / "layout_check.cpp"
+    src.write_text("\n".join(checks) + "\n")
+    result = subprocess.run(["c++", "-std=c++17", "-fsyntax-only", str(src)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.offline
+@pytest.mark.parametrize("arch", offline.DEFAULT_ARCHS)
+def test_every_variant_compiles_without_hot_spills(arch, tmp_path):
+    reports = offline.compile_all((arch,), jobs=os.cpu_count() or 2)
+    table = offline.format_table(reports)
+    print(table)
+    (tmp_path / f"compile-{arch}.txt").write_text(table)
+    assert len(reports) == len(variants.all_variants())
+    failed = [f"{r.uri}: {'error' if not r.ok else 'spills'}\n{r.log}" for r in reports if r.failed]
+    assert not failed, "\n".join(failed)
+    assert all(r.registers > 0 for r in reports)
+
+
+@pytest.mark.offline
+def test_compile_report_flags_errors_and_hot_spills(monkeypatch, tmp_path):
+    """The CI gate can fail: a broken kernel and a spilling hot kernel are both reported failed."""
+    src = tmp_path / "cuda_src"
+    (src / "common").mkdir(parents=True)
+    (src / "broken.cu").write_text("__global__ void k() { this is not C++; }\n")
+    (src / "spilly.cu").write_text(
+        "extern \"C\" __global__ void __launch_bounds__(1024, 2) k(float* x, int n) {\n"
+        "  float a[96];\n#pragma unroll\n  for (int i = 0; i < 96; ++i) a[i] = x[i * n];\n"
+        "  float s = 0;\n#pragma unroll\n  for (int i = 0; i < 96; ++i) s += a[i] * a[95 - i] / (a[(i * 7) % 96] + 1);\n"
+        "  x[threadIdx.x] = s; }\n"
+    )
+    monkeypatch.setattr(loader, "source_dir", lambda: src)
+    loader.source_hash.cache_clear()
+    try:
+        broken = offline.compile_variant(variants.Variant("broken", "k", "test/broken", hot=True), "sm_80")
+        spilly = offline.compile_variant(variants.Variant("spilly", "k", "test/spilly", hot=True), "sm_80")
+    finally:
+        loader.source_hash.cache_clear()
+    assert not broken.ok and broken.failed
+    assert spilly.ok and spilly.spills and spilly.failed, spilly.log

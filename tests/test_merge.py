@@ -1,0 +1,118 @@
+"""cuattn.merge / merge_ on the GPU against the float64 reference."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import cuattn
+from cuattn import reference
+from helpers import assert_close_to_rounding, poison_cupy_pool, randn
+
+pytestmark = pytest.mark.gpu
+
+
+def _partials(rng, n, shape, dtype, empty_fraction=0.1):
+    b, s, h, d = shape
+    outs = randn(rng, (n, b, s, h, d), dtype)
+    lses = (rng.standard_normal((n, b, h, s)) * 5).astype(np.float32)
+    lses[rng.random(lses.shape) < empty_fraction] = -np.inf
+    lses[:, 0, 0, 0] = -np.inf  # one row seen by no partial
+    return outs, lses
+
+
+def _check(out, lse, outs, lses, dtype):
+    ref_out, ref_lse = reference.merge(outs, lses)
+    out, lse = np.asarray(out, np.float64), np.asarray(lse, np.float64)
+    assert not np.isnan(out).any() and not np.isnan(lse).any()
+    assert_close_to_rounding(out, ref_out, dtype)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+    finite = np.isfinite(ref_lse)
+    np.testing.assert_allclose(lse[finite], ref_lse[finite], rtol=2e-6, atol=2e-6)
+    assert np.all(out[0, 0, 0] == 0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.sampled_from([1, 2, 3, 16, 17, 40]),
+    shape=st.tuples(st.integers(1, 3), st.sampled_from([1, 17, 113]), st.integers(1, 4), st.sampled_from([1, 8, 12, 64, 128, 256, 264])),
+    dtype=st.sampled_from(["float16", "bfloat16", "float32"]),
+    stacked=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_merge_matches_reference(n, shape, dtype, stacked, seed):
+    import cupy
+
+    rng = np.random.default_rng(seed)
+    outs, lses = _partials(rng, n, shape, dtype)
+    d_outs, d_lses = cupy.asarray(outs), cupy.asarray(lses)
+    poison_cupy_pool()
+    if stacked:
+        out, lse = cuattn.merge(d_outs, d_lses)
+    else:
+        out, lse = cuattn.merge(list(d_outs), list(d_lses))
+    assert isinstance(out, cupy.ndarray) and out.dtype == outs.dtype and lse.dtype == np.float32
+    assert out.shape == shape and lse.shape == (shape[0], shape[2], shape[1])
+    if n <= 16:
+        _check(out.get(), lse.get(), outs, lses, dtype)
+    else:  # the running result is rounded to the output dtype once per group of 16
+        _check_loose(out.get(), outs, lses)
+
+
+def _check_loose(out, outs, lses):
+    ref_out, _ = reference.merge(outs, lses)
+    rounded = ref_out.astype(outs.dtype).astype(np.float64)
+    assert np.max(np.abs(out.astype(np.float64) - ref_out)) <= 4 * np.max(np.abs(rounded - ref_out)) + 1e-6
+
+
+def test_strided_views_and_unaligned_head_dim():
+    """Partials laid out (batch, heads, seqlen, head_dim) in memory, viewed transposed; and a
+    head_dim that forces the element-wise path."""
+    import cupy
+
+    rng = np.random.default_rng()
+    for d in (64, 12):
+        base = cupy.asarray(randn(rng, (3, 2, 4, 33, d), "bfloat16"))
+        outs = base.transpose(0, 1, 3, 2, 4)
+        lses = cupy.asarray((rng.standard_normal((3, 2, 4, 33)) * 3).astype(np.float32))
+        out, lse = cuattn.merge(outs, lses)
+        ref_out, ref_lse = reference.merge(outs.get(), lses.get())
+        assert_close_to_rounding(out.get(), ref_out, "bfloat16")
+        np.testing.assert_allclose(lse.get(), ref_lse, rtol=2e-6, atol=2e-6)
+
+
+def test_all_partials_empty_gives_zero_and_neg_inf():
+    import cupy
+
+    outs = cupy.full((2, 1, 5, 2, 8), np.nan, dtype=np.float32)  # never read: their lse is -inf
+    lses = cupy.full((2, 1, 2, 5), -np.inf, dtype=np.float32)
+    out, lse = cuattn.merge(outs, lses)
+    assert bool((out == 0).all()) and bool(cupy.isneginf(lse).all())
+
+
+def test_merge_in_place_accumulates_chunks():
+    """merge_ over KV chunks equals attention over all keys (the accumulating-loop use)."""
+    import cupy
+
+    rng = np.random.default_rng()
+    q = rng.standard_normal((2, 9, 3, 16))
+    k, v = rng.standard_normal((2, 40, 3, 16)), rng.standard_normal((2, 40, 3, 16))
+    chunks = [(0, 7), (7, 25), (25, 40)]
+    parts = [reference.attention(q, k[:, a:b], v[:, a:b], return_lse=True) for a, b in chunks]
+    acc_out = cupy.asarray(parts[0][0].astype(np.float32))
+    acc_lse = cupy.asarray(parts[0][1].astype(np.float32))
+    ptr = acc_out.data.ptr
+    for o, l in parts[1:]:
+        r = cuattn.merge_(acc_out, acc_lse, cupy.asarray(o.astype(np.float32)), cupy.asarray(l.astype(np.float32)))
+        assert r[0] is acc_out
+    assert acc_out.data.ptr == ptr
+    ref_out, ref_lse = reference.attention(q, k, v, return_lse=True)
+    np.testing.assert_allclose(acc_out.get(), ref_out, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(acc_lse.get(), ref_lse, rtol=1e-6, atol=1e-6)
+
+
+def test_empty_inputs_give_empty_outputs():
+    import cupy
+
+    out, lse = cuattn.merge(cupy.ones((2, 1, 0, 3, 8), np.float16), cupy.ones((2, 1, 3, 0), np.float32))
+    assert out.shape == (1, 0, 3, 8) and lse.shape == (1, 3, 0)

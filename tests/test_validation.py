@@ -1,0 +1,84 @@
+"""Bad arguments raise TypeError / ValueError naming the argument, before any launch
+(these run without a GPU: NumPy inputs are only uploaded after validation)."""
+
+import numpy as np
+import pytest
+
+import cuattn
+from cuattn import boundary
+
+
+def _merge_inputs(n=2, b=1, s=3, h=2, d=8, dtype=np.float32):
+    return [np.ones((b, s, h, d), dtype) for _ in range(n)], [np.zeros((b, h, s), np.float32) for _ in range(n)]
+
+
+def test_merge_rejects_wrong_rank():
+    outs, lses = _merge_inputs()
+    outs[1] = outs[1][0]
+    with pytest.raises(ValueError, match=r"outs\[1\] must have 4 dimensions"):
+        cuattn.merge(outs, lses)
+
+
+def test_merge_rejects_mismatched_shapes():
+    outs, lses = _merge_inputs()
+    lses[1] = np.zeros((1, 2, 4), np.float32)
+    with pytest.raises(ValueError, match=r"lses\[1\] has shape"):
+        cuattn.merge(outs, lses)
+
+
+def test_merge_rejects_unsupported_dtype():
+    outs, lses = _merge_inputs(dtype=np.float64)
+    with pytest.raises(TypeError, match=r"outs\[0\] has dtype float64"):
+        cuattn.merge(outs, lses)
+
+
+def test_merge_rejects_mixed_dtypes():
+    outs, lses = _merge_inputs()
+    outs[1] = outs[1].astype(np.float16)
+    with pytest.raises(TypeError, match=r"outs\[1\] has dtype float16 but outs\[0\]"):
+        cuattn.merge(outs, lses)
+
+
+def test_merge_rejects_non_float32_lse():
+    outs, lses = _merge_inputs()
+    lses[0] = lses[0].astype(np.float16)
+    with pytest.raises(TypeError, match=r"lses\[0\] must be float32"):
+        cuattn.merge(outs, lses)
+
+
+def test_merge_rejects_non_unit_last_stride():
+    outs, lses = _merge_inputs()
+    outs[0] = np.ones((1, 3, 2, 16), np.float32)[..., ::2]
+    with pytest.raises(ValueError, match=r"outs\[0\] must have unit stride"):
+        cuattn.merge(outs, lses)
+
+
+def test_merge_rejects_mismatched_counts_and_forms():
+    outs, lses = _merge_inputs()
+    with pytest.raises(ValueError, match="equal length"):
+        cuattn.merge(outs, lses[:1])
+    with pytest.raises(TypeError, match="both be sequences"):
+        cuattn.merge(np.stack(outs), lses)
+    with pytest.raises(ValueError, match="outs holds 2 partials but lses holds 3"):
+        cuattn.merge(np.stack(outs), np.zeros((3, 1, 2, 3), np.float32))
+    with pytest.raises(ValueError, match=r"outs must have 5 dimensions"):
+        cuattn.merge(np.stack(outs)[0], np.stack(lses))
+
+
+def test_merge_in_place_rejects_numpy():
+    outs, lses = _merge_inputs()
+    with pytest.raises(TypeError, match="in place"):
+        cuattn.merge_(outs[0], lses[0], outs[1], lses[1])
+
+
+def test_unknown_array_types_are_refused():
+    with pytest.raises(TypeError, match="expected a CuPy, NumPy, PyTorch or JAX array"):
+        cuattn.merge([[1.0]], [[0.0]])
+
+
+def test_boundary_reads_numpy_metadata_without_a_gpu():
+    x = np.ones((2, 5, 3, 8), np.float16)[:, ::2]
+    ctx, arrays = boundary.import_arrays(x=x, y=None)
+    assert ctx.framework == boundary.NUMPY and arrays["y"] is None
+    a = arrays["x"]
+    assert a.ptr is None and a.shape == (2, 3, 3, 8) and a.strides == (120, 48, 8, 1)
