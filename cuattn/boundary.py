@@ -91,10 +91,10 @@ class CallContext:
     validated first (and on machines without one).
     """
 
-    def __init__(self, framework: str, device_id: int | None, stream_ptr: int | None):
+    def __init__(self, framework: str, device_id: int | None, external_stream=None):
         self.framework = framework
         self.device_id = device_id
-        self._stream_ptr = stream_ptr
+        self._external = external_stream  # a foreign stream object (torch.cuda.Stream)
         self._device = self._stream = None
 
     @property
@@ -114,8 +114,8 @@ class CallContext:
 
             device = self.device
             self._stream = (
-                cupy.cuda.get_current_stream(device.id) if self._stream_ptr is None
-                else _external_stream(self._stream_ptr, device.id)
+                cupy.cuda.get_current_stream(device.id) if self._external is None
+                else _external_stream(self._external)
             )
         return self._stream
 
@@ -153,15 +153,16 @@ class CallContext:
             return jax.dlpack.from_dlpack(array.native)
 
 
-_external_streams: dict[tuple[int, int], Any] = {}
+_external_streams: dict[int, Any] = {}
 
 
-def _external_stream(ptr: int, device_id: int):
-    key = (ptr, device_id)
+def _external_stream(stream):
+    """CuPy's view of a foreign stream (CUDA stream protocol), cached by handle."""
+    key = int(stream.cuda_stream)
     if key not in _external_streams:
         import cupy
 
-        _external_streams[key] = cupy.cuda.ExternalStream(ptr, device_id)
+        _external_streams[key] = cupy.cuda.Stream.from_external(stream)
     return _external_streams[key]
 
 
@@ -206,12 +207,12 @@ def import_arrays(**arrays) -> tuple[CallContext, dict[str, DeviceArray | None]]
         if d != devices[first]:
             raise ValueError(f"{k} is on device {d} but {first} is on device {devices[first]}")
 
-    stream_ptr = None
+    stream = None
     if framework == TORCH:
         import torch
 
-        stream_ptr = torch.cuda.current_stream(devices[first]).cuda_stream
-    ctx = CallContext(framework, None if framework == NUMPY else devices[first], stream_ptr)
+        stream = torch.cuda.current_stream(devices[first])
+    ctx = CallContext(framework, None if framework == NUMPY else devices[first], stream)
 
     wrapped: dict[str, DeviceArray | None] = {k: None for k in arrays}
     for k, v in present.items():

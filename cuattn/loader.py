@@ -107,6 +107,8 @@ def _kernel_loader():
             name_expressions=[variant.expression],
         )
         kernel = module.get_function(variant.expression)
+        if variant.dynamic_smem > 48 * 1024:
+            kernel.max_dynamic_shared_size_bytes = variant.dynamic_smem
         _record(variant, arch, time.perf_counter() - start)
         return kernel
 

@@ -16,10 +16,15 @@ MERGE_THREADS = 256
 
 
 def merge_grid(rows: int, head_dim: int, vec: int, device_id: int) -> tuple[int, int, int]:
-    """Enough blocks to cover every row once, capped at a few waves (the kernel grid-strides)."""
+    """One pass: enough blocks to cover every row once (the kernel grid-strides past 2^31 rows)."""
     group = 1
     while group < 32 and group * vec < head_dim:
         group *= 2
     rows_per_block = (MERGE_THREADS // 32) * (32 // group)
     blocks = -(-rows // rows_per_block)
-    return (max(1, min(blocks, sm_count(device_id) * 16)), 1, 1)
+    return (max(1, min(blocks, 2**31 - 1)), 1, 1)
+
+
+def forward_launch(variant, seqlen_q: int, heads_q: int, batch: int):
+    """(grid, block) of a forward variant: one CTA per (query block, head, batch)."""
+    return (-(-seqlen_q // variant.block_m), heads_q, batch), (variant.threads, 1, 1)

@@ -29,7 +29,7 @@ def check_rank(name: str, a, ndim: int, layout: str) -> None:
 
 
 def check_unit_last_stride(name: str, a) -> None:
-    if a.shape[-1] > 1 and a.strides[-1] != 1:
+    if a.size and a.shape[-1] > 1 and a.strides[-1] != 1:
         raise ValueError(
             f"{name} must have unit stride in its last dimension (got strides {tuple(a.strides)} in elements); "
             "make it contiguous in that dimension first"

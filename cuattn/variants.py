@@ -29,6 +29,9 @@ class Variant:
     expression: str  # C++ name expression of the instantiation
     uri: str
     hot: bool = False
+    dynamic_smem: int = 0  # bytes of dynamic shared memory every launch passes
+    threads: int = 256  # threads per CTA
+    block_m: int = 0  # query rows per CTA (attention kernels)
 
 
 def cxx_type(c_type: str) -> str:
@@ -48,15 +51,69 @@ def merge_variant(c_type: str, vec: int) -> Variant:
 MERGE_VEC_WIDTHS = {"f16": (8, 1), "bf16": (8, 1), "float": (4, 1)}
 
 
+# Tensor-core forward tiles per head-dim bucket: (BLOCK_M, BLOCK_N, WARPS). Mirrors the
+# contract of cuda_src/forward/traits.cuh (the kernel traps if launched with less shared memory).
+FORWARD_TILES = {
+    32: (128, 64, 4),
+    64: (128, 64, 4),
+    96: (128, 64, 8),
+    128: (128, 64, 8),
+    160: (64, 64, 4),
+    192: (64, 64, 4),
+    224: (64, 32, 4),
+    256: (64, 32, 4),
+}
+HEAD_DIM_BUCKETS = tuple(sorted(FORWARD_TILES))
+FP32_BLOCK_M = 16  # forward_fp32.cu: 4 warps x 4 rows
+
+
+def head_dim_bucket(head_dim: int) -> int:
+    """The padded head dim a kernel is compiled for: the smallest bucket that holds it."""
+    return next(b for b in HEAD_DIM_BUCKETS if b >= head_dim)
+
+
+def forward_smem_bytes(bucket: int) -> int:
+    block_m, block_n, _ = FORWARD_TILES[bucket]
+    return (block_m + 2 * block_n) * (bucket + 8) * 2
+
+
+def forward_variant(c_type: str, bucket: int, softcap: bool) -> Variant:
+    cap = "true" if softcap else "false"
+    if c_type == "float":
+        return Variant(
+            family="forward_fp32",
+            expression=f"cuattn::forward_fp32_kernel<{bucket}, {cap}>",
+            uri=f"forward_fp32/d{bucket}" + ("/softcap" if softcap else ""),
+            threads=128,
+            block_m=FP32_BLOCK_M,
+        )
+    block_m, block_n, warps = FORWARD_TILES[bucket]
+    return Variant(
+        family="forward",
+        expression=f"cuattn::forward_kernel<{cxx_type(c_type)}, {bucket}, {block_m}, {block_n}, {warps}, {cap}>",
+        uri=f"forward/{c_type}/d{bucket}/m{block_m}n{block_n}w{warps}" + ("/softcap" if softcap else ""),
+        hot=True,
+        dynamic_smem=forward_smem_bytes(bucket),
+        threads=warps * 32,
+        block_m=block_m,
+    )
+
+
 def all_variants() -> list[Variant]:
     """Every variant, in a stable order; the offline compile and ``warmup --all`` use it."""
     out = []
     for c_type, vecs in MERGE_VEC_WIDTHS.items():
         for vec in vecs:
             out.append(merge_variant(c_type, vec))
+    for c_type in ("f16", "bf16", "float"):
+        for bucket in HEAD_DIM_BUCKETS:
+            for softcap in (False, True):
+                out.append(forward_variant(c_type, bucket, softcap))
     return out
 
 
 def common_variants() -> list[Variant]:
     """The set ``python -m cuattn warmup`` compiles by default."""
-    return [merge_variant(c, MERGE_VEC_WIDTHS[c][0]) for c in MERGE_VEC_WIDTHS]
+    merges = [merge_variant(c, MERGE_VEC_WIDTHS[c][0]) for c in MERGE_VEC_WIDTHS]
+    forwards = [forward_variant(c, d, False) for c in ("f16", "bf16") for d in (64, 128)]
+    return merges + forwards

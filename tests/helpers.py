@@ -55,3 +55,38 @@ def to_host(x) -> np.ndarray:
     elif module.startswith(("jax", "jaxlib")):
         x = np.asarray(x)
     return np.asarray(x).astype(np.float64)
+
+
+def naive_attention(q, k, v, dtype, causal=False, window=None, align="bottom_right", scale=None, softcap=None):
+    """Textbook attention done in the input precision (products accumulated in fp32, every
+    intermediate rounded to ``dtype``): the yardstick of the FlashAttention test criterion."""
+    import math
+
+    from cuattn import reference
+
+    dt = DTYPES[dtype]
+    rnd = lambda x: np.asarray(x, np.float32).astype(dt).astype(np.float32)  # noqa: E731
+    q, k, v = (np.asarray(x).astype(np.float32) for x in (q, k, v))
+    hq, hk = q.shape[2], k.shape[2]
+    k, v = np.repeat(k, hq // hk, axis=2), np.repeat(v, hq // hk, axis=2)
+    scale = 1 / math.sqrt(q.shape[3]) if scale is None else scale
+    s = rnd(np.einsum("bmhd,bnhd->bhmn", q, k) * np.float32(scale))
+    if softcap:
+        s = rnd(softcap * np.tanh(s / softcap))
+    sq, sk = q.shape[1], k.shape[1]
+    left, right = reference.window_bounds(causal, window)
+    ok = reference.visible(np.arange(sq), np.arange(sk), reference.diagonal_offset(sq, sk, align), left, right)
+    s = np.where(ok, s, -np.inf)
+    m = s.max(-1, keepdims=True)
+    e = np.exp(s - np.where(np.isfinite(m), m, 0))
+    den = e.sum(-1, keepdims=True)
+    p = rnd(e / np.where(den > 0, den, 1))
+    return rnd(np.einsum("bhmn,bnhd->bmhd", p, v))
+
+
+def assert_attention_accuracy(out, ref, naive, factor=2.0, floor=1e-5):
+    """FlashAttention's criterion: max error against float64 at most ``factor`` times that of
+    the naive same-precision computation (plus a small floor for near-exact cases)."""
+    err = max_err(out, ref)
+    bound = factor * max_err(naive, ref) + floor
+    assert err <= bound, f"max error {err:.3e} > {factor} x naive {max_err(naive, ref):.3e} + {floor}"

@@ -82,3 +82,42 @@ def test_boundary_reads_numpy_metadata_without_a_gpu():
     assert ctx.framework == boundary.NUMPY and arrays["y"] is None
     a = arrays["x"]
     assert a.ptr is None and a.shape == (2, 3, 3, 8) and a.strides == (120, 48, 8, 1)
+
+
+def _qkv(b=1, sq=4, sk=5, hq=4, hk=2, d=64, dtype=np.float16):
+    return np.ones((b, sq, hq, d), dtype), np.ones((b, sk, hk, d), dtype), np.ones((b, sk, hk, d), dtype)
+
+
+@pytest.mark.parametrize(
+    "change, exc, match",
+    [
+        (lambda q, k, v: (q[0], k, v), ValueError, "q must have 4 dimensions"),
+        (lambda q, k, v: (q, k[:, :, :1].repeat(3, 2), v[:, :, :1].repeat(3, 2)), ValueError, "multiple of heads_kv"),
+        (lambda q, k, v: (q, k, v[:, :3]), ValueError, "v has shape"),
+        (lambda q, k, v: (q, k[..., :32], v[..., :32]), ValueError, "k has shape"),
+        (lambda q, k, v: (q.astype(np.float64), k, v), TypeError, "q has dtype float64"),
+        (lambda q, k, v: (q, k.astype(np.float32), v), TypeError, "k has dtype float32 but q"),
+        (lambda q, k, v: (q[..., :12], k[..., :12], v[..., :12]), ValueError, "head_dim 12 is not supported"),
+        (lambda q, k, v: (np.ones((1, 4, 4, 264), np.float16), np.ones((1, 5, 2, 264), np.float16), np.ones((1, 5, 2, 264), np.float16)), ValueError, "head_dim 264"),
+        (lambda q, k, v: (np.ones((1, 4, 4, 128), np.float16)[..., ::2], k, v), ValueError, "q must have unit stride"),
+    ],
+)
+def test_attention_rejects_bad_tensors(change, exc, match):
+    with pytest.raises(exc, match=match):
+        cuattn.attention(*change(*_qkv()))
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        ({"align": "center"}, ValueError, "align must be"),
+        ({"window": (3,)}, ValueError, "window must be"),
+        ({"window": (-4, 2)}, ValueError, "window bounds"),
+        ({"causal": "yes"}, TypeError, "causal must be a bool"),
+        ({"softcap": -1.0}, ValueError, "softcap must be positive"),
+        ({"out": np.ones((1, 4, 4, 64), np.float16)}, TypeError, "out= is written in place"),
+    ],
+)
+def test_attention_rejects_bad_options(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        cuattn.attention(*_qkv(), **kwargs)

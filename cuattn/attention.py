@@ -1,0 +1,153 @@
+"""Exact attention forward."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from cuattn import boundary, params, plans, validation
+from cuattn.loader import load_kernel
+from cuattn.variants import HEAD_DIM_BUCKETS, forward_variant, head_dim_bucket
+
+_LAYOUT = "(batch, seqlen, heads, head_dim)"
+LOG2E = 1.4426950408889634
+MAX_HEAD_DIM = HEAD_DIM_BUCKETS[-1]
+
+
+def attention(q, k, v, *, causal=False, window=None, align="bottom_right", scale=None, softcap=None, return_lse=False, out=None):
+    """Exact softmax attention, ``softmax(scale * q k^T + mask) v``, in one tiled kernel.
+
+    Parameters
+    ----------
+    q : ``(batch, seqlen_q, heads_q, head_dim)``
+    k, v : ``(batch, seqlen_k, heads_kv, head_dim)``; ``heads_q % heads_kv == 0`` (MHA, GQA,
+        MQA). K/V are read in place for every query head of their group, never copied.
+        float16 or bfloat16 (tensor cores, fp32 accumulation) or float32 (fp32 throughout, no
+        tf32; a slower path). ``head_dim``: a multiple of 8 up to 256 (computed in the kernel
+        padded to the next of 32, 64, 96, ..., 256). Any strides with a unit last stride; for
+        float16 / bfloat16 the other strides must be multiples of 8 elements and the data
+        16-byte aligned (true of any contiguous tensor and of most views).
+    causal : bool
+        Query row ``i`` sees keys ``j <= i + offset`` (see ``align``).
+    window : ``(left, right)`` or None
+        Query row ``i`` sees keys ``i + offset - left <= j <= i + offset + right``; ``None`` or
+        -1 leaves a side unbounded. With ``causal`` the right reach is at most 0.
+    align : ``"bottom_right"`` (default) or ``"top_left"``
+        How rows line up with columns when ``seqlen_q != seqlen_k``: ``offset = seqlen_k -
+        seqlen_q`` (the last query sees the last key: KV-cache decoding, FlashAttention) or
+        ``offset = 0`` (query ``i`` sees keys ``<= i``: PyTorch SDPA's ``is_causal``). Causal,
+        seqlen_q = 3, seqlen_k = 5 (``x`` = visible)::
+
+            bottom_right      top_left
+            x x x . .         x . . . .
+            x x x x .         x x . . .
+            x x x x x         x x x . .
+
+        A row that sees no key gets ``out = 0`` and ``lse = -inf`` (never NaN).
+    scale : float, default ``1 / sqrt(head_dim)``
+    softcap : float or None
+        If given, scores become ``softcap * tanh(scale * q.k / softcap)`` before the softmax.
+    return_lse : bool
+        Also return ``lse``, ``(batch, heads_q, seqlen_q)`` float32: the natural log of each
+        row's softmax denominator including its max, ``lse = m + log(l)``; merging partial
+        results with :func:`cuattn.merge` and the backward pass use it.
+    out : optional array like ``q`` to write the result into (same framework, shape, dtype).
+
+    Returns
+    -------
+    ``out`` shaped and typed like ``q`` (or ``(out, lse)``), as the caller's array type. Extra
+    device memory is only ``out`` and ``lse``: O(seqlen), never O(seqlen^2).
+    """
+    ctx, a = boundary.import_arrays(q=q, k=k, v=v, out=out)
+    if out is not None and ctx.framework in (boundary.JAX, boundary.NUMPY):
+        raise TypeError(f"out= is written in place, which {ctx.framework} arrays cannot be")
+    c_type = _check_qkv(a["q"], a["k"], a["v"], a["out"])
+    left, right = _mask_bounds(causal, window)
+    offset = _diagonal_offset(align, a["q"].shape[1], a["k"].shape[1])
+    batch, seqlen_q, heads_q, head_dim = a["q"].shape
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    scale = float(scale)
+    if softcap is not None and not (float(softcap) > 0):
+        raise ValueError(f"softcap must be positive or None, got {softcap}")
+    softcap = float(softcap) if softcap else 0.0
+
+    ctx.stage(*a.values())
+    dst = a["out"] if out is not None else ctx.empty(a["q"].shape, a["q"].dtype)
+    lse = ctx.empty((batch, heads_q, seqlen_q), np.float32)
+    if batch and seqlen_q and heads_q:
+        _launch(ctx, c_type, a["q"], a["k"], a["v"], dst, lse, left, right, offset, scale, softcap)
+    result = out if out is not None else ctx.export(dst)
+    return (result, ctx.export(lse)) if return_lse else result
+
+
+def _check_qkv(q, k, v, out) -> str:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        validation.check_rank(name, x, 4, _LAYOUT)
+    c_type = validation.check_dtype("q", q)
+    validation.check_same_dtype("k", k, "q", q)
+    validation.check_same_dtype("v", v, "q", q)
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    if k.shape[0] != batch or k.shape[3] != head_dim:
+        raise ValueError(f"k has shape {k.shape}; expected (batch={batch}, seqlen_k, heads_kv, head_dim={head_dim})")
+    validation.check_shape("v", v, k.shape, "(the shape of k)")
+    heads_kv = k.shape[2]
+    if heads_kv == 0 or heads_q % heads_kv:
+        raise ValueError(f"heads_q ({heads_q}, from q) must be a multiple of heads_kv ({heads_kv}, from k)")
+    if head_dim % 8 or not 8 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim {head_dim} is not supported: use a multiple of 8 from 8 to {MAX_HEAD_DIM}")
+    if out is not None:
+        validation.check_shape("out", out, q.shape, "(the shape of q)")
+        validation.check_same_dtype("out", out, "q", q)
+    for name, x in (("q", q), ("k", k), ("v", v), ("out", out)):
+        if x is None:
+            continue
+        validation.check_unit_last_stride(name, x)
+        # Host arrays are uploaded contiguous, hence aligned: only device arrays are checked.
+        if c_type != "float" and x.size and x.ptr is not None and not validation.aligned([x.ptr], x.strides[:3], x.dtype.itemsize, 8, 8):
+            raise ValueError(
+                f"{name} strides {x.strides} (elements) or its address are not multiples of 8 elements / 16 bytes, "
+                "which the tensor-core kernel loads in; make it contiguous"
+            )
+    return c_type
+
+
+def _mask_bounds(causal, window) -> tuple[int, int]:
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    left = right = -1
+    if window is not None:
+        if not isinstance(window, (tuple, list)) or len(window) != 2:
+            raise ValueError(f"window must be (left, right), got {window!r}")
+        left, right = (-1 if w is None else int(w) for w in window)
+        if left < -1 or right < -1:
+            raise ValueError(f"window bounds must be >= 0, or -1 / None for unbounded; got {window!r}")
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    return left, right
+
+
+def _diagonal_offset(align: str, seqlen_q: int, seqlen_k: int) -> int:
+    if align == "bottom_right":
+        return seqlen_k - seqlen_q
+    if align == "top_left":
+        return 0
+    raise ValueError(f"align must be 'bottom_right' or 'top_left', got {align!r}")
+
+
+def _launch(ctx, c_type, q, k, v, out, lse, left, right, offset, scale, softcap) -> None:
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    variant = forward_variant(c_type, head_dim_bucket(head_dim), softcap > 0)
+    p = params.new(params.ATTN_PARAMS)
+    p["q"], p["k"], p["v"], p["out"], p["lse"] = q.ptr, k.ptr, v.ptr, out.ptr, lse.ptr
+    p["q_strides"], p["k_strides"], p["v_strides"] = q.strides[:3], k.strides[:3], v.strides[:3]
+    p["out_strides"], p["lse_strides"] = out.strides[:3], lse.strides[:2]
+    p["batch"], p["seqlen_q"], p["seqlen_k"] = batch, seqlen_q, k.shape[1]
+    p["heads_q"], p["heads_kv"], p["head_dim"] = heads_q, k.shape[2], head_dim
+    p["window_left"], p["window_right"], p["diagonal_offset"] = left, right, offset
+    p["scale"], p["softcap"] = scale, softcap
+    p["exp2_scale"] = LOG2E * (1.0 if softcap else scale)
+    grid, block = plans.forward_launch(variant, seqlen_q, heads_q, batch)
+    with ctx.device, ctx.stream:
+        load_kernel(variant)(grid, block, (p,), shared_mem=variant.dynamic_smem)

@@ -1,0 +1,103 @@
+// Float32 attention forward on the CUDA cores: fp32 products and sums throughout (no tf32).
+// The slower exact path for float32 inputs.
+#include "common/dtypes.cuh"
+#include "common/mask.cuh"
+#include "common/params.cuh"
+
+namespace cuattn {
+
+constexpr int kF32RowsPerWarp = 4;
+constexpr int kF32Warps = 4;
+constexpr int kF32BlockM = kF32RowsPerWarp * kF32Warps;
+constexpr int kF32BlockN = 32;
+
+/// \brief fp32 attention forward for 16 query rows of one (head, batch) = (blockIdx.y,
+/// blockIdx.z); each warp owns 4 rows, a lane scores one key of each 32-key tile and owns
+/// head-dim columns lane, lane + 32, ... of the output. K tiles go through shared memory; Q
+/// (read by all lanes of a warp at once) and V (read across lanes, contiguous) come through L1.
+template <int HEAD_DIM, bool SOFTCAP>
+__global__ void __launch_bounds__(kF32Warps * 32) forward_fp32_kernel(const __grid_constant__ AttnParams p) {
+  constexpr int kCols = HEAD_DIM / 32;
+  __shared__ float sK[kF32BlockN][HEAD_DIM + 1];  // +1: lanes reading different keys hit different banks
+
+  const int head = blockIdx.y, batch = blockIdx.z;
+  const int kv_head = head / (p.heads_q / p.heads_kv);
+  const int m0 = blockIdx.x * kF32BlockM;
+  const int m_last = min(m0 + kF32BlockM, p.seqlen_q) - 1;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const float* q = static_cast<const float*>(p.q) + batch * p.q_strides[0] + head * p.q_strides[2];
+  const float* k = static_cast<const float*>(p.k) + batch * p.k_strides[0] + kv_head * p.k_strides[2];
+  const float* v = static_cast<const float*>(p.v) + batch * p.v_strides[0] + kv_head * p.v_strides[2];
+  float* out = static_cast<float*>(p.out) + batch * p.out_strides[0] + head * p.out_strides[2];
+  float* lse = p.lse + batch * p.lse_strides[0] + head * p.lse_strides[1];
+
+  const KeyBand band(p);
+  const int key_first = band.first_key(m0), key_last = band.last_key(m_last);
+  float acc[kF32RowsPerWarp][kCols], row_max[kF32RowsPerWarp], row_sum[kF32RowsPerWarp];
+#pragma unroll
+  for (int r = 0; r < kF32RowsPerWarp; ++r) {
+    row_max[r] = neg_inf();
+    row_sum[r] = 0.f;
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) acc[r][c] = 0.f;
+  }
+  const float sc = p.exp2_scale;
+
+  for (int n0 = key_last < key_first ? key_last + 1 : key_first / kF32BlockN * kF32BlockN; n0 <= key_last; n0 += kF32BlockN) {
+    __syncthreads();  // previous tile fully consumed
+    for (int i = threadIdx.x; i < kF32BlockN * HEAD_DIM; i += blockDim.x) {
+      const int r = i / HEAD_DIM, c = i % HEAD_DIM;
+      sK[r][c] = (n0 + r < p.seqlen_k && c < p.head_dim) ? k[(n0 + r) * p.k_strides[1] + c] : 0.f;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < kF32RowsPerWarp; ++r) {
+      const int row = m0 + warp * kF32RowsPerWarp + r;
+      const float* q_row = q + min(row, p.seqlen_q - 1) * p.q_strides[1];
+      float s = 0.f;
+#pragma unroll 8
+      for (int c = 0; c < p.head_dim; ++c) s = fmaf(q_row[c], sK[lane][c], s);
+      if (SOFTCAP) s = p.softcap * tanhf(s * (p.scale / p.softcap));
+      if (!band.visible(row, n0 + lane)) s = neg_inf();
+      float mx = s;
+#pragma unroll
+      for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, o));
+      mx = fmaxf(mx, row_max[r]);
+      const float shift = mx == neg_inf() ? 0.f : mx * sc;
+      const float alpha = row_max[r] == neg_inf() ? 0.f : exp2f(row_max[r] * sc - shift);
+      row_max[r] = mx;
+      const float prob = exp2f(fmaf(s, sc, -shift));
+      float sum = prob;
+#pragma unroll
+      for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffff, sum, o);
+      row_sum[r] = row_sum[r] * alpha + sum;
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) acc[r][c] *= alpha;
+      for (int j = 0; j < kF32BlockN && n0 + j < p.seqlen_k; ++j) {
+        const float pj = __shfl_sync(0xffffffff, prob, j);
+        const float* v_row = v + (n0 + j) * p.v_strides[1];
+#pragma unroll
+        for (int c = 0; c < kCols; ++c) {
+          if (lane + 32 * c < p.head_dim) acc[r][c] = fmaf(pj, v_row[lane + 32 * c], acc[r][c]);
+        }
+      }
+    }
+  }
+
+#pragma unroll
+  for (int r = 0; r < kF32RowsPerWarp; ++r) {
+    const int row = m0 + warp * kF32RowsPerWarp + r;
+    if (row >= p.seqlen_q) continue;
+    const float inv = row_sum[r] > 0.f ? 1.f / row_sum[r] : 0.f;
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) {
+      const int col = lane + 32 * c;
+      if (col < p.head_dim) out[row * p.out_strides[1] + col] = acc[r][c] * inv;
+    }
+    if (lane == 0) {
+      lse[row] = row_sum[r] > 0.f ? (row_max[r] * sc + log2f(row_sum[r])) * 0.69314718055994531f : neg_inf();
+    }
+  }
+}
+
+}  // namespace cuattn
