@@ -53,7 +53,26 @@ def check_merge(rng: np.random.Generator) -> Check:
     return Check("merge float32 (3 partials, 2x129x4x64)", ok, err, bound, _time_ms(lambda: cuattn.merge(outs, lses)))
 
 
-CHECKS = [check_merge]
+def check_attention(rng: np.random.Generator) -> Check:
+    """bf16 causal GQA attention; bound: twice the error of rounding the reference to bf16
+    plus the bf16 probability rounding, a loose form of the FlashAttention criterion."""
+    import cupy
+
+    import cuattn
+    from cuattn.variants import BFLOAT16
+
+    b, s, hq, hk, d = 2, 1000, 8, 2, 128
+    q, k, v = (rng.standard_normal((b, s, h, d)).astype(BFLOAT16) for h in (hq, hk, hk))
+    dq, dk, dv = (cupy.asarray(x) for x in (q, k, v))
+    out = cuattn.attention(dq, dk, dv, causal=True)
+    ref = reference.attention(q, k, v, causal=True)
+    err = _rel(out.get(), ref)
+    bound = 2 * _rel(ref.astype(BFLOAT16), ref) + 4e-3
+    ok = err <= bound and not np.isnan(out.get().astype(np.float32)).any()
+    return Check(f"attention bf16 causal GQA ({b}x{s}x{hq}/{hk}x{d})", ok, err, bound, _time_ms(lambda: cuattn.attention(dq, dk, dv, causal=True)))
+
+
+CHECKS = [check_merge, check_attention]
 
 
 def run(print_fn=print) -> bool:
