@@ -62,7 +62,8 @@ def test_merge_matches_reference(n, shape, dtype, stacked, seed):
 def _check_loose(out, outs, lses):
     ref_out, _ = reference.merge(outs, lses)
     rounded = ref_out.astype(outs.dtype).astype(np.float64)
-    assert np.max(np.abs(out.astype(np.float64) - ref_out)) <= 4 * np.max(np.abs(rounded - ref_out)) + 1e-6
+    tolerance = 4 * np.max(np.abs(rounded - ref_out)) + 1e-5 * max(1.0, np.max(np.abs(ref_out)))
+    assert np.max(np.abs(out.astype(np.float64) - ref_out)) <= tolerance
 
 
 def test_strided_views_and_unaligned_head_dim():
