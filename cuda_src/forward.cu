@@ -89,9 +89,9 @@ __global__ void __launch_bounds__(WARPS * 32) forward_kernel(const __grid_consta
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
 
-    // Large head dims stay rolled: keeps the compiler from hoisting every K fragment into
-    // registers at once (spills at 96 and 128).
-#pragma unroll(HEAD_DIM > 64 ? 1 : HEAD_DIM / 16)
+    // Large head dims unroll by 4 only: full unrolling lets the compiler hoist every K fragment
+    // into registers at once (spills at 96 and 128).
+#pragma unroll(HEAD_DIM > 64 ? 4 : HEAD_DIM / 16)
     for (int kk = 0; kk < HEAD_DIM; kk += 16) {
       u32 a[Tr::kMTiles][4];
 #pragma unroll

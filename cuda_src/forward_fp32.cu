@@ -54,9 +54,12 @@ __global__ void __launch_bounds__(kF32Warps * 32) forward_fp32_kernel(const __gr
     for (int r = 0; r < kF32RowsPerWarp; ++r) {
       const int row = m0 + warp * kF32RowsPerWarp + r;
       const float* q_row = q + min(row, p.seqlen_q - 1) * p.q_strides[1];
-      float s = 0.f;
+      // The dot product accumulates in fp64: an fp32 running sum of large scores (|q.k| in the
+      // hundreds) errs enough to move the softmax beyond the naive fp32 (blocked GEMM) result.
+      double dot = 0.0;
 #pragma unroll 8
-      for (int c = 0; c < p.head_dim; ++c) s = fmaf(q_row[c], sK[lane][c], s);
+      for (int c = 0; c < p.head_dim; ++c) dot = fma(double(q_row[c]), double(sK[lane][c]), dot);
+      float s = float(dot);
       if (SOFTCAP) s = p.softcap * tanhf(s * (p.scale / p.softcap));
       if (!band.visible(row, n0 + lane)) s = neg_inf();
       float mx = s;
