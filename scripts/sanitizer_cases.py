@@ -1,0 +1,29 @@
+"""One small launch of each kernel family, for compute-sanitizer:
+
+    compute-sanitizer --tool memcheck  python scripts/sanitizer_cases.py
+    compute-sanitizer --tool racecheck python scripts/sanitizer_cases.py
+"""
+
+import cupy
+import numpy as np
+
+import cuattn
+from cuattn.variants import BFLOAT16
+
+rng = np.random.default_rng(0)
+
+
+def arr(shape, dtype):
+    return cupy.asarray(rng.standard_normal(shape).astype(dtype))
+
+
+for dtype in (np.float16, BFLOAT16, np.float32):
+    for d in (40, 128):
+        q, k, v = arr((1, 70, 4, d), dtype), arr((1, 90, 2, d), dtype), arr((1, 90, 2, d), dtype)
+        cuattn.attention(q, k, v, causal=True, window=(30, None), softcap=10.0)
+        cuattn.attention(q, k, v)
+    outs, lses = arr((3, 1, 33, 2, 64), dtype), arr((3, 1, 2, 33), np.float32)
+    cuattn.merge(outs, lses)
+    cuattn.merge_(outs[0], lses[0], outs[1], lses[1])
+cupy.cuda.Device().synchronize()
+print("sanitizer cases ran")
