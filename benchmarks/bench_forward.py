@@ -79,7 +79,7 @@ def main() -> None:
                 del q, k, v
     write_csv(args.csv, rows)
     print(f"forward, bf16, TFLOP/s — {env['gpu']}, {env['date']}, torch {env['torch']}, cupy {env['cupy']}")
-    extra = [c for c in rows[0] if c.startswith("cuattn_m")]
+    extra = sorted({c for r in rows for c in r if c.startswith("cuattn_m")})
     header = f"{'d':>4} {'seqlen':>6} {'causal':>6} {'cuattn':>7} {'flash':>7} {'cudnn':>7} {'vs flash':>8} {'vs cudnn':>8}" + "".join(f" {c[7:]:>11}" for c in extra)
     print(header)
     for r in rows:
