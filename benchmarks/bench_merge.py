@@ -1,4 +1,5 @@
-"""Merge bandwidth: GB/s of the bytes merge must move, against the device copy bandwidth.
+"""Merge bandwidth: GB/s of the bytes merge must move (kernel time from a graph replay)
+against the device copy bandwidth; the per-call time with Python overhead beside it.
 
     PYTHONPATH=. python benchmarks/bench_merge.py [--csv results/merge.csv]
 """
