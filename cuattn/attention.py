@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from cuattn import boundary, params, plans, validation
+from cuattn import boundary, params, plans, reference, validation
 from cuattn.loader import load_kernel
 from cuattn.variants import HEAD_DIM_BUCKETS, forward_variant, head_dim_bucket
 
@@ -64,7 +64,7 @@ def attention(q, k, v, *, causal=False, window=None, align="bottom_right", scale
         raise TypeError(f"out= is written in place, which {ctx.framework} arrays cannot be")
     c_type = _check_qkv(a["q"], a["k"], a["v"], a["out"])
     left, right = _mask_bounds(causal, window)
-    offset = _diagonal_offset(align, a["q"].shape[1], a["k"].shape[1])
+    offset = reference.diagonal_offset(a["q"].shape[1], a["k"].shape[1], align)
     batch, seqlen_q, heads_q, head_dim = a["q"].shape
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
@@ -126,14 +126,6 @@ def _mask_bounds(causal, window) -> tuple[int, int]:
     if causal:
         right = 0 if right < 0 else min(right, 0)
     return left, right
-
-
-def _diagonal_offset(align: str, seqlen_q: int, seqlen_k: int) -> int:
-    if align == "bottom_right":
-        return seqlen_k - seqlen_q
-    if align == "top_left":
-        return 0
-    raise ValueError(f"align must be 'bottom_right' or 'top_left', got {align!r}")
 
 
 def _launch(ctx, c_type, q, k, v, out, lse, left, right, offset, scale, softcap) -> None:

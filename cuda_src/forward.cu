@@ -1,6 +1,7 @@
 // Tensor-core attention forward (FlashAttention-2 scheme): one CTA per (query block, head,
 // batch), K/V blocks streamed through shared memory with cp.async, S = Q K^T and O += P V on
 // mma.sync, online softmax in registers, lse written per row.
+#include "common/head_view.cuh"
 #include "common/mask.cuh"
 #include "common/mma.cuh"
 #include "common/params.cuh"
@@ -37,17 +38,17 @@ __global__ void __launch_bounds__(WARPS * 32) forward_kernel(const __grid_consta
 
   const int m_block = gridDim.x - 1 - blockIdx.x;
   const int head = blockIdx.y, batch = blockIdx.z;
-  const int kv_head = head / (p.heads_q / p.heads_kv);
   const int m0 = m_block * BLOCK_M;
   const int m_last = min(m0 + BLOCK_M, p.seqlen_q) - 1;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
 
-  const T* q = static_cast<const T*>(p.q) + batch * p.q_strides[0] + head * p.q_strides[2];
-  const T* k = static_cast<const T*>(p.k) + batch * p.k_strides[0] + kv_head * p.k_strides[2];
-  const T* v = static_cast<const T*>(p.v) + batch * p.v_strides[0] + kv_head * p.v_strides[2];
-  T* out = static_cast<T*>(p.out) + batch * p.out_strides[0] + head * p.out_strides[2];
-  float* lse = p.lse + batch * p.lse_strides[0] + head * p.lse_strides[1];
+  const HeadView<T> view(p, batch, head);
+  const T* q = view.q;
+  const T* k = view.k;
+  const T* v = view.v;
+  T* out = view.out;
+  float* lse = view.lse;
 
   const KeyBand band(p);
   const int key_first = band.first_key(m0), key_last = band.last_key(m_last);

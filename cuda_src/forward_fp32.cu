@@ -1,6 +1,7 @@
 // Float32 attention forward on the CUDA cores: fp32 products and sums throughout (no tf32).
 // The slower exact path for float32 inputs.
 #include "common/dtypes.cuh"
+#include "common/head_view.cuh"
 #include "common/mask.cuh"
 #include "common/params.cuh"
 
@@ -21,15 +22,15 @@ __global__ void __launch_bounds__(kF32Warps * 32) forward_fp32_kernel(const __gr
   __shared__ float sK[kF32BlockN][HEAD_DIM + 1];  // +1: lanes reading different keys hit different banks
 
   const int head = blockIdx.y, batch = blockIdx.z;
-  const int kv_head = head / (p.heads_q / p.heads_kv);
   const int m0 = blockIdx.x * kF32BlockM;
   const int m_last = min(m0 + kF32BlockM, p.seqlen_q) - 1;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const float* q = static_cast<const float*>(p.q) + batch * p.q_strides[0] + head * p.q_strides[2];
-  const float* k = static_cast<const float*>(p.k) + batch * p.k_strides[0] + kv_head * p.k_strides[2];
-  const float* v = static_cast<const float*>(p.v) + batch * p.v_strides[0] + kv_head * p.v_strides[2];
-  float* out = static_cast<float*>(p.out) + batch * p.out_strides[0] + head * p.out_strides[2];
-  float* lse = p.lse + batch * p.lse_strides[0] + head * p.lse_strides[1];
+  const HeadView<float> view(p, batch, head);
+  const float* q = view.q;
+  const float* k = view.k;
+  const float* v = view.v;
+  float* out = view.out;
+  float* lse = view.lse;
 
   const KeyBand band(p);
   const int key_first = band.first_key(m0), key_last = band.last_key(m_last);
