@@ -2,16 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
-
-@functools.cache
-def sm_count(device_id: int) -> int:
-    import cupy
-
-    return int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
-
-
 MERGE_THREADS = 256
 
 

@@ -7,7 +7,6 @@ import numpy as np
 
 from cuattn.variants import C_TYPE_NAMES, C_TYPES
 
-TENSOR_CORE_DTYPES = ("float16", "bfloat16")
 ALL_DTYPES = ("float16", "bfloat16", "float32")
 
 

@@ -43,12 +43,8 @@ __global__ void __launch_bounds__(WARPS * 32) forward_kernel(const __grid_consta
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
 
-  const HeadView<T> view(p, batch, head);
-  const T* q = view.q;
-  const T* k = view.k;
-  const T* v = view.v;
-  T* out = view.out;
-  float* lse = view.lse;
+  const HeadView<T> head_view(p, batch, head);
+  const auto [q, k, v, out, lse] = head_view;
 
   const KeyBand band(p);
   const int key_first = band.first_key(m0), key_last = band.last_key(m_last);

@@ -25,12 +25,8 @@ __global__ void __launch_bounds__(kF32Warps * 32) forward_fp32_kernel(const __gr
   const int m0 = blockIdx.x * kF32BlockM;
   const int m_last = min(m0 + kF32BlockM, p.seqlen_q) - 1;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const HeadView<float> view(p, batch, head);
-  const float* q = view.q;
-  const float* k = view.k;
-  const float* v = view.v;
-  float* out = view.out;
-  float* lse = view.lse;
+  const HeadView<float> head_view(p, batch, head);
+  const auto [q, k, v, out, lse] = head_view;
 
   const KeyBand band(p);
   const int key_first = band.first_key(m0), key_last = band.last_key(m_last);
