@@ -10,30 +10,13 @@ heads = 2048 / head_dim, causal or not, bf16.
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import cuattn
 from cuattn import variants
-from benchmarks.timing import environment, write_csv
+from benchmarks.timing import environment, torch_kernel_ms, write_csv
 
 # Alternative (BLOCK_M, BLOCK_N, WARPS) tilings timed with --alt-tiles, to choose the table's.
-ALT_TILES = {64: [(128, 32, 4)], 128: [(128, 64, 8), (128, 64, 4)]}
-
-
-def time_ms(torch, fn, repeat: int = 10, samples: int = 7) -> float:
-    """Median over samples of the mean time of ``repeat`` back-to-back calls (CUDA events)."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(samples):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(repeat):
-            fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) / repeat)
-    return statistics.median(times)
+ALT_TILES = {128: [(128, 64, 4)]}
 
 
 def main() -> None:
@@ -65,7 +48,7 @@ def main() -> None:
                     impls[name] = run
                 for name, fn in impls.items():
                     try:
-                        row[name] = round(flops / time_ms(torch, fn) / 1e9, 1)
+                        row[name] = round(flops / torch_kernel_ms(fn) / 1e9, 1)
                     except RuntimeError as exc:
                         row[name] = float("nan")
                         print(f"{name} failed: {exc}")
@@ -73,7 +56,7 @@ def main() -> None:
                     default = variants.FORWARD_TILES[d]
                     for tiles in ALT_TILES.get(d, []):
                         variants.FORWARD_TILES[d] = tiles
-                        row["cuattn_m%dn%dw%d" % tiles] = round(flops / time_ms(torch, impls["cuattn"]) / 1e9, 1)
+                        row["cuattn_m%dn%dw%d" % tiles] = round(flops / torch_kernel_ms(impls["cuattn"]) / 1e9, 1)
                     variants.FORWARD_TILES[d] = default
                 rows.append({**row, **env})
                 del q, k, v

@@ -29,6 +29,28 @@ def median_ms(fn, *, warmup: int = 3, repeat: int = 20, input_sets: int = 1) -> 
     return statistics.median(times)
 
 
+def torch_kernel_ms(fn, *, repeat: int = 10, samples: int = 7) -> float:
+    """Median over ``samples`` of the mean GPU time of ``repeat`` back-to-back calls on torch's
+    current stream. A sleep kernel queued ahead keeps the GPU busy while the host enqueues the
+    calls, so every implementation is timed on its GPU work alone, not on its host overhead
+    (``scripts/overhead_probe.py`` measures that)."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(samples):
+        torch.cuda._sleep(20_000_000)  # about 10 ms of clock cycles: longer than queueing `repeat` calls
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeat):
+            fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) / repeat)
+    return statistics.median(times)
+
+
 def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
     """Device-to-device copy bandwidth, counting bytes read plus bytes written."""
     import cupy

@@ -45,7 +45,7 @@ def attention(q, k, v, *, causal=False, window=None, align="bottom_right", scale
             x x x x x         x x x . .
 
         A row that sees no key gets ``out = 0`` and ``lse = -inf`` (never NaN).
-    scale : float, default ``1 / sqrt(head_dim)``
+    scale : float, default ``1 / sqrt(head_dim)``; must be positive
     softcap : float or None
         If given, scores become ``softcap * tanh(scale * q.k / softcap)`` before the softmax.
     return_lse : bool
@@ -69,6 +69,8 @@ def attention(q, k, v, *, causal=False, window=None, align="bottom_right", scale
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
     scale = float(scale)
+    if not (scale > 0 and math.isfinite(scale)):
+        raise ValueError(f"scale must be positive and finite, got {scale}")
     if softcap is not None and not (float(softcap) > 0):
         raise ValueError(f"softcap must be positive or None, got {softcap}")
     softcap = float(softcap) if softcap else 0.0
@@ -131,15 +133,15 @@ def _mask_bounds(causal, window) -> tuple[int, int]:
 def _launch(ctx, c_type, q, k, v, out, lse, left, right, offset, scale, softcap) -> None:
     batch, seqlen_q, heads_q, head_dim = q.shape
     variant = forward_variant(c_type, head_dim_bucket(head_dim), softcap > 0)
-    p = params.new(params.ATTN_PARAMS)
-    p["q"], p["k"], p["v"], p["out"], p["lse"] = q.ptr, k.ptr, v.ptr, out.ptr, lse.ptr
-    p["q_strides"], p["k_strides"], p["v_strides"] = q.strides[:3], k.strides[:3], v.strides[:3]
-    p["out_strides"], p["lse_strides"] = out.strides[:3], lse.strides[:2]
-    p["batch"], p["seqlen_q"], p["seqlen_k"] = batch, seqlen_q, k.shape[1]
-    p["heads_q"], p["heads_kv"], p["head_dim"] = heads_q, k.shape[2], head_dim
-    p["window_left"], p["window_right"], p["diagonal_offset"] = left, right, offset
-    p["scale"], p["softcap"] = scale, softcap
-    p["exp2_scale"] = LOG2E * (1.0 if softcap else scale)
+    p = params.pack(
+        params.ATTN_PARAMS,
+        q=q.ptr, k=k.ptr, v=v.ptr, out=out.ptr, lse=lse.ptr,
+        q_strides=q.strides[:3], k_strides=k.strides[:3], v_strides=v.strides[:3],
+        out_strides=out.strides[:3], lse_strides=lse.strides[:2],
+        batch=batch, seqlen_q=seqlen_q, seqlen_k=k.shape[1], heads_q=heads_q, heads_kv=k.shape[2], head_dim=head_dim,
+        window_left=left, window_right=right, diagonal_offset=offset,
+        scale=scale, softcap=softcap, exp2_scale=LOG2E * (1.0 if softcap else scale),
+    )
     grid, block = plans.forward_launch(variant, seqlen_q, heads_q, batch)
     with ctx.device, ctx.stream:
         load_kernel(variant)(grid, block, (p,), shared_mem=variant.dynamic_smem)

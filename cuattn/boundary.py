@@ -11,6 +11,8 @@ and stream-ordered allocator see them.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from typing import Any
 
 import numpy as np
@@ -40,7 +42,7 @@ class DeviceArray:
 
     @property
     def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)
 
 
 def framework_of(x) -> str:
@@ -58,6 +60,7 @@ def framework_of(x) -> str:
     raise TypeError(f"expected a CuPy, NumPy, PyTorch or JAX array (or any __dlpack__ object), got {type(x).__name__}")
 
 
+@functools.cache
 def _numpy_dtype_of_torch(dtype) -> np.dtype:
     name = str(dtype).removeprefix("torch.")
     if name == "bfloat16":

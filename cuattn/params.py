@@ -62,6 +62,14 @@ ATTN_PARAMS = np.dtype(
 C_STRUCTS = {"MergeParams": MERGE_PARAMS, "AttnParams": ATTN_PARAMS}
 
 
+def pack(dtype: np.dtype, **values) -> np.void:
+    """A parameter scalar with every field of ``dtype`` given by name (one conversion)."""
+    missing = set(dtype.names) - values.keys()
+    if missing or len(values) != len(dtype.names):
+        raise KeyError(f"fields missing or unknown: {sorted(missing ^ (values.keys() - set(dtype.names)))}")
+    return np.array(tuple(values[name] for name in dtype.names), dtype=dtype)[()]
+
+
 def new(dtype: np.dtype) -> np.void:
     """A zeroed parameter scalar of the given struct dtype."""
     return np.zeros((), dtype=dtype)[()]

@@ -8,6 +8,7 @@ through ``name_expressions``. ``hot`` marks kernels whose register spills fail C
 from __future__ import annotations
 
 import dataclasses
+import functools
 import numpy as np
 
 try:  # bfloat16 as a NumPy dtype; optional at import so that validation can name it
@@ -53,13 +54,14 @@ MERGE_VEC_WIDTHS = {"f16": (8, 1), "bf16": (8, 1), "float": (4, 1)}
 
 # Tensor-core forward tiles per head-dim bucket: (BLOCK_M, BLOCK_N, WARPS). Mirrors the
 # contract of cuda_src/forward/traits.cuh (the kernel traps if launched with less shared memory).
+FORWARD_STAGES = 2  # K/V tiles in flight (ForwardTraits::kStages)
 FORWARD_TILES = {
     32: (128, 64, 4),
     64: (128, 64, 4),
     96: (128, 32, 4),
     128: (128, 32, 4),
-    160: (64, 64, 4),
-    192: (64, 64, 4),
+    160: (64, 32, 4),
+    192: (64, 32, 4),
     224: (64, 32, 4),
     256: (64, 32, 4),
 }
@@ -74,9 +76,10 @@ def head_dim_bucket(head_dim: int) -> int:
 
 def forward_smem_bytes(bucket: int) -> int:
     block_m, block_n, _ = FORWARD_TILES[bucket]
-    return (block_m + 2 * block_n) * (bucket + 8) * 2
+    return (block_m + 2 * FORWARD_STAGES * block_n) * (bucket + 8) * 2
 
 
+@functools.cache
 def forward_variant(c_type: str, bucket: int, softcap: bool) -> Variant:
     cap = "true" if softcap else "false"
     if c_type == "float":

@@ -9,19 +9,41 @@
 
 namespace cuattn {
 
+// log2 of the growth of a row's max that forces a rescale (FlashAttention-4's lazy rescaling).
+constexpr float kRescaleSlack = 8.f;
+
 // Copies rows [row0, row0 + ROWS) of one head of a (batch, seq, head, dim) tensor into a padded
 // shared tile, zero-filling rows >= row_end and columns >= head_dim.
 template <typename Tr, int ROWS, typename T>
 __device__ __forceinline__ void load_tile(T* smem, const T* gmem, i64 row_stride, int row0, int row_end, int head_dim) {
   constexpr int kChunks = ROWS * Tr::kChunksPerRow;
   static_assert(kChunks % Tr::kThreads == 0, "whole copy rounds");
+  constexpr int kRounds = kChunks / Tr::kThreads;
+  if constexpr (Tr::kThreads % Tr::kChunksPerRow == 0) {
+    // Each thread copies the same column of rows r, r + kRowsPerRound, ...: one address
+    // computation per tile, and no predicates when the tile is whole.
+    constexpr int kRowsPerRound = Tr::kThreads / Tr::kChunksPerRow;
+    const int r = threadIdx.x / Tr::kChunksPerRow, c = (threadIdx.x % Tr::kChunksPerRow) * 8;
+    const T* src = gmem + (row0 + r) * row_stride + c;
+    T* dst = smem + r * Tr::kRowStride + c;
+    if (row0 + ROWS <= row_end && head_dim == Tr::kHeadDim) {
 #pragma unroll
-  for (int i = 0; i < kChunks / Tr::kThreads; ++i) {
-    const int chunk = i * Tr::kThreads + threadIdx.x;
-    const int r = chunk / Tr::kChunksPerRow, c = (chunk % Tr::kChunksPerRow) * 8;
-    const bool valid = row0 + r < row_end && c < head_dim;
-    const T* src = valid ? gmem + (row0 + r) * row_stride + c : gmem;
-    cp_async_16(smem + r * Tr::kRowStride + c, src, valid);
+      for (int i = 0; i < kRounds; ++i) cp_async_16(dst + i * kRowsPerRound * Tr::kRowStride, src + i * kRowsPerRound * row_stride);
+    } else {
+#pragma unroll
+      for (int i = 0; i < kRounds; ++i) {
+        const bool valid = row0 + r + i * kRowsPerRound < row_end && c < head_dim;
+        cp_async_16(dst + i * kRowsPerRound * Tr::kRowStride, valid ? src + i * kRowsPerRound * row_stride : gmem, valid);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < kRounds; ++i) {
+      const int chunk = i * Tr::kThreads + threadIdx.x;
+      const int r = chunk / Tr::kChunksPerRow, c = (chunk % Tr::kChunksPerRow) * 8;
+      const bool valid = row0 + r < row_end && c < head_dim;
+      cp_async_16(smem + r * Tr::kRowStride + c, valid ? gmem + (row0 + r) * row_stride + c : gmem, valid);
+    }
   }
 }
 
@@ -33,8 +55,8 @@ __global__ void __launch_bounds__(WARPS * 32) forward_kernel(const __grid_consta
   extern __shared__ __align__(16) unsigned char smem_raw[];
   if (dynamic_smem_bytes() < Tr::kSmemBytes) __trap();  // launch contract
   T* sQ = reinterpret_cast<T*>(smem_raw);
-  T* sK = sQ + Tr::kSmemQ;
-  T* sV = sK + Tr::kSmemKV;
+  T* sK_ring = sQ + Tr::kSmemQ;                   // kStages K tiles, then kStages V tiles
+  T* sV_ring = sK_ring + Tr::kStages * Tr::kSmemKV;
 
   const int m_block = gridDim.x - 1 - blockIdx.x;
   const int head = blockIdx.y, batch = blockIdx.z;
@@ -44,7 +66,9 @@ __global__ void __launch_bounds__(WARPS * 32) forward_kernel(const __grid_consta
   const int g = lane / 4, t = lane % 4;
 
   const HeadView<T> head_view(p, batch, head);
-  const auto [q, k, v, out, lse] = head_view;
+  const T* q = head_view.q;
+  const T* k = head_view.k;
+  const T* v = head_view.v;
 
   const KeyBand band(p);
   const int key_first = band.first_key(m0), key_last = band.last_key(m_last);
@@ -63,20 +87,36 @@ __global__ void __launch_bounds__(WARPS * 32) forward_kernel(const __grid_consta
     row_sum[mt][0] = row_sum[mt][1] = 0.f;
   }
 
+  const auto load_kv = [&](int n_block, int stage) {
+    const int n0 = n_block * BLOCK_N;
+    load_tile<Tr, BLOCK_N>(sK_ring + stage * Tr::kSmemKV, k, p.k_strides[1], n0, p.seqlen_k, p.head_dim);
+    load_tile<Tr, BLOCK_N>(sV_ring + stage * Tr::kSmemKV, v, p.v_strides[1], n0, p.seqlen_k, p.head_dim);
+  };
   if (n_last >= n_first) {
     load_tile<Tr, BLOCK_M>(sQ, q, p.q_strides[1], m0, p.seqlen_q, p.head_dim);
-    load_tile<Tr, BLOCK_N>(sK, k, p.k_strides[1], n_last * BLOCK_N, p.seqlen_k, p.head_dim);
+    load_kv(n_last, 0);
     cp_async_commit();
   }
   const int warp_row0 = warp * Tr::kWarpRows;
+  // This warp's rows and the keys they see: near the diagonal (or a window edge) a warp skips
+  // the key blocks none of its rows see, and masks only the blocks its own rows cut.
+  const int warp_first_row = m0 + warp_row0;
+  const int warp_last_row = min(warp_first_row + Tr::kWarpRows, p.seqlen_q) - 1;
+  const int warp_first_key = band.first_key(warp_first_row), warp_last_key = band.last_key(warp_last_row);
 
-  // Key blocks from last to first, so that the partially masked diagonal block comes first.
-  for (int n_block = n_last; n_block >= n_first; --n_block) {
+  // Key blocks from last to first, so that the partially masked diagonal block comes first. A
+  // two-stage ring: block n - 1 is copied in while block n is computed, one barrier per block.
+  for (int n_block = n_last, stage = 0; n_block >= n_first; --n_block, stage ^= 1) {
     const int n0 = n_block * BLOCK_N;
     cp_async_wait<0>();
-    __syncthreads();  // K[n_block] (and Q) landed; every warp finished P V of the previous block
-    load_tile<Tr, BLOCK_N>(sV, v, p.v_strides[1], n0, p.seqlen_k, p.head_dim);
-    cp_async_commit();
+    __syncthreads();  // K/V[n_block] (and Q) landed; every warp finished with the other stage
+    if (n_block > n_first) {
+      load_kv(n_block - 1, stage ^ 1);
+      cp_async_commit();
+    }
+    if (warp_last_row < warp_first_row || n0 > warp_last_key || n0 + BLOCK_N <= warp_first_key) continue;
+    const T* sK = sK_ring + stage * Tr::kSmemKV;
+    const T* sV = sV_ring + stage * Tr::kSmemKV;
 
     float s[Tr::kMTiles][Tr::kNTiles][4];
 #pragma unroll
@@ -86,9 +126,7 @@ __global__ void __launch_bounds__(WARPS * 32) forward_kernel(const __grid_consta
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
 
-    // Large head dims unroll by 4 only: full unrolling lets the compiler hoist every K fragment
-    // into registers at once (spills at 96 and 128).
-#pragma unroll(HEAD_DIM > 64 ? 4 : HEAD_DIM / 16)
+#pragma unroll(Tr::kQkUnroll)
     for (int kk = 0; kk < HEAD_DIM; kk += 16) {
       u32 a[Tr::kMTiles][4];
 #pragma unroll
@@ -108,12 +146,6 @@ __global__ void __launch_bounds__(WARPS * 32) forward_kernel(const __grid_consta
         }
       }
     }
-    __syncthreads();  // every warp is done reading K[n_block]
-    if (n_block > n_first) {
-      load_tile<Tr, BLOCK_N>(sK, k, p.k_strides[1], n0 - BLOCK_N, p.seqlen_k, p.head_dim);
-    }
-    cp_async_commit();  // possibly empty group, keeps the wait counts below uniform
-
     if (SOFTCAP) {
       const float pre = p.scale / p.softcap;
 #pragma unroll
@@ -123,22 +155,31 @@ __global__ void __launch_bounds__(WARPS * 32) forward_kernel(const __grid_consta
 #pragma unroll
           for (int e = 0; e < 4; ++e) s[mt][nt][e] = p.softcap * tanhf(s[mt][nt][e] * pre);
     }
-    if (!band.all_visible(m0, m_last, n0, n0 + BLOCK_N - 1)) {
+    if (!band.all_visible(warp_first_row, warp_last_row, n0, n0 + BLOCK_N - 1)) {
 #pragma unroll
       for (int mt = 0; mt < Tr::kMTiles; ++mt)
 #pragma unroll
-        for (int nt = 0; nt < Tr::kNTiles; ++nt)
+        for (int h = 0; h < 2; ++h) {
+          const int row = m0 + warp_row0 + mt * 16 + g + h * 8;
+          const int lo = band.first_key(row) - n0 - 2 * t, hi = band.last_key(row) - n0 - 2 * t;
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int row = m0 + warp_row0 + mt * 16 + g + (e / 2) * 8;
-            const int col = n0 + nt * 8 + 2 * t + (e % 2);
-            if (!band.visible(row, col)) s[mt][nt][e] = neg_inf();
-          }
+          for (int nt = 0; nt < Tr::kNTiles; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int col = nt * 8 + e;  // key n0 + 2t + col
+              if (col < lo || col > hi) s[mt][nt][2 * h + e] = neg_inf();
+            }
+        }
     }
 
     // Online softmax. Each thread holds rows g and g + 8 of each m-tile; a row's 4 owners are
-    // the lanes of one quad. Scores stay unscaled; exp2_scale folds scale and log2(e).
+    // the lanes of one quad. Scores stay unscaled; exp2_scale (> 0) folds scale and log2(e).
+    // row_max is the shift of the exponents, not always the true running max: it is raised
+    // (and acc, row_sum rescaled) only when some row of the warp grew by more than
+    // 2^kRescaleSlack, so most key blocks skip the rescale; p <= 2^kRescaleSlack stays exact.
     const float sc = p.exp2_scale;
+    float block_max[Tr::kMTiles][2];
+    bool grow = false;
 #pragma unroll
     for (int mt = 0; mt < Tr::kMTiles; ++mt) {
 #pragma unroll
@@ -148,10 +189,33 @@ __global__ void __launch_bounds__(WARPS * 32) forward_kernel(const __grid_consta
         for (int nt = 0; nt < Tr::kNTiles; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+        block_max[mt][h] = mx;
+        // -inf - -inf is NaN, which compares false: a row that still sees no key never grows.
+        grow |= mx * sc - row_max[mt][h] * sc > kRescaleSlack;
+      }
+    }
+    if (__any_sync(0xffffffff, grow)) {
+#pragma unroll
+      for (int mt = 0; mt < Tr::kMTiles; ++mt) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float alpha = row_max[mt][h] == neg_inf() ? 0.f : exp2f(row_max[mt][h] * sc - block_max[mt][h] * sc);
+          row_max[mt][h] = block_max[mt][h];
+          row_sum[mt][h] *= alpha;
+#pragma unroll
+          for (int dt = 0; dt < Tr::kDTiles; ++dt) {
+            acc[mt][dt][2 * h] *= alpha;
+            acc[mt][dt][2 * h + 1] *= alpha;
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int mt = 0; mt < Tr::kMTiles; ++mt) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
         // A row that has seen no key yet keeps max -inf; exponents then use 0 so no inf - inf.
-        const float shift = mx == neg_inf() ? 0.f : mx * sc;
-        const float alpha = row_max[mt][h] == neg_inf() ? 0.f : exp2f(row_max[mt][h] * sc - shift);
-        row_max[mt][h] = mx;
+        const float shift = row_max[mt][h] == neg_inf() ? 0.f : row_max[mt][h] * sc;
         float sum = 0.f;
 #pragma unroll
         for (int nt = 0; nt < Tr::kNTiles; ++nt) {
@@ -161,17 +225,9 @@ __global__ void __launch_bounds__(WARPS * 32) forward_kernel(const __grid_consta
             sum += s[mt][nt][e];
           }
         }
-        row_sum[mt][h] = row_sum[mt][h] * alpha + sum;
-#pragma unroll
-        for (int dt = 0; dt < Tr::kDTiles; ++dt) {
-          acc[mt][dt][2 * h] *= alpha;
-          acc[mt][dt][2 * h + 1] *= alpha;
-        }
+        row_sum[mt][h] += sum;
       }
     }
-
-    cp_async_wait<1>();
-    __syncthreads();  // V[n_block] landed (K[n_block - 1] may still be in flight)
 
 #pragma unroll
     for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
@@ -197,7 +253,9 @@ __global__ void __launch_bounds__(WARPS * 32) forward_kernel(const __grid_consta
     }
   }
 
-  // Epilogue: finish the row sums across the quad, normalize, store out and lse.
+  // Epilogue: finish the row sums across the quad, normalize, and stage the warp's rows of out in
+  // its own rows of sQ (no other warp reads them), then store them in 16-byte chunks.
+  T* sOut = sQ + warp_row0 * Tr::kRowStride;
 #pragma unroll
   for (int mt = 0; mt < Tr::kMTiles; ++mt) {
 #pragma unroll
@@ -206,20 +264,28 @@ __global__ void __launch_bounds__(WARPS * 32) forward_kernel(const __grid_consta
       l += __shfl_xor_sync(0xffffffff, l, 1);
       l += __shfl_xor_sync(0xffffffff, l, 2);
       const float inv = l > 0.f ? 1.f / l : 0.f;
-      const int row = m0 + warp_row0 + mt * 16 + g + h * 8;
-      if (row < p.seqlen_q) {
-        T* dst = out + row * p.out_strides[1];
+      const int r = mt * 16 + g + h * 8;
 #pragma unroll
-        for (int dt = 0; dt < Tr::kDTiles; ++dt) {
-          const int col = dt * 8 + 2 * t;
-          if (col < p.head_dim) {
-            *reinterpret_cast<u32*>(dst + col) = pack2<T>(acc[mt][dt][2 * h] * inv, acc[mt][dt][2 * h + 1] * inv);
-          }
-        }
-        if (t == 0) {
-          lse[row] = l > 0.f ? (row_max[mt][h] * p.exp2_scale + log2f(l)) * 0.69314718055994531f : neg_inf();
-        }
+      for (int dt = 0; dt < Tr::kDTiles; ++dt) {
+        *reinterpret_cast<u32*>(sOut + r * Tr::kRowStride + dt * 8 + 2 * t) =
+            pack2<T>(acc[mt][dt][2 * h] * inv, acc[mt][dt][2 * h + 1] * inv);
       }
+      const int row = warp_first_row + r;
+      if (t == 0 && row < p.seqlen_q) {
+        head_view.lse[row] = l > 0.f ? (row_max[mt][h] * p.exp2_scale + log2f(l)) * 0.69314718055994531f : neg_inf();
+      }
+    }
+  }
+  __syncwarp();
+  constexpr int kOutChunks = Tr::kWarpRows * Tr::kChunksPerRow;
+  static_assert(kOutChunks % 32 == 0, "whole store rounds");
+#pragma unroll
+  for (int i = 0; i < kOutChunks / 32; ++i) {
+    const int chunk = i * 32 + lane;
+    const int r = chunk / Tr::kChunksPerRow, c = (chunk % Tr::kChunksPerRow) * 8;
+    if (warp_first_row + r < p.seqlen_q && c < p.head_dim) {
+      *reinterpret_cast<uint4*>(head_view.out + (warp_first_row + r) * p.out_strides[1] + c) =
+          *reinterpret_cast<const uint4*>(sOut + r * Tr::kRowStride + c);
     }
   }
 }

@@ -115,6 +115,8 @@ def test_attention_rejects_bad_tensors(change, exc, match):
         ({"window": (-4, 2)}, ValueError, "window bounds"),
         ({"causal": "yes"}, TypeError, "causal must be a bool"),
         ({"softcap": -1.0}, ValueError, "softcap must be positive"),
+        ({"scale": -0.5}, ValueError, "scale must be positive"),
+        ({"scale": float("nan")}, ValueError, "scale must be positive"),
         ({"out": np.ones((1, 4, 4, 64), np.float16)}, TypeError, "out= is written in place"),
     ],
 )

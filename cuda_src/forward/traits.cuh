@@ -21,9 +21,14 @@ struct ForwardTraits {
   // distinct bank groups.
   static constexpr int kRowStride = HEAD_DIM + 8;    // elements
   static constexpr int kChunksPerRow = HEAD_DIM / 8; // 16-byte chunks
+  static constexpr int kStages = 2;                  // K/V ring: block n+1 loads while n computes
   static constexpr int kSmemQ = BLOCK_M * kRowStride;
   static constexpr int kSmemKV = BLOCK_N * kRowStride;
-  static constexpr int kSmemBytes = (kSmemQ + 2 * kSmemKV) * 2;
+  static constexpr int kSmemBytes = (kSmemQ + 2 * kStages * kSmemKV) * 2;
+  // Unrolling of the S = Q K^T loop over head_dim: full unrolling lets the compiler hoist every
+  // K fragment into registers at once, which spills once S and O fill most of the budget.
+  static constexpr int kAccRegs = kMTiles * (kNTiles + kDTiles) * 4;
+  static constexpr int kQkUnroll = kAccRegs >= 192 ? 1 : HEAD_DIM / 16;
 
   static_assert(HEAD_DIM % 16 == 0 && HEAD_DIM <= 256, "head-dim bucket");
   static_assert(kWarpRows % 16 == 0 && kMTiles >= 1, "each warp owns whole m16 tiles");
