@@ -6,7 +6,8 @@ PyTorch, JAX or any DLPack producer. See README.md.
 
 from cuattn import reference
 from cuattn.attention import attention
+from cuattn.backward import attention_backward
 from cuattn.merge import merge, merge_
 
 __version__ = "0.1.0"
-__all__ = ["attention", "merge", "merge_", "reference", "__version__"]
+__all__ = ["attention", "attention_backward", "merge", "merge_", "reference", "__version__"]

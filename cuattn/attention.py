@@ -62,29 +62,21 @@ def attention(q, k, v, *, causal=False, window=None, align="bottom_right", scale
     ctx, a = boundary.import_arrays(q=q, k=k, v=v, out=out)
     if out is not None and ctx.framework in (boundary.JAX, boundary.NUMPY):
         raise TypeError(f"out= is written in place, which {ctx.framework} arrays cannot be")
-    c_type = _check_qkv(a["q"], a["k"], a["v"], a["out"])
-    left, right = _mask_bounds(causal, window)
-    offset = reference.diagonal_offset(a["q"].shape[1], a["k"].shape[1], align)
+    c_type = check_qkv(a["q"], a["k"], a["v"], a["out"])
     batch, seqlen_q, heads_q, head_dim = a["q"].shape
-    if scale is None:
-        scale = 1.0 / math.sqrt(head_dim)
-    scale = float(scale)
-    if not (scale > 0 and math.isfinite(scale)):
-        raise ValueError(f"scale must be positive and finite, got {scale}")
-    if softcap is not None and not (float(softcap) > 0):
-        raise ValueError(f"softcap must be positive or None, got {softcap}")
-    softcap = float(softcap) if softcap else 0.0
+    mask = mask_options(causal, window, align, seqlen_q, a["k"].shape[1])
+    scale, softcap = score_options(scale, softcap, head_dim)
 
     ctx.stage(*a.values())
     dst = a["out"] if out is not None else ctx.empty(a["q"].shape, a["q"].dtype)
     lse = ctx.empty((batch, heads_q, seqlen_q), np.float32)
     if batch and seqlen_q and heads_q:
-        _launch(ctx, c_type, a["q"], a["k"], a["v"], dst, lse, left, right, offset, scale, softcap)
+        _launch(ctx, c_type, attn_params(a["q"], a["k"], a["v"], dst, lse, mask, scale, softcap), seqlen_q, heads_q, batch)
     result = out if out is not None else ctx.export(dst)
     return (result, ctx.export(lse)) if return_lse else result
 
 
-def _check_qkv(q, k, v, out) -> str:
+def check_qkv(q, k, v, out) -> str:
     for name, x in (("q", q), ("k", k), ("v", v)):
         validation.check_rank(name, x, 4, _LAYOUT)
     c_type = validation.check_dtype("q", q)
@@ -115,6 +107,22 @@ def _check_qkv(q, k, v, out) -> str:
     return c_type
 
 
+def mask_options(causal, window, align, seqlen_q: int, seqlen_k: int) -> tuple[int, int, int]:
+    """(window_left, window_right, diagonal_offset) of AttnParams from the public options."""
+    left, right = _mask_bounds(causal, window)
+    return left, right, reference.diagonal_offset(seqlen_q, seqlen_k, align)
+
+
+def score_options(scale, softcap, head_dim: int) -> tuple[float, float]:
+    """(scale, softcap) as the kernels take them: softcap 0 means none."""
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    if not (scale > 0 and math.isfinite(scale)):
+        raise ValueError(f"scale must be positive and finite, got {scale}")
+    if softcap is not None and not (float(softcap) > 0):
+        raise ValueError(f"softcap must be positive or None, got {softcap}")
+    return scale, float(softcap) if softcap else 0.0
+
+
 def _mask_bounds(causal, window) -> tuple[int, int]:
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
@@ -130,10 +138,11 @@ def _mask_bounds(causal, window) -> tuple[int, int]:
     return left, right
 
 
-def _launch(ctx, c_type, q, k, v, out, lse, left, right, offset, scale, softcap) -> None:
+def attn_params(q, k, v, out, lse, mask, scale: float, softcap: float) -> np.void:
+    """AttnParams of the forward problem (shared with the backward)."""
     batch, seqlen_q, heads_q, head_dim = q.shape
-    variant = forward_variant(c_type, head_dim_bucket(head_dim), softcap > 0)
-    p = params.pack(
+    left, right, offset = mask
+    return params.pack(
         params.ATTN_PARAMS,
         q=q.ptr, k=k.ptr, v=v.ptr, out=out.ptr, lse=lse.ptr,
         q_strides=q.strides[:3], k_strides=k.strides[:3], v_strides=v.strides[:3],
@@ -142,6 +151,10 @@ def _launch(ctx, c_type, q, k, v, out, lse, left, right, offset, scale, softcap)
         window_left=left, window_right=right, diagonal_offset=offset,
         scale=scale, softcap=softcap, exp2_scale=LOG2E * (1.0 if softcap else scale),
     )
+
+
+def _launch(ctx, c_type, p, seqlen_q, heads_q, batch) -> None:
+    variant = forward_variant(c_type, head_dim_bucket(int(p["head_dim"])), p["softcap"] > 0)
     grid, block = plans.forward_launch(variant, seqlen_q, heads_q, batch)
     with ctx.device, ctx.stream:
         load_kernel(variant)(grid, block, (p,), shared_mem=variant.dynamic_smem)

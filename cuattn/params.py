@@ -58,8 +58,26 @@ ATTN_PARAMS = np.dtype(
     align=True,
 )
 
+BACKWARD_PARAMS = np.dtype(
+    [
+        ("attn", ATTN_PARAMS),
+        ("dout", _P),
+        ("dq", _P),
+        ("dk", _P),
+        ("dv", _P),
+        ("delta", _P),
+        ("dlse", _P),
+        ("dout_strides", *_S3),
+        ("dq_strides", *_S3),
+        ("dk_strides", *_S3),
+        ("dv_strides", *_S3),
+        ("dlse_strides", np.int64, (2,)),
+    ],
+    align=True,
+)
+
 # C struct name for each host mirror, for the layout check.
-C_STRUCTS = {"MergeParams": MERGE_PARAMS, "AttnParams": ATTN_PARAMS}
+C_STRUCTS = {"MergeParams": MERGE_PARAMS, "AttnParams": ATTN_PARAMS, "BackwardParams": BACKWARD_PARAMS}
 
 
 def pack(dtype: np.dtype, **values) -> np.void:

@@ -15,6 +15,6 @@ def merge_grid(rows: int, head_dim: int, vec: int, device_id: int) -> tuple[int,
     return (max(1, min(blocks, 2**31 - 1)), 1, 1)
 
 
-def forward_launch(variant, seqlen_q: int, heads_q: int, batch: int):
-    """(grid, block) of a forward variant: one CTA per (query block, head, batch)."""
-    return (-(-seqlen_q // variant.block_m), heads_q, batch), (variant.threads, 1, 1)
+def forward_launch(variant, rows: int, heads: int, batch: int):
+    """(grid, block) of a tiled attention variant: one CTA per (block of rows, head, batch)."""
+    return (-(-rows // variant.block_m), heads, batch), (variant.threads, 1, 1)

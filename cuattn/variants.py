@@ -102,6 +102,48 @@ def forward_variant(c_type: str, bucket: int, softcap: bool) -> Variant:
     )
 
 
+# Tensor-core backward: head-dim buckets it is compiled for, and its shared-memory contract
+# (cuda_src/backward/traits.cuh). Every CTA has 4 warps of 16 resident rows.
+BACKWARD_HEAD_DIM_BUCKETS = (32, 64, 96, 128)
+BACKWARD_BLOCK = 64  # resident rows per CTA
+BACKWARD_PREP_ROWS = 8  # backward_prep: query rows (warps) per CTA
+
+
+def backward_stream_rows(family: str, bucket: int) -> int:
+    """Rows per streamed block: queries in backward_dkdv (32 above d64), keys in backward_dq."""
+    return 32 if family == "backward_dkdv" and bucket > 64 else 64
+
+
+def backward_smem_bytes(family: str, bucket: int) -> int:
+    stream, stages, row = backward_stream_rows(family, bucket), 2, bucket + 8
+    return (2 * BACKWARD_BLOCK * row + 2 * stages * stream * row) * 2 + 2 * stages * stream * 4
+
+
+def backward_prep_variant(c_type: str) -> Variant:
+    return Variant(
+        family="backward_prep",
+        expression=f"cuattn::backward_prep_kernel<{cxx_type(c_type)}>",
+        uri=f"backward_prep/{c_type}",
+        hot=True,
+        block_m=BACKWARD_PREP_ROWS,
+    )
+
+
+@functools.cache
+def backward_variant(family: str, c_type: str, bucket: int, softcap: bool) -> Variant:
+    """``family`` is backward_dkdv or backward_dq."""
+    cap = "true" if softcap else "false"
+    return Variant(
+        family=family,
+        expression=f"cuattn::{family}_kernel<{cxx_type(c_type)}, {bucket}, {cap}>",
+        uri=f"{family}/{c_type}/d{bucket}" + ("/softcap" if softcap else ""),
+        hot=True,
+        dynamic_smem=backward_smem_bytes(family, bucket),
+        threads=128,
+        block_m=BACKWARD_BLOCK,
+    )
+
+
 def all_variants() -> list[Variant]:
     """Every variant, in a stable order; the offline compile and ``warmup --all`` use it."""
     out = []
@@ -112,6 +154,12 @@ def all_variants() -> list[Variant]:
         for bucket in HEAD_DIM_BUCKETS:
             for softcap in (False, True):
                 out.append(forward_variant(c_type, bucket, softcap))
+    for c_type in ("f16", "bf16"):
+        out.append(backward_prep_variant(c_type))
+        for family in ("backward_dkdv", "backward_dq"):
+            for bucket in BACKWARD_HEAD_DIM_BUCKETS:
+                for softcap in (False, True):
+                    out.append(backward_variant(family, c_type, bucket, softcap))
     return out
 
 

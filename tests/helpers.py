@@ -57,18 +57,12 @@ def to_host(x) -> np.ndarray:
     return np.asarray(x).astype(np.float64)
 
 
-def naive_attention(q, k, v, dtype, causal=False, window=None, align="bottom_right", scale=None, softcap=None):
-    """Textbook attention done in the input precision (products accumulated in fp32, every
-    intermediate rounded to ``dtype``): the yardstick of the FlashAttention test criterion."""
+def _naive_probs(q, k, rnd, causal, window, align, scale, softcap):
+    """(capped scores, probabilities, scale) of naive attention on fp32 q and head-expanded k."""
     import math
 
     from cuattn import reference
 
-    dt = DTYPES[dtype]
-    rnd = lambda x: np.asarray(x, np.float32).astype(dt).astype(np.float32)  # noqa: E731
-    q, k, v = (np.asarray(x).astype(np.float32) for x in (q, k, v))
-    hq, hk = q.shape[2], k.shape[2]
-    k, v = np.repeat(k, hq // hk, axis=2), np.repeat(v, hq // hk, axis=2)
     scale = 1 / math.sqrt(q.shape[3]) if scale is None else scale
     s = rnd(np.einsum("bmhd,bnhd->bhmn", q, k) * np.float32(scale))
     if softcap:
@@ -76,11 +70,22 @@ def naive_attention(q, k, v, dtype, causal=False, window=None, align="bottom_rig
     sq, sk = q.shape[1], k.shape[1]
     left, right = reference.window_bounds(causal, window)
     ok = reference.visible(np.arange(sq), np.arange(sk), reference.diagonal_offset(sq, sk, align), left, right)
-    s = np.where(ok, s, -np.inf)
-    m = s.max(-1, keepdims=True)
-    e = np.exp(s - np.where(np.isfinite(m), m, 0))
+    sm = np.where(ok, s, -np.inf)
+    m = sm.max(-1, keepdims=True)
+    e = np.exp(sm - np.where(np.isfinite(m), m, 0))
     den = e.sum(-1, keepdims=True)
-    p = rnd(e / np.where(den > 0, den, 1))
+    return s, rnd(e / np.where(den > 0, den, 1)), scale
+
+
+def naive_attention(q, k, v, dtype, causal=False, window=None, align="bottom_right", scale=None, softcap=None):
+    """Textbook attention done in the input precision (products accumulated in fp32, every
+    intermediate rounded to ``dtype``): the yardstick of the FlashAttention test criterion."""
+    dt = DTYPES[dtype]
+    rnd = lambda x: np.asarray(x, np.float32).astype(dt).astype(np.float32)  # noqa: E731
+    q, k, v = (np.asarray(x).astype(np.float32) for x in (q, k, v))
+    hq, hk = q.shape[2], k.shape[2]
+    k, v = np.repeat(k, hq // hk, axis=2), np.repeat(v, hq // hk, axis=2)
+    _, p, _ = _naive_probs(q, k, rnd, causal, window, align, scale, softcap)
     return rnd(np.einsum("bhmn,bnhd->bmhd", p, v))
 
 
@@ -90,3 +95,30 @@ def assert_attention_accuracy(out, ref, naive, factor=2.0, floor=1e-5):
     err = max_err(out, ref)
     bound = factor * max_err(naive, ref) + floor
     assert err <= bound, f"max error {err:.3e} > {factor} x naive {max_err(naive, ref):.3e} + {floor}"
+
+
+def naive_attention_backward(dout, q, k, v, dtype, causal=False, window=None, align="bottom_right", scale=None, softcap=None, dlse=None):
+    """Textbook autograd of :func:`naive_attention` in the input precision (fp32 products,
+    every intermediate rounded to ``dtype``): the yardstick for backward accuracy."""
+    dt = DTYPES[dtype]
+    rnd = lambda x: np.asarray(x, np.float32).astype(dt).astype(np.float32)  # noqa: E731
+    dout, q, k, v = (np.asarray(x).astype(np.float32) for x in (dout, q, k, v))
+    hq, hk = q.shape[2], k.shape[2]
+    group = hq // hk
+    ke, ve = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
+    s, p, scale = _naive_probs(q, ke, rnd, causal, window, align, scale, softcap)
+    sk = k.shape[1]
+    dv = rnd(np.einsum("bhmn,bmhd->bnhd", p, dout))
+    dp = rnd(np.einsum("bmhd,bnhd->bhmn", dout, ve))
+    row = (dp * p).sum(-1, keepdims=True)
+    if dlse is not None:
+        row = row - np.asarray(dlse, np.float32)[..., None]
+    ds = rnd(p * (dp - row))
+    if softcap:
+        ds = rnd(ds * (1 - (s / softcap) ** 2))
+    dq = rnd(np.einsum("bhmn,bnhd->bmhd", ds, ke) * np.float32(scale))
+    dk = rnd(np.einsum("bhmn,bmhd->bnhd", ds, q) * np.float32(scale))
+    b, _, _, d = k.shape
+    dk = rnd(dk.reshape(b, sk, hk, group, d).sum(3))
+    dv = rnd(dv.reshape(b, sk, hk, group, v.shape[3]).sum(3))
+    return dq, dk, dv

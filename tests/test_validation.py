@@ -123,3 +123,39 @@ def test_attention_rejects_bad_tensors(change, exc, match):
 def test_attention_rejects_bad_options(kwargs, exc, match):
     with pytest.raises(exc, match=match):
         cuattn.attention(*_qkv(), **kwargs)
+
+
+def _backward_args(d=64, dtype=np.float16):
+    q, k, v = _qkv(d=d, dtype=dtype)
+    return q, q, k, v, q, np.zeros((1, 4, 4), np.float32)  # dout, q, k, v, out, lse
+
+
+@pytest.mark.parametrize(
+    "change, exc, match",
+    [
+        (lambda a: (a[0][:, :3], *a[1:]), ValueError, "dout has shape"),
+        (lambda a: (a[0].astype(np.float32), *a[1:]), TypeError, "dout has dtype"),
+        (lambda a: (*a[:5], a[5][:, :2]), ValueError, "lse has shape"),
+        (lambda a: (*a[:5], a[5].astype(np.float64)), TypeError, "lse must be float32"),
+        (lambda a: (*a[:5], a[5][0]), ValueError, "lse must have 3 dimensions"),
+        (lambda a: _backward_args(dtype=np.float32), TypeError, "float32 is not implemented"),
+        (lambda a: _backward_args(d=160), ValueError, "head_dim 160 is not supported by the backward"),
+    ],
+)
+def test_backward_rejects_bad_arguments(change, exc, match):
+    with pytest.raises(exc, match=match):
+        cuattn.attention_backward(*change(_backward_args()))
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        ({"dlse": np.zeros((1, 4, 5), np.float32)}, ValueError, "dlse has shape"),
+        ({"deterministic": "yes"}, TypeError, "deterministic must be a bool"),
+        ({"scale": -1.0}, ValueError, "scale must be positive"),
+        ({"window": (-3, 0)}, ValueError, "window bounds"),
+    ],
+)
+def test_backward_rejects_bad_options(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        cuattn.attention_backward(*_backward_args(), **kwargs)

@@ -24,6 +24,13 @@ struct KeyBand {
   __device__ __forceinline__ int last_key(int row_last) const {
     return right < 0 ? seqlen_k - 1 : min(seqlen_k - 1, row_last + offset + right);
   }
+  // First and last query row that sees any key of [key_first, key_last] (last < first: none).
+  __device__ __forceinline__ int first_row(int key_first) const {
+    return right < 0 ? 0 : max(0, key_first - offset - right);
+  }
+  __device__ __forceinline__ int last_row(int key_last, int seqlen_q) const {
+    return left < 0 ? seqlen_q - 1 : min(seqlen_q - 1, key_last - offset + left);
+  }
   // Whether keys [col_first, col_last] are visible to every row of [row_first, row_last]: such
   // blocks skip the per-element mask.
   __device__ __forceinline__ bool all_visible(int row_first, int row_last, int col_first, int col_last) const {

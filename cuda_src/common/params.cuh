@@ -54,4 +54,21 @@ struct AttnParams {
   float exp2_scale;                         // log2(e) * (softcap ? 1 : scale), for exp2f
 };
 
+// Backward of AttnParams' attention: dout, gradients, and delta = rowsum(dout * out) - dlse per
+// query row, which backward_prep writes and the gradient kernels read.
+struct BackwardParams {
+  AttnParams attn;                          // q, k, v, out, lse, shapes, mask, scales
+  const void* dout;
+  void* dq;
+  void* dk;
+  void* dv;
+  float* delta;                             // (batch, heads_q, seqlen_q), contiguous
+  const float* dlse;                        // null: no gradient flows into lse
+  i64 dout_strides[3];                      // batch, row, head
+  i64 dq_strides[3];
+  i64 dk_strides[3];
+  i64 dv_strides[3];
+  i64 dlse_strides[2];                      // batch, head; row stride 1
+};
+
 }  // namespace cuattn

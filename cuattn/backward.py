@@ -1,0 +1,115 @@
+"""Exact attention backward from the forward's saved ``lse``."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cuattn import boundary, params, plans, validation
+from cuattn.attention import _LAYOUT, attn_params, check_qkv, mask_options, score_options
+from cuattn.loader import load_kernel
+from cuattn.variants import (
+    BACKWARD_HEAD_DIM_BUCKETS,
+    BACKWARD_PREP_ROWS,
+    backward_prep_variant,
+    backward_variant,
+    head_dim_bucket,
+)
+
+_LSE_LAYOUT = "(batch, heads_q, seqlen_q)"
+MAX_BACKWARD_HEAD_DIM = BACKWARD_HEAD_DIM_BUCKETS[-1]
+
+
+def attention_backward(
+    dout, q, k, v, out, lse, *, causal=False, window=None, align="bottom_right", scale=None, softcap=None,
+    dlse=None, deterministic=False,
+):
+    """Gradients of :func:`cuattn.attention` with respect to ``q``, ``k`` and ``v``.
+
+    Probabilities are recomputed on chip from ``q``, ``k`` and the saved ``lse``; the extra
+    device memory is one fp32 value per query row (``delta = rowsum(dout * out) - dlse``),
+    never O(seqlen^2).
+
+    Parameters
+    ----------
+    dout : gradient of the loss with respect to ``out``, shaped and typed like ``q``.
+    q, k, v, out, lse : the forward's inputs and outputs (``lse`` from ``return_lse=True``).
+    causal, window, align, scale, softcap : exactly as given to the forward.
+    dlse : optional ``(batch, heads_q, seqlen_q)`` float32, the gradient that flowed into
+        ``lse`` (for example through :func:`cuattn.merge`); ``None`` means zero.
+    deterministic : bool. Both settings give bit-identical gradients across runs today: dK and
+        dV are summed over a GQA group in registers and dQ is computed by its own kernel, with
+        no atomics.
+
+    Returns
+    -------
+    ``(dq, dk, dv)`` shaped and typed like ``q``, ``k`` and ``v`` (fp32 accumulation), as
+    arrays of the caller's framework. Rows that see no key get zero gradients.
+
+    float16 and bfloat16 only, head_dim up to 128 (float32 and larger head dims: not yet).
+    """
+    ctx, a = boundary.import_arrays(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dlse=dlse)
+    c_type = check_qkv(a["q"], a["k"], a["v"], a["out"])
+    if a["out"] is None:
+        raise TypeError("out is required (the forward's output)")
+    if c_type == "float":
+        raise TypeError("attention_backward supports float16 and bfloat16 inputs; float32 is not implemented yet")
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    batch, seqlen_q, heads_q, head_dim = a["q"].shape
+    if head_dim > MAX_BACKWARD_HEAD_DIM:
+        raise ValueError(f"head_dim {head_dim} is not supported by the backward yet (at most {MAX_BACKWARD_HEAD_DIM})")
+    validation.check_rank("dout", a["dout"], 4, _LAYOUT)
+    validation.check_shape("dout", a["dout"], a["q"].shape, "(the shape of q)")
+    validation.check_same_dtype("dout", a["dout"], "q", a["q"])
+    validation.check_unit_last_stride("dout", a["dout"])
+    if a["dout"].ptr is not None and not validation.aligned([a["dout"].ptr], a["dout"].strides[:3], a["dout"].dtype.itemsize, 8, 8):
+        raise ValueError(f"dout strides {a['dout'].strides} (elements) or its address are not multiples of 16 bytes; make it contiguous")
+    for name in ("lse", "dlse"):
+        x = a[name]
+        if x is None:
+            continue
+        validation.check_rank(name, x, 3, _LSE_LAYOUT)
+        validation.check_shape(name, x, (batch, heads_q, seqlen_q), _LSE_LAYOUT)
+        validation.check_float32(name, x)
+        validation.check_unit_last_stride(name, x)
+    mask = mask_options(causal, window, align, seqlen_q, a["k"].shape[1])
+    scale, softcap = score_options(scale, softcap, head_dim)
+
+    ctx.stage(*a.values())
+    grads = [ctx.empty(a[n].shape, a[n].dtype) for n in ("q", "k", "v")]
+    if batch and heads_q and (seqlen_q or a["k"].shape[1]):
+        delta = ctx.empty((batch, heads_q, seqlen_q), np.float32)
+        p = _backward_params(a, grads, delta, attn_params(a["q"], a["k"], a["v"], a["out"], a["lse"], mask, scale, softcap))
+        _launch(ctx, c_type, p, a["q"].shape, a["k"].shape)
+    return tuple(ctx.export(g) for g in grads)
+
+
+def _backward_params(a, grads, delta, attn: np.void) -> np.void:
+    dq, dk, dv = grads
+    dlse = a["dlse"]
+    return params.pack(
+        params.BACKWARD_PARAMS,
+        attn=attn, dout=a["dout"].ptr, dq=dq.ptr, dk=dk.ptr, dv=dv.ptr, delta=delta.ptr,
+        dlse=0 if dlse is None else dlse.ptr,
+        dout_strides=a["dout"].strides[:3], dq_strides=dq.strides[:3], dk_strides=dk.strides[:3],
+        dv_strides=dv.strides[:3], dlse_strides=(0, 0) if dlse is None else dlse.strides[:2],
+    )
+
+
+def _launch(ctx, c_type: str, p: np.void, q_shape, k_shape) -> None:
+    batch, seqlen_q, heads_q, head_dim = q_shape
+    seqlen_k, heads_kv = k_shape[1], k_shape[2]
+    bucket, softcap = head_dim_bucket(head_dim), bool(p["attn"]["softcap"] > 0)
+    launches = []
+    rows = batch * seqlen_q * heads_q
+    if rows:
+        prep = backward_prep_variant(c_type)
+        launches.append((prep, (-(-rows // BACKWARD_PREP_ROWS), 1, 1), (32 * BACKWARD_PREP_ROWS, 1, 1)))
+        dq = backward_variant("backward_dq", c_type, bucket, softcap)
+        launches.append((dq, *plans.forward_launch(dq, seqlen_q, heads_q, batch)))
+    if seqlen_k:  # dK and dV are written (zeros included) even when no query sees a key
+        dkdv = backward_variant("backward_dkdv", c_type, bucket, softcap)
+        launches.append((dkdv, *plans.forward_launch(dkdv, seqlen_k, heads_kv, batch)))
+    with ctx.device, ctx.stream:
+        for variant, grid, block in launches:
+            load_kernel(variant)(grid, block, (p,), shared_mem=variant.dynamic_smem)

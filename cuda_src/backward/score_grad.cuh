@@ -1,0 +1,94 @@
+// Shared steps of the backward kernels on one warp's 16 x N tile of scores (mma C fragments):
+// probabilities from the saved lse, and dS = P * (dP - delta) through the optional softcap.
+#pragma once
+#include "../common/dtypes.cuh"
+#include "../common/mma.cuh"
+
+namespace cuattn {
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+// lse (natural log) to the base-2 shift of the exponent; a row that saw no key (lse = -inf)
+// becomes +inf so that its probabilities are exactly 0.
+__device__ __forceinline__ float lse_to_exp2_shift(float lse) {
+  return lse == neg_inf() ? -neg_inf() : lse * kLog2e;
+}
+
+// Applies softcap to raw scores in place and keeps d(capped)/d(raw) / scale = 1 - tanh^2.
+template <int N>
+__device__ __forceinline__ void apply_softcap(float (&s)[N][4], float (&cap_grad)[N][4], float scale, float softcap) {
+  const float pre = scale / softcap;
+#pragma unroll
+  for (int nt = 0; nt < N; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float th = tanhf(s[nt][e] * pre);
+      s[nt][e] = softcap * th;
+      cap_grad[nt][e] = 1.f - th * th;
+    }
+}
+
+// A operand (16 x 16, rows of the C tile, k = its columns 16kk..16kk+15) from two C tiles.
+template <typename T, int N>
+__device__ __forceinline__ void c_tiles_to_a(const float (&c)[N][4], int kk, u32 (&a)[4]) {
+  a[0] = pack2<T>(c[2 * kk][0], c[2 * kk][1]);
+  a[1] = pack2<T>(c[2 * kk][2], c[2 * kk][3]);
+  a[2] = pack2<T>(c[2 * kk + 1][0], c[2 * kk + 1][1]);
+  a[3] = pack2<T>(c[2 * kk + 1][2], c[2 * kk + 1][3]);
+}
+
+// acc (16 x 8*N) += A (16 rows of sA, k over HEAD_DIM) * B^T where B is 8*N rows of sB: both
+// operands row-major in padded shared tiles (row stride RS elements).
+template <typename T, int HEAD_DIM, int N, int RS>
+__device__ __forceinline__ void mma_rows_by_rows(float (&acc)[N][4], const T* sA, const T* sB, int lane) {
+#pragma unroll
+  for (int kk = 0; kk < HEAD_DIM; kk += 16) {
+    u32 a[4];
+    ldmatrix_x4(a, sA + ((lane % 8) + ((lane / 8) % 2) * 8) * RS + kk + (lane / 16) * 8);
+#pragma unroll
+    for (int nt = 0; nt < N; nt += 2) {
+      u32 b[4];
+      ldmatrix_x4(b, sB + (nt * 8 + (lane % 8) + (lane / 16) * 8) * RS + kk + ((lane / 8) % 2) * 8);
+      mma_16816<T>(acc[nt], a, b[0], b[1]);
+      mma_16816<T>(acc[nt + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+// acc (16 x 8*D) += C (16 x 8*N, fp32 C fragments) * B where B is 8*N rows x 8*D columns of sB.
+template <typename T, int N, int D, int RS>
+__device__ __forceinline__ void mma_frag_by_tile(float (&acc)[D][4], const float (&c)[N][4], const T* sB, int lane) {
+#pragma unroll
+  for (int kk = 0; kk < N / 2; ++kk) {
+    u32 a[4];
+    c_tiles_to_a<T>(c, kk, a);
+#pragma unroll
+    for (int dt = 0; dt < D; dt += 2) {
+      u32 b[4];
+      ldmatrix_x4_trans(b, sB + (kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8) * RS + dt * 8 + (lane / 16) * 8);
+      mma_16816<T>(acc[dt], a, b[0], b[1]);
+      mma_16816<T>(acc[dt + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+// Stores a warp's 16 x 8*D fp32 accumulator times `mul` as T rows row0 + (g, g + 8), columns
+// < head_dim, rows < row_end.
+template <typename T, int D>
+__device__ __forceinline__ void store_acc_rows(const float (&acc)[D][4], float mul, T* base, i64 row_stride, int row0, int row_end, int head_dim, int lane) {
+  const int g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = row0 + g + h * 8;
+    if (row >= row_end) continue;
+#pragma unroll
+    for (int dt = 0; dt < D; ++dt) {
+      const int col = dt * 8 + 2 * t;
+      if (col < head_dim) {
+        *reinterpret_cast<u32*>(base + row * row_stride + col) = pack2<T>(acc[dt][2 * h] * mul, acc[dt][2 * h + 1] * mul);
+      }
+    }
+  }
+}
+
+}  // namespace cuattn

@@ -1,0 +1,129 @@
+// Attention backward, dK and dV (FlashAttention-2 scheme, transposed): one CTA per (key block,
+// KV head, batch) keeps its K and V tiles and fp32 dK / dV accumulators on chip and streams the
+// query blocks of every query head of the KV head's group, so that GQA sums happen in registers
+// and every gradient element is written once (deterministic). Per query block, each warp forms
+// S^T = K Q^T for its 16 keys, P^T from the saved lse, dV += P^T dO, dP^T = V dO^T,
+// dS^T = P^T (dP^T - delta) and dK += dS^T Q.
+#include "backward/score_grad.cuh"
+#include "backward/traits.cuh"
+#include "common/mask.cuh"
+#include "common/params.cuh"
+#include "common/tile_copy.cuh"
+
+namespace cuattn {
+
+// Queries per step: 32 at large head dims, where dK and dV take 2 * head_dim / 2 registers.
+template <int HEAD_DIM>
+constexpr int kDkdvBlockQ = HEAD_DIM > 64 ? 32 : 64;
+
+template <typename T, int HEAD_DIM, bool SOFTCAP>
+__global__ void __launch_bounds__(128, 1) backward_dkdv_kernel(const __grid_constant__ BackwardParams p) {
+  using Tr = BackwardTraits<HEAD_DIM, kDkdvBlockQ<HEAD_DIM>>;
+  constexpr int BM = Tr::kBlockStream;    // queries per step
+  constexpr int BN = Tr::kBlockResident;  // keys per CTA
+  constexpr int RS = Tr::kRowStride;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  if (dynamic_smem_bytes() < Tr::kSmemBytes) __trap();  // launch contract
+  T* sK = reinterpret_cast<T*>(smem_raw);
+  T* sV = sK + Tr::kSmemResident;
+  T* sQ_ring = sV + Tr::kSmemResident;
+  T* sdO_ring = sQ_ring + Tr::kStages * Tr::kSmemStream;
+  float* sLse_ring = reinterpret_cast<float*>(sdO_ring + Tr::kStages * Tr::kSmemStream);
+  float* sDelta_ring = sLse_ring + Tr::kStages * BM;
+
+  const AttnParams& a = p.attn;
+  const int n_block = blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
+  const int n0 = n_block * BN;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int group = a.heads_q / a.heads_kv;
+
+  const T* k = static_cast<const T*>(a.k) + batch * a.k_strides[0] + kv_head * a.k_strides[2];
+  const T* v = static_cast<const T*>(a.v) + batch * a.v_strides[0] + kv_head * a.v_strides[2];
+  const KeyBand band(a);
+  const int row_first = band.first_row(n0);
+  const int row_last = band.last_row(min(n0 + BN, a.seqlen_k) - 1, a.seqlen_q);
+  const int m_first = row_first / BM;
+  const int m_count = row_last < row_first ? 0 : row_last / BM - m_first + 1;
+  const int steps = group * m_count;  // (query head of the group, query block) pairs
+
+  const auto load_step = [&](int step, int stage) {
+    const int head = kv_head * group + step / m_count, m0 = (m_first + step % m_count) * BM;
+    const T* q = static_cast<const T*>(a.q) + batch * a.q_strides[0] + head * a.q_strides[2];
+    const T* dout = static_cast<const T*>(p.dout) + batch * p.dout_strides[0] + head * p.dout_strides[2];
+    load_tile<Tr, BM>(sQ_ring + stage * Tr::kSmemStream, q, a.q_strides[1], m0, a.seqlen_q, a.head_dim);
+    load_tile<Tr, BM>(sdO_ring + stage * Tr::kSmemStream, dout, p.dout_strides[1], m0, a.seqlen_q, a.head_dim);
+    if (threadIdx.x < BM) {
+      const int row = m0 + threadIdx.x;
+      const bool valid = row < a.seqlen_q;
+      const float* lse = a.lse + batch * a.lse_strides[0] + head * a.lse_strides[1];
+      const float* delta = p.delta + (i64(batch) * a.heads_q + head) * a.seqlen_q;
+      cp_async_4(sLse_ring + stage * BM + threadIdx.x, valid ? lse + row : lse, valid);
+      cp_async_4(sDelta_ring + stage * BM + threadIdx.x, valid ? delta + row : delta, valid);
+    }
+  };
+
+  load_tile<Tr, BN>(sK, k, a.k_strides[1], n0, a.seqlen_k, a.head_dim);
+  load_tile<Tr, BN>(sV, v, a.v_strides[1], n0, a.seqlen_k, a.head_dim);
+  if (steps > 0) load_step(0, 0);
+  cp_async_commit();
+
+  float dk[Tr::kDTiles][4], dv[Tr::kDTiles][4];
+#pragma unroll
+  for (int dt = 0; dt < Tr::kDTiles; ++dt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk[dt][e] = dv[dt][e] = 0.f;
+
+  const int warp_key0 = n0 + warp * 16;
+  const int warp_key_last = min(warp_key0 + 15, a.seqlen_k - 1);
+  const float sc = a.exp2_scale;
+
+  for (int step = 0, stage = 0; step < steps; ++step, stage ^= 1) {
+    cp_async_wait<0>();
+    __syncthreads();  // this stage landed; every warp finished with the other one
+    if (step + 1 < steps) {
+      load_step(step + 1, stage ^ 1);
+      cp_async_commit();
+    }
+    const int m0 = (m_first + step % m_count) * BM;
+    const int m_last = min(m0 + BM, a.seqlen_q) - 1;
+    if (warp_key_last < warp_key0 || warp_key0 > band.last_key(m_last) || warp_key_last < band.first_key(m0)) continue;
+    const bool masked = !band.all_visible(m0, m_last, warp_key0, warp_key0 + 15);
+    const T* sQ = sQ_ring + stage * Tr::kSmemStream;
+    const T* sdO = sdO_ring + stage * Tr::kSmemStream;
+    const float* sLse = sLse_ring + stage * BM;
+    const float* sDelta = sDelta_ring + stage * BM;
+
+    float s[Tr::kNTiles][4] = {};
+    mma_rows_by_rows<T, HEAD_DIM, Tr::kNTiles, RS>(s, sK + warp * 16 * RS, sQ, lane);
+    float cap_grad[SOFTCAP ? Tr::kNTiles : 1][4];
+    if constexpr (SOFTCAP) apply_softcap(s, cap_grad, a.scale, a.softcap);
+#pragma unroll
+    for (int nt = 0; nt < Tr::kNTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int col = nt * 8 + 2 * t + (e % 2);  // query m0 + col
+        s[nt][e] = exp2f(fmaf(s[nt][e], sc, -lse_to_exp2_shift(sLse[col])));
+        if (masked && !band.visible(m0 + col, warp_key0 + g + (e / 2) * 8)) s[nt][e] = 0.f;
+      }
+    mma_frag_by_tile<T, Tr::kNTiles, Tr::kDTiles, RS>(dv, s, sdO, lane);
+
+    float dp[Tr::kNTiles][4] = {};
+    mma_rows_by_rows<T, HEAD_DIM, Tr::kNTiles, RS>(dp, sV + warp * 16 * RS, sdO, lane);
+#pragma unroll
+    for (int nt = 0; nt < Tr::kNTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        dp[nt][e] = s[nt][e] * (dp[nt][e] - sDelta[nt * 8 + 2 * t + (e % 2)]);
+        if constexpr (SOFTCAP) dp[nt][e] *= cap_grad[nt][e];
+      }
+    mma_frag_by_tile<T, Tr::kNTiles, Tr::kDTiles, RS>(dk, dp, sQ, lane);
+  }
+
+  T* dk_out = static_cast<T*>(p.dk) + batch * p.dk_strides[0] + kv_head * p.dk_strides[2];
+  T* dv_out = static_cast<T*>(p.dv) + batch * p.dv_strides[0] + kv_head * p.dv_strides[2];
+  store_acc_rows<T, Tr::kDTiles>(dk, a.scale, dk_out, p.dk_strides[1], warp_key0, a.seqlen_k, a.head_dim, lane);
+  store_acc_rows<T, Tr::kDTiles>(dv, 1.f, dv_out, p.dv_strides[1], warp_key0, a.seqlen_k, a.head_dim, lane);
+}
+
+}  // namespace cuattn

@@ -1,0 +1,114 @@
+// Attention backward, dQ: one CTA per (query block, query head, batch) keeps Q, dO, and the
+// fp32 dQ accumulator on chip and streams the visible key blocks (two-stage ring). Per key
+// block each warp forms S = Q K^T for its 16 rows, P from the saved lse, dP = dO V^T,
+// dS = P (dP - delta) and dQ += dS K. No atomics: the result is deterministic.
+#include "backward/score_grad.cuh"
+#include "backward/traits.cuh"
+#include "common/mask.cuh"
+#include "common/params.cuh"
+#include "common/tile_copy.cuh"
+
+namespace cuattn {
+
+template <typename T, int HEAD_DIM, bool SOFTCAP>
+__global__ void __launch_bounds__(128) backward_dq_kernel(const __grid_constant__ BackwardParams p) {
+  using Tr = BackwardTraits<HEAD_DIM, 64>;
+  constexpr int BM = Tr::kBlockResident;  // query rows per CTA
+  constexpr int BN = Tr::kBlockStream;    // keys per step
+  constexpr int RS = Tr::kRowStride;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  if (dynamic_smem_bytes() < Tr::kSmemBytes) __trap();  // launch contract
+  T* sQ = reinterpret_cast<T*>(smem_raw);
+  T* sdO = sQ + Tr::kSmemResident;
+  T* sK_ring = sdO + Tr::kSmemResident;
+  T* sV_ring = sK_ring + Tr::kStages * Tr::kSmemStream;
+
+  const AttnParams& a = p.attn;
+  const int m_block = gridDim.x - 1 - blockIdx.x;  // heaviest first under a causal mask
+  const int head = blockIdx.y, batch = blockIdx.z;
+  const int m0 = m_block * BM;
+  const int m_last = min(m0 + BM, a.seqlen_q) - 1;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int kv_head = head / (a.heads_q / a.heads_kv);
+
+  const T* q = static_cast<const T*>(a.q) + batch * a.q_strides[0] + head * a.q_strides[2];
+  const T* dout = static_cast<const T*>(p.dout) + batch * p.dout_strides[0] + head * p.dout_strides[2];
+  const T* k = static_cast<const T*>(a.k) + batch * a.k_strides[0] + kv_head * a.k_strides[2];
+  const T* v = static_cast<const T*>(a.v) + batch * a.v_strides[0] + kv_head * a.v_strides[2];
+  const KeyBand band(a);
+  const int key_first = band.first_key(m0), key_last = band.last_key(m_last);
+  const int n_first = key_first / BN;
+  const int n_last = key_last < key_first ? n_first - 1 : key_last / BN;
+
+  const int warp_first_row = m0 + warp * 16;
+  const int warp_last_row = min(warp_first_row + 16, a.seqlen_q) - 1;
+  const int warp_first_key = band.first_key(warp_first_row), warp_last_key = band.last_key(warp_last_row);
+  float shift[2], delta[2];  // rows g and g + 8 of the warp
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = warp_first_row + g + h * 8;
+    const bool valid = row < a.seqlen_q;
+    shift[h] = valid ? lse_to_exp2_shift(a.lse[batch * a.lse_strides[0] + head * a.lse_strides[1] + row]) : -neg_inf();
+    delta[h] = valid ? p.delta[(i64(batch) * a.heads_q + head) * a.seqlen_q + row] : 0.f;
+  }
+
+  const auto load_kv = [&](int n_block, int stage) {
+    load_tile<Tr, BN>(sK_ring + stage * Tr::kSmemStream, k, a.k_strides[1], n_block * BN, a.seqlen_k, a.head_dim);
+    load_tile<Tr, BN>(sV_ring + stage * Tr::kSmemStream, v, a.v_strides[1], n_block * BN, a.seqlen_k, a.head_dim);
+  };
+  if (n_last >= n_first) {
+    load_tile<Tr, BM>(sQ, q, a.q_strides[1], m0, a.seqlen_q, a.head_dim);
+    load_tile<Tr, BM>(sdO, dout, p.dout_strides[1], m0, a.seqlen_q, a.head_dim);
+    load_kv(n_last, 0);
+    cp_async_commit();
+  }
+
+  float dq[Tr::kDTiles][4];
+#pragma unroll
+  for (int dt = 0; dt < Tr::kDTiles; ++dt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dq[dt][e] = 0.f;
+  const float sc = a.exp2_scale;
+
+  for (int n_block = n_last, stage = 0; n_block >= n_first; --n_block, stage ^= 1) {
+    const int n0 = n_block * BN;
+    cp_async_wait<0>();
+    __syncthreads();  // this stage (and Q, dO) landed; every warp finished with the other one
+    if (n_block > n_first) {
+      load_kv(n_block - 1, stage ^ 1);
+      cp_async_commit();
+    }
+    if (warp_last_row < warp_first_row || n0 > warp_last_key || n0 + BN <= warp_first_key) continue;
+    const bool masked = !band.all_visible(warp_first_row, warp_last_row, n0, n0 + BN - 1);
+    const T* sK = sK_ring + stage * Tr::kSmemStream;
+    const T* sV = sV_ring + stage * Tr::kSmemStream;
+
+    float s[Tr::kNTiles][4] = {};
+    mma_rows_by_rows<T, HEAD_DIM, Tr::kNTiles, RS>(s, sQ + warp * 16 * RS, sK, lane);
+    float cap_grad[SOFTCAP ? Tr::kNTiles : 1][4];
+    if constexpr (SOFTCAP) apply_softcap(s, cap_grad, a.scale, a.softcap);
+#pragma unroll
+    for (int nt = 0; nt < Tr::kNTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        s[nt][e] = exp2f(fmaf(s[nt][e], sc, -shift[e / 2]));
+        if (masked && !band.visible(warp_first_row + g + (e / 2) * 8, n0 + nt * 8 + 2 * t + (e % 2))) s[nt][e] = 0.f;
+      }
+    float dp[Tr::kNTiles][4] = {};
+    mma_rows_by_rows<T, HEAD_DIM, Tr::kNTiles, RS>(dp, sdO + warp * 16 * RS, sV, lane);
+#pragma unroll
+    for (int nt = 0; nt < Tr::kNTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        dp[nt][e] = s[nt][e] * (dp[nt][e] - delta[e / 2]);
+        if constexpr (SOFTCAP) dp[nt][e] *= cap_grad[nt][e];
+      }
+    mma_frag_by_tile<T, Tr::kNTiles, Tr::kDTiles, RS>(dq, dp, sK, lane);
+  }
+
+  T* dq_out = static_cast<T*>(p.dq) + batch * p.dq_strides[0] + head * p.dq_strides[2];
+  store_acc_rows<T, Tr::kDTiles>(dq, a.scale, dq_out, p.dq_strides[1], warp_first_row, a.seqlen_q, a.head_dim, lane);
+}
+
+}  // namespace cuattn

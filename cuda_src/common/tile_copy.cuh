@@ -1,0 +1,43 @@
+// Global -> shared tile copies with cp.async for the tiled attention kernels. Tr supplies
+// kThreads, kChunksPerRow (16-byte chunks of the padded head dim), kRowStride and kHeadDim.
+#pragma once
+#include "mma.cuh"
+
+namespace cuattn {
+
+// Copies rows [row0, row0 + ROWS) of one head of a (batch, seq, head, dim) tensor into a padded
+// shared tile, zero-filling rows >= row_end and columns >= head_dim.
+template <typename Tr, int ROWS, typename T>
+__device__ __forceinline__ void load_tile(T* smem, const T* gmem, i64 row_stride, int row0, int row_end, int head_dim) {
+  constexpr int kChunks = ROWS * Tr::kChunksPerRow;
+  static_assert(kChunks % Tr::kThreads == 0, "whole copy rounds");
+  constexpr int kRounds = kChunks / Tr::kThreads;
+  if constexpr (Tr::kThreads % Tr::kChunksPerRow == 0) {
+    // Each thread copies the same column of rows r, r + kRowsPerRound, ...: one address
+    // computation per tile, and no predicates when the tile is whole.
+    constexpr int kRowsPerRound = Tr::kThreads / Tr::kChunksPerRow;
+    const int r = threadIdx.x / Tr::kChunksPerRow, c = (threadIdx.x % Tr::kChunksPerRow) * 8;
+    const T* src = gmem + (row0 + r) * row_stride + c;
+    T* dst = smem + r * Tr::kRowStride + c;
+    if (row0 + ROWS <= row_end && head_dim == Tr::kHeadDim) {
+#pragma unroll
+      for (int i = 0; i < kRounds; ++i) cp_async_16(dst + i * kRowsPerRound * Tr::kRowStride, src + i * kRowsPerRound * row_stride);
+    } else {
+#pragma unroll
+      for (int i = 0; i < kRounds; ++i) {
+        const bool valid = row0 + r + i * kRowsPerRound < row_end && c < head_dim;
+        cp_async_16(dst + i * kRowsPerRound * Tr::kRowStride, valid ? src + i * kRowsPerRound * row_stride : gmem, valid);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < kRounds; ++i) {
+      const int chunk = i * Tr::kThreads + threadIdx.x;
+      const int r = chunk / Tr::kChunksPerRow, c = (chunk % Tr::kChunksPerRow) * 8;
+      const bool valid = row0 + r < row_end && c < head_dim;
+      cp_async_16(smem + r * Tr::kRowStride + c, valid ? gmem + (row0 + r) * row_stride + c : gmem, valid);
+    }
+  }
+}
+
+}  // namespace cuattn
