@@ -11,7 +11,7 @@
 namespace cuattn {
 
 template <typename T, int HEAD_DIM, bool SOFTCAP>
-__global__ void __launch_bounds__(128) backward_dq_kernel(const __grid_constant__ BackwardParams p) {
+__global__ void __launch_bounds__(128, 1) backward_dq_kernel(const __grid_constant__ BackwardParams p) {
   using Tr = BackwardTraits<HEAD_DIM, 64>;
   constexpr int BM = Tr::kBlockResident;  // query rows per CTA
   constexpr int BN = Tr::kBlockStream;    // keys per step
