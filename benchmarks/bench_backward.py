@@ -10,10 +10,8 @@ cuattn on ``attention_backward`` (delta pass + dQ kernel + dK/dV kernel).
 
 from __future__ import annotations
 
-import argparse
-
 import cuattn
-from benchmarks.timing import environment, torch_kernel_ms, write_csv
+from benchmarks.timing import environment, grid_arguments, grid_configs, torch_tflops, write_csv
 
 
 def main() -> None:
@@ -21,35 +19,25 @@ def main() -> None:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--csv", default="results/backward.csv")
-    parser.add_argument("--seqlens", default="1024,4096,16384")
-    parser.add_argument("--head-dims", default="64,128")
+    parser = grid_arguments("results/backward.csv")
     args = parser.parse_args()
     env = {**environment(), "torch": torch.__version__}
     rows = []
-    for d in map(int, args.head_dims.split(",")):
-        for s in map(int, args.seqlens.split(",")):
-            for causal in (False, True):
-                b, h = 16384 // s, 2048 // d
-                q, k, v, do = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-                flops = 2.5 * 4 * b * h * s * s * d / (2 if causal else 1)
-                row = {"head_dim": d, "seqlen": s, "batch": b, "heads": h, "causal": causal}
-                out, lse = cuattn.attention(q, k, v, causal=causal, return_lse=True)
-                impls = {"cuattn": lambda: cuattn.attention_backward(do, q, k, v, out, lse, causal=causal)}
-                for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
-                    qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
-                    with sdpa_kernel(backend):
-                        ot = sdpa(qt, kt, vt, is_causal=causal)
-                    impls[name] = lambda ot=ot, leaves=(qt, kt, vt): torch.autograd.grad(ot, leaves, do.transpose(1, 2), retain_graph=True)
-                for name, fn in impls.items():
-                    try:
-                        row[name] = round(flops / torch_kernel_ms(fn) / 1e9, 1)
-                    except RuntimeError as exc:
-                        row[name] = float("nan")
-                        print(f"{name} failed: {exc}")
-                rows.append({**row, **env})
-                del q, k, v, do, out, lse, impls
+    for d, s, causal, b, h in grid_configs(args):
+        q, k, v, do = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+        flops = 2.5 * 4 * b * h * s * s * d / (2 if causal else 1)
+        row = {"head_dim": d, "seqlen": s, "batch": b, "heads": h, "causal": causal}
+        out, lse = cuattn.attention(q, k, v, causal=causal, return_lse=True)
+        impls = {"cuattn": lambda: cuattn.attention_backward(do, q, k, v, out, lse, causal=causal)}
+        for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
+            qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
+            with sdpa_kernel(backend):
+                ot = sdpa(qt, kt, vt, is_causal=causal)
+            impls[name] = lambda ot=ot, leaves=(qt, kt, vt): torch.autograd.grad(ot, leaves, do.transpose(1, 2), retain_graph=True)
+        for name, fn in impls.items():
+            row[name] = torch_tflops(flops, fn)
+        rows.append({**row, **env})
+        del q, k, v, do, out, lse, impls
     write_csv(args.csv, rows)
     print(f"backward, bf16, TFLOP/s — {env['gpu']}, {env['date']}, torch {env['torch']}, cupy {env['cupy']}")
     print(f"{'d':>4} {'seqlen':>6} {'causal':>6} {'cuattn':>7} {'flash':>7} {'cudnn':>7} {'vs flash':>8} {'vs cudnn':>8}")

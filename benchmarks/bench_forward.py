@@ -9,11 +9,9 @@ heads = 2048 / head_dim, causal or not, bf16.
 
 from __future__ import annotations
 
-import argparse
-
 import cuattn
 from cuattn import variants
-from benchmarks.timing import environment, torch_kernel_ms, write_csv
+from benchmarks.timing import environment, grid_arguments, grid_configs, torch_tflops, write_csv
 
 # Alternative (BLOCK_M, BLOCK_N, WARPS) tilings timed with --alt-tiles, to choose the table's.
 ALT_TILES = {128: [(128, 64, 4)]}
@@ -24,42 +22,34 @@ def main() -> None:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--csv", default="results/forward.csv")
+    parser = grid_arguments("results/forward.csv")
     parser.add_argument("--alt-tiles", action="store_true")
-    parser.add_argument("--seqlens", default="1024,4096,16384")
-    parser.add_argument("--head-dims", default="64,128")
     args = parser.parse_args()
     env = {**environment(), "torch": torch.__version__}
     rows = []
-    for d in map(int, args.head_dims.split(",")):
-        for s in map(int, args.seqlens.split(",")):
-            for causal in (False, True):
-                b, h = 16384 // s, 2048 // d
-                q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-                qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # SDPA layout, strided view
-                flops = 4 * b * h * s * s * d / (2 if causal else 1)
-                row = {"head_dim": d, "seqlen": s, "batch": b, "heads": h, "causal": causal}
-                impls = {"cuattn": lambda: cuattn.attention(q, k, v, causal=causal)}
-                for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
-                    def run(backend=backend):
-                        with sdpa_kernel(backend):
-                            return sdpa(qt, kt, vt, is_causal=causal)
-                    impls[name] = run
-                for name, fn in impls.items():
-                    try:
-                        row[name] = round(flops / torch_kernel_ms(fn) / 1e9, 1)
-                    except RuntimeError as exc:
-                        row[name] = float("nan")
-                        print(f"{name} failed: {exc}")
-                if args.alt_tiles:
-                    default = variants.FORWARD_TILES[d]
-                    for tiles in ALT_TILES.get(d, []):
-                        variants.FORWARD_TILES[d] = tiles
-                        row["cuattn_m%dn%dw%d" % tiles] = round(flops / torch_kernel_ms(impls["cuattn"]) / 1e9, 1)
-                    variants.FORWARD_TILES[d] = default
-                rows.append({**row, **env})
-                del q, k, v
+    for d, s, causal, b, h in grid_configs(args):
+        q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # SDPA layout, strided view
+        flops = 4 * b * h * s * s * d / (2 if causal else 1)
+        row = {"head_dim": d, "seqlen": s, "batch": b, "heads": h, "causal": causal}
+        impls = {"cuattn": lambda: cuattn.attention(q, k, v, causal=causal)}
+        for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
+            def run(backend=backend):
+                with sdpa_kernel(backend):
+                    return sdpa(qt, kt, vt, is_causal=causal)
+            impls[name] = run
+        for name, fn in impls.items():
+            row[name] = torch_tflops(flops, fn)
+        if args.alt_tiles:
+            default = variants.FORWARD_TILES[d]
+            for tiles in ALT_TILES.get(d, []):
+                variants.FORWARD_TILES[d] = tiles
+                variants.forward_variant.cache_clear()  # the variant table is memoized
+                row["cuattn_m%dn%dw%d" % tiles] = torch_tflops(flops, impls["cuattn"])
+            variants.FORWARD_TILES[d] = default
+            variants.forward_variant.cache_clear()
+        rows.append({**row, **env})
+        del q, k, v
     write_csv(args.csv, rows)
     print(f"forward, bf16, TFLOP/s — {env['gpu']}, {env['date']}, torch {env['torch']}, cupy {env['cupy']}")
     extra = sorted({c for r in rows for c in r if c.startswith("cuattn_m")})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import csv
 import datetime
 import pathlib
@@ -29,6 +30,23 @@ def median_ms(fn, *, warmup: int = 3, repeat: int = 20, input_sets: int = 1) -> 
     return statistics.median(times)
 
 
+def grid_arguments(default_csv: str) -> argparse.ArgumentParser:
+    """Options of the attention benchmarks' grid: head dims, seqlens, CSV path."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--csv", default=default_csv)
+    parser.add_argument("--seqlens", default="1024,4096,16384")
+    parser.add_argument("--head-dims", default="64,128")
+    return parser
+
+
+def grid_configs(args):
+    """(head_dim, seqlen, causal, batch, heads): batch * seqlen = 16k tokens, heads = 2048 / head_dim."""
+    for d in map(int, args.head_dims.split(",")):
+        for s in map(int, args.seqlens.split(",")):
+            for causal in (False, True):
+                yield d, s, causal, 16384 // s, 2048 // d
+
+
 def torch_kernel_ms(fn, *, repeat: int = 10, samples: int = 7) -> float:
     """Median over ``samples`` of the mean GPU time of ``repeat`` back-to-back calls on torch's
     current stream. A sleep kernel queued ahead keeps the GPU busy while the host enqueues the
@@ -49,6 +67,15 @@ def torch_kernel_ms(fn, *, repeat: int = 10, samples: int = 7) -> float:
         stop.synchronize()
         times.append(start.elapsed_time(stop) / repeat)
     return statistics.median(times)
+
+
+def torch_tflops(flops: float, fn) -> float:
+    """TFLOP/s of ``fn`` by :func:`torch_kernel_ms`; NaN (reported) if the backend refuses."""
+    try:
+        return round(flops / torch_kernel_ms(fn) / 1e9, 1)
+    except RuntimeError as exc:
+        print(f"failed: {exc}")
+        return float("nan")
 
 
 def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
