@@ -8,7 +8,6 @@ from cuattn import boundary, params, plans, validation
 from cuattn.attention import _LAYOUT, attn_params, check_qkv, mask_options, score_options
 from cuattn.loader import load_kernel
 from cuattn.variants import (
-    BACKWARD_HEAD_DIM_BUCKETS,
     BACKWARD_PREP_ROWS,
     backward_prep_variant,
     backward_variant,
@@ -16,7 +15,6 @@ from cuattn.variants import (
 )
 
 _LSE_LAYOUT = "(batch, heads_q, seqlen_q)"
-MAX_BACKWARD_HEAD_DIM = BACKWARD_HEAD_DIM_BUCKETS[-1]
 
 
 def attention_backward(
@@ -38,31 +36,29 @@ def attention_backward(
         ``lse`` (for example through :func:`cuattn.merge`); ``None`` means zero.
     deterministic : bool. Both settings give bit-identical gradients across runs today: dK and
         dV are summed over a GQA group in registers and dQ is computed by its own kernel, with
-        no atomics.
+        no atomics (float32 included).
 
     Returns
     -------
     ``(dq, dk, dv)`` shaped and typed like ``q``, ``k`` and ``v`` (fp32 accumulation), as
     arrays of the caller's framework. Rows that see no key get zero gradients.
 
-    float16 and bfloat16 only, head_dim up to 128 (float32 and larger head dims: not yet).
+    Dtypes and head dims as the forward: float16 / bfloat16 on tensor cores (above head_dim
+    128 the dK/dV columns are split over two CTAs, each recomputing the scores), float32 on
+    the CUDA cores with fp32 accuracy (no tf32).
     """
     ctx, a = boundary.import_arrays(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dlse=dlse)
     c_type = check_qkv(a["q"], a["k"], a["v"], a["out"])
     if a["out"] is None:
         raise TypeError("out is required (the forward's output)")
-    if c_type == "float":
-        raise TypeError("attention_backward supports float16 and bfloat16 inputs; float32 is not implemented yet")
     if not isinstance(deterministic, (bool, np.bool_)):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     batch, seqlen_q, heads_q, head_dim = a["q"].shape
-    if head_dim > MAX_BACKWARD_HEAD_DIM:
-        raise ValueError(f"head_dim {head_dim} is not supported by the backward yet (at most {MAX_BACKWARD_HEAD_DIM})")
     validation.check_rank("dout", a["dout"], 4, _LAYOUT)
     validation.check_shape("dout", a["dout"], a["q"].shape, "(the shape of q)")
     validation.check_same_dtype("dout", a["dout"], "q", a["q"])
     validation.check_unit_last_stride("dout", a["dout"])
-    if a["dout"].ptr is not None and not validation.aligned([a["dout"].ptr], a["dout"].strides[:3], a["dout"].dtype.itemsize, 8, 8):
+    if c_type != "float" and a["dout"].ptr is not None and not validation.aligned([a["dout"].ptr], a["dout"].strides[:3], a["dout"].dtype.itemsize, 8, 8):
         raise ValueError(f"dout strides {a['dout'].strides} (elements) or its address are not multiples of 16 bytes; make it contiguous")
     for name in ("lse", "dlse"):
         x = a[name]
@@ -109,7 +105,7 @@ def _launch(ctx, c_type: str, p: np.void, q_shape, k_shape) -> None:
         launches.append((dq, *plans.forward_launch(dq, seqlen_q, heads_q, batch)))
     if seqlen_k:  # dK and dV are written (zeros included) even when no query sees a key
         dkdv = backward_variant("backward_dkdv", c_type, bucket, softcap)
-        launches.append((dkdv, *plans.forward_launch(dkdv, seqlen_k, heads_kv, batch)))
+        launches.append((dkdv, *plans.forward_launch(dkdv, seqlen_k, heads_kv * dkdv.column_splits, batch)))
     with ctx.device, ctx.stream:
         for variant, grid, block in launches:
             load_kernel(variant)(grid, block, (p,), shared_mem=variant.dynamic_smem)

@@ -32,7 +32,8 @@ class Variant:
     hot: bool = False
     dynamic_smem: int = 0  # bytes of dynamic shared memory every launch passes
     threads: int = 256  # threads per CTA
-    block_m: int = 0  # query rows per CTA (attention kernels)
+    block_m: int = 0  # rows per CTA (attention kernels)
+    column_splits: int = 1  # CTAs per row block, each with a slice of the head-dim columns
 
 
 def cxx_type(c_type: str) -> str:
@@ -102,16 +103,17 @@ def forward_variant(c_type: str, bucket: int, softcap: bool) -> Variant:
     )
 
 
-# Tensor-core backward: head-dim buckets it is compiled for, and its shared-memory contract
-# (cuda_src/backward/traits.cuh). Every CTA has 4 warps of 16 resident rows.
-BACKWARD_HEAD_DIM_BUCKETS = (32, 64, 96, 128)
+# Tensor-core backward: its shared-memory contract (cuda_src/backward/traits.cuh). Every CTA
+# has 4 warps of 16 resident rows.
 BACKWARD_BLOCK = 64  # resident rows per CTA
 BACKWARD_PREP_ROWS = 8  # backward_prep: query rows (warps) per CTA
+FP32_BACKWARD_TILE = 32  # backward/fp32_tiles.cuh: streamed rows per step (two padded tiles)
 
 
 def backward_stream_rows(family: str, bucket: int) -> int:
-    """Rows per streamed block: queries in backward_dkdv (32 above d64), keys in backward_dq."""
-    return 32 if family == "backward_dkdv" and bucket > 64 else 64
+    """Rows per streamed block: queries in backward_dkdv (32 above d64), keys in backward_dq
+    (32 above d128)."""
+    return 32 if bucket > (64 if family == "backward_dkdv" else 128) else 64
 
 
 def backward_smem_bytes(family: str, bucket: int) -> int:
@@ -131,8 +133,19 @@ def backward_prep_variant(c_type: str) -> Variant:
 
 @functools.cache
 def backward_variant(family: str, c_type: str, bucket: int, softcap: bool) -> Variant:
-    """``family`` is backward_dkdv or backward_dq."""
+    """``family`` is backward_dkdv or backward_dq; float32 runs their CUDA-core twins
+    (backward_fp32_dkdv, backward_fp32_dq)."""
     cap = "true" if softcap else "false"
+    if c_type == "float":
+        fp32_family = family.replace("backward_", "backward_fp32_")
+        return Variant(
+            family=fp32_family,
+            expression=f"cuattn::{fp32_family}_kernel<{bucket}, {cap}>",
+            uri=f"{fp32_family}/d{bucket}" + ("/softcap" if softcap else ""),
+            dynamic_smem=2 * FP32_BACKWARD_TILE * (bucket + 1) * 4,
+            threads=128,
+            block_m=FP32_BLOCK_M,
+        )
     return Variant(
         family=family,
         expression=f"cuattn::{family}_kernel<{cxx_type(c_type)}, {bucket}, {cap}>",
@@ -141,6 +154,7 @@ def backward_variant(family: str, c_type: str, bucket: int, softcap: bool) -> Va
         dynamic_smem=backward_smem_bytes(family, bucket),
         threads=128,
         block_m=BACKWARD_BLOCK,
+        column_splits=2 if family == "backward_dkdv" and bucket > 128 else 1,  # kDkdvSplits
     )
 
 
@@ -154,10 +168,10 @@ def all_variants() -> list[Variant]:
         for bucket in HEAD_DIM_BUCKETS:
             for softcap in (False, True):
                 out.append(forward_variant(c_type, bucket, softcap))
-    for c_type in ("f16", "bf16"):
+    for c_type in ("f16", "bf16", "float"):
         out.append(backward_prep_variant(c_type))
         for family in ("backward_dkdv", "backward_dq"):
-            for bucket in BACKWARD_HEAD_DIM_BUCKETS:
+            for bucket in HEAD_DIM_BUCKETS:
                 for softcap in (False, True):
                     out.append(backward_variant(family, c_type, bucket, softcap))
     return out

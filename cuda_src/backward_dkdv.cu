@@ -1,5 +1,5 @@
 // Attention backward, dK and dV (FlashAttention-2 scheme, transposed): one CTA per (key block,
-// KV head, batch) keeps its K and V tiles and fp32 dK / dV accumulators on chip and streams the
+// KV head [x column half above head_dim 128], batch) keeps its K and V tiles and fp32 dK / dV accumulators on chip and streams the
 // query blocks of every query head of the KV head's group, so that GQA sums happen in registers
 // and every gradient element is written once (deterministic). Per query block, each warp forms
 // S^T = K Q^T for its 16 keys, P^T from the saved lse, dV += P^T dO, dP^T = V dO^T,
@@ -15,10 +15,13 @@ namespace cuattn {
 // Queries per step: 32 at large head dims, where dK and dV take 2 * head_dim / 2 registers.
 template <int HEAD_DIM>
 constexpr int kDkdvBlockQ = HEAD_DIM > 64 ? 32 : 64;
+// CTAs that share a key block above head_dim 128, each with half of the dK / dV columns.
+template <int HEAD_DIM>
+constexpr int kDkdvSplits = HEAD_DIM > 128 ? 2 : 1;
 
 template <typename T, int HEAD_DIM, bool SOFTCAP>
 __global__ void __launch_bounds__(128, 1) backward_dkdv_kernel(const __grid_constant__ BackwardParams p) {
-  using Tr = BackwardTraits<HEAD_DIM, kDkdvBlockQ<HEAD_DIM>>;
+  using Tr = BackwardTraits<HEAD_DIM, kDkdvBlockQ<HEAD_DIM>, kDkdvSplits<HEAD_DIM>>;
   constexpr int BM = Tr::kBlockStream;    // queries per step
   constexpr int BN = Tr::kBlockResident;  // keys per CTA
   constexpr int RS = Tr::kRowStride;
@@ -32,7 +35,8 @@ __global__ void __launch_bounds__(128, 1) backward_dkdv_kernel(const __grid_cons
   float* sDelta_ring = sLse_ring + Tr::kStages * BM;
 
   const AttnParams& a = p.attn;
-  const int n_block = blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
+  const int n_block = blockIdx.x, kv_head = blockIdx.y / Tr::kSplits, batch = blockIdx.z;
+  const int col0 = blockIdx.y % Tr::kSplits * Tr::kOutCols;  // first gradient column of this CTA
   const int n0 = n_block * BN;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
@@ -68,9 +72,9 @@ __global__ void __launch_bounds__(128, 1) backward_dkdv_kernel(const __grid_cons
   if (steps > 0) load_step(0, 0);
   cp_async_commit();
 
-  float dk[Tr::kDTiles][4], dv[Tr::kDTiles][4];
+  float dk[Tr::kOutTiles][4], dv[Tr::kOutTiles][4];
 #pragma unroll
-  for (int dt = 0; dt < Tr::kDTiles; ++dt)
+  for (int dt = 0; dt < Tr::kOutTiles; ++dt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) dk[dt][e] = dv[dt][e] = 0.f;
 
@@ -106,7 +110,7 @@ __global__ void __launch_bounds__(128, 1) backward_dkdv_kernel(const __grid_cons
         s[nt][e] = exp2f(fmaf(s[nt][e], sc, -lse_to_exp2_shift(sLse[col])));
         if (masked && !band.visible(m0 + col, warp_key0 + g + (e / 2) * 8)) s[nt][e] = 0.f;
       }
-    mma_frag_by_tile<T, Tr::kNTiles, Tr::kDTiles, RS>(dv, s, sdO, lane);
+    mma_frag_by_tile<T, Tr::kNTiles, Tr::kOutTiles, RS>(dv, s, sdO + col0, lane);
 
     float dp[Tr::kNTiles][4] = {};
     mma_rows_by_rows<T, HEAD_DIM, Tr::kNTiles, RS>(dp, sV + warp * 16 * RS, sdO, lane);
@@ -117,13 +121,13 @@ __global__ void __launch_bounds__(128, 1) backward_dkdv_kernel(const __grid_cons
         dp[nt][e] = s[nt][e] * (dp[nt][e] - sDelta[nt * 8 + 2 * t + (e % 2)]);
         if constexpr (SOFTCAP) dp[nt][e] *= cap_grad[nt][e];
       }
-    mma_frag_by_tile<T, Tr::kNTiles, Tr::kDTiles, RS>(dk, dp, sQ, lane);
+    mma_frag_by_tile<T, Tr::kNTiles, Tr::kOutTiles, RS>(dk, dp, sQ + col0, lane);
   }
 
-  T* dk_out = static_cast<T*>(p.dk) + batch * p.dk_strides[0] + kv_head * p.dk_strides[2];
-  T* dv_out = static_cast<T*>(p.dv) + batch * p.dv_strides[0] + kv_head * p.dv_strides[2];
-  store_acc_rows<T, Tr::kDTiles>(dk, a.scale, dk_out, p.dk_strides[1], warp_key0, a.seqlen_k, a.head_dim, lane);
-  store_acc_rows<T, Tr::kDTiles>(dv, 1.f, dv_out, p.dv_strides[1], warp_key0, a.seqlen_k, a.head_dim, lane);
+  T* dk_out = static_cast<T*>(p.dk) + batch * p.dk_strides[0] + kv_head * p.dk_strides[2] + col0;
+  T* dv_out = static_cast<T*>(p.dv) + batch * p.dv_strides[0] + kv_head * p.dv_strides[2] + col0;
+  store_acc_rows<T, Tr::kOutTiles>(dk, a.scale, dk_out, p.dk_strides[1], warp_key0, a.seqlen_k, a.head_dim - col0, lane);
+  store_acc_rows<T, Tr::kOutTiles>(dv, 1.f, dv_out, p.dv_strides[1], warp_key0, a.seqlen_k, a.head_dim - col0, lane);
 }
 
 }  // namespace cuattn

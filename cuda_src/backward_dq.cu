@@ -10,9 +10,13 @@
 
 namespace cuattn {
 
+// Keys per step: 32 above head_dim 128, where the dQ accumulator alone takes 128 registers.
+template <int HEAD_DIM>
+constexpr int kDqBlockK = HEAD_DIM > 128 ? 32 : 64;
+
 template <typename T, int HEAD_DIM, bool SOFTCAP>
 __global__ void __launch_bounds__(128, 1) backward_dq_kernel(const __grid_constant__ BackwardParams p) {
-  using Tr = BackwardTraits<HEAD_DIM, 64>;
+  using Tr = BackwardTraits<HEAD_DIM, kDqBlockK<HEAD_DIM>>;
   constexpr int BM = Tr::kBlockResident;  // query rows per CTA
   constexpr int BN = Tr::kBlockStream;    // keys per step
   constexpr int RS = Tr::kRowStride;

@@ -9,7 +9,7 @@ namespace cuattn {
 /// \brief One warp per query row (batch, row, head), rows in that order; 8 warps per CTA.
 template <typename T>
 __global__ void __launch_bounds__(256) backward_prep_kernel(const __grid_constant__ BackwardParams p) {
-  constexpr int kVec = 16 / sizeof(T);
+  constexpr int kVec = sizeof(T) == 4 ? 1 : 16 / sizeof(T);  // float32 tensors carry no alignment contract
   const AttnParams& a = p.attn;
   const i64 rows = i64(a.batch) * a.seqlen_q * a.heads_q;
   const i64 row = i64(blockIdx.x) * 8 + threadIdx.x / 32;

@@ -1,6 +1,7 @@
 // Float32 attention forward on the CUDA cores: fp32 products and sums throughout (no tf32).
 // The slower exact path for float32 inputs.
 #include "common/dtypes.cuh"
+#include "common/fp64_exponent.cuh"
 #include "common/head_view.cuh"
 #include "common/mask.cuh"
 #include "common/params.cuh"
@@ -17,7 +18,7 @@ constexpr int kF32BlockN = 32;
 /// head-dim columns lane, lane + 32, ... of the output. K tiles go through shared memory; Q
 /// (read by all lanes of a warp at once) and V (read across lanes, contiguous) come through L1.
 template <int HEAD_DIM, bool SOFTCAP>
-__global__ void __launch_bounds__(kF32Warps * 32) forward_fp32_kernel(const __grid_constant__ AttnParams p) {
+__global__ void __launch_bounds__(kF32Warps * 32, 1) forward_fp32_kernel(const __grid_constant__ AttnParams p) {
   constexpr int kCols = HEAD_DIM / 32;
   __shared__ float sK[kF32BlockN][HEAD_DIM + 1];  // +1: lanes reading different keys hit different banks
 
@@ -57,16 +58,20 @@ __global__ void __launch_bounds__(kF32Warps * 32) forward_fp32_kernel(const __gr
 #pragma unroll 8
       for (int c = 0; c < p.head_dim; ++c) dot = fma(double(q_row[c]), double(sK[lane][c]), dot);
       float s = float(dot);
-      if (SOFTCAP) s = p.softcap * tanhf(s * (p.scale / p.softcap));
-      if (!band.visible(row, n0 + lane)) s = neg_inf();
+      if (SOFTCAP) {
+        s = p.softcap * tanhf(s * (p.scale / p.softcap));
+        dot = s;
+      }
+      const bool visible = band.visible(row, n0 + lane);
+      if (!visible) s = neg_inf();
       float mx = s;
 #pragma unroll
       for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, o));
       mx = fmaxf(mx, row_max[r]);
-      const float shift = mx == neg_inf() ? 0.f : mx * sc;
-      const float alpha = row_max[r] == neg_inf() ? 0.f : exp2f(row_max[r] * sc - shift);
+      const float shift = exp2_shift(mx, sc);
+      const float alpha = row_max[r] == neg_inf() ? 0.f : exp2f(exp2_shift(row_max[r], sc) - shift);
       row_max[r] = mx;
-      const float prob = exp2f(fmaf(s, sc, -shift));
+      const float prob = visible ? exp2_minus_shift(dot, sc, shift) : 0.f;
       float sum = prob;
 #pragma unroll
       for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffff, sum, o);
@@ -95,7 +100,7 @@ __global__ void __launch_bounds__(kF32Warps * 32) forward_fp32_kernel(const __gr
       if (col < p.head_dim) out[row * p.out_strides[1] + col] = acc[r][c] * inv;
     }
     if (lane == 0) {
-      lse[row] = row_sum[r] > 0.f ? (row_max[r] * sc + log2f(row_sum[r])) * 0.69314718055994531f : neg_inf();
+      lse[row] = lse_from_shift(exp2_shift(row_max[r], sc), row_sum[r]);
     }
   }
 }

@@ -18,15 +18,14 @@ def arr(shape, dtype):
 
 
 for dtype in (np.float16, BFLOAT16, np.float32):
-    for d in (40, 128):
+    for d in (40, 128, 200):
         q, k, v = arr((1, 70, 4, d), dtype), arr((1, 90, 2, d), dtype), arr((1, 90, 2, d), dtype)
         out, lse = cuattn.attention(q, k, v, causal=True, window=(30, None), softcap=10.0, return_lse=True)
         cuattn.attention(q, k, v)
-        if dtype != np.float32:
-            do = arr(q.shape, dtype)
-            cuattn.attention_backward(do, q, k, v, out, lse, causal=True, window=(30, None), softcap=10.0, dlse=lse)
-            out, lse = cuattn.attention(q, k, v, return_lse=True)
-            cuattn.attention_backward(do, q, k, v, out, lse)
+        do = arr(q.shape, dtype)
+        cuattn.attention_backward(do, q, k, v, out, lse, causal=True, window=(30, None), softcap=10.0, dlse=lse)
+        out, lse = cuattn.attention(q, k, v, return_lse=True)
+        cuattn.attention_backward(do, q, k, v, out, lse)
     outs, lses = arr((3, 1, 33, 2, 64), dtype), arr((3, 1, 2, 33), np.float32)
     cuattn.merge(outs, lses)
     cuattn.merge_(outs[0], lses[0], outs[1], lses[1])

@@ -1,0 +1,91 @@
+// Float32 attention backward, dK and dV, on the CUDA cores (fp32 products, fp64 dot products,
+// no tf32): one CTA per 16 keys of a (KV head, batch) streams the visible 32-query tiles of every
+// query head of the group, so that GQA sums stay in registers (deterministic). Each warp owns 4
+// keys; a lane takes one query of every tile, then dV row += sum_i P[i] dO[i] and
+// dK row += sum_i dS[i] Q[i] with lanes over head-dim columns.
+#include "backward/fp32_tiles.cuh"
+#include "common/mask.cuh"
+#include "common/params.cuh"
+
+namespace cuattn {
+
+template <int HEAD_DIM, bool SOFTCAP>
+__global__ void __launch_bounds__(kF32BwdWarps * 32, 1) backward_fp32_dkdv_kernel(const __grid_constant__ BackwardParams p) {
+  constexpr int kCols = HEAD_DIM / 32;
+  constexpr int RS = HEAD_DIM + 1;
+  extern __shared__ float smem_f32[];
+  float* sQ = smem_f32;
+  float* sdO = sQ + kF32BwdTile * RS;
+
+  const AttnParams& a = p.attn;
+  const int kv_head = blockIdx.y, batch = blockIdx.z;
+  const int n0 = blockIdx.x * kF32BwdBlock;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int group = a.heads_q / a.heads_kv;
+  const float* k = static_cast<const float*>(a.k) + batch * a.k_strides[0] + kv_head * a.k_strides[2];
+  const float* v = static_cast<const float*>(a.v) + batch * a.v_strides[0] + kv_head * a.v_strides[2];
+
+  const KeyBand band(a);
+  const int row_first = band.first_row(n0);
+  const int row_last = band.last_row(min(n0 + kF32BwdBlock, a.seqlen_k) - 1, a.seqlen_q);
+  float dk[kF32BwdRowsPerWarp][kCols], dv[kF32BwdRowsPerWarp][kCols];
+#pragma unroll
+  for (int r = 0; r < kF32BwdRowsPerWarp; ++r)
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) dk[r][c] = dv[r][c] = 0.f;
+  const float sc = a.exp2_scale;
+
+  for (int h = 0; h < group; ++h) {
+    const int head = kv_head * group + h;
+    const float* q = static_cast<const float*>(a.q) + batch * a.q_strides[0] + head * a.q_strides[2];
+    const float* dout = static_cast<const float*>(p.dout) + batch * p.dout_strides[0] + head * p.dout_strides[2];
+    const float* lse = a.lse + batch * a.lse_strides[0] + head * a.lse_strides[1];
+    const float* delta = p.delta + (i64(batch) * a.heads_q + head) * a.seqlen_q;
+    for (int m0 = row_last < row_first ? row_last + 1 : row_first / kF32BwdTile * kF32BwdTile; m0 <= row_last; m0 += kF32BwdTile) {
+      __syncthreads();  // previous tiles fully consumed
+      load_f32_tile<HEAD_DIM>(sQ, q, a.q_strides[1], m0, a.seqlen_q, a.head_dim);
+      load_f32_tile<HEAD_DIM>(sdO, dout, p.dout_strides[1], m0, a.seqlen_q, a.head_dim);
+      __syncthreads();
+      const int row = m0 + lane;  // this lane's query
+      const double shift = lse_to_exp2_shift_f64(row < a.seqlen_q ? lse[row] : neg_inf());
+      const float row_delta = row < a.seqlen_q ? delta[row] : 0.f;
+#pragma unroll
+      for (int r = 0; r < kF32BwdRowsPerWarp; ++r) {
+        const int key = n0 + warp * kF32BwdRowsPerWarp + r;
+        if (key >= a.seqlen_k) continue;  // warp-uniform
+        double s = dot_f64(sQ + lane * RS, k + key * a.k_strides[1], a.head_dim);
+        float cap_grad = 1.f;
+        if (SOFTCAP) s = softcap_score(float(s), a.scale, a.softcap, cap_grad);
+        const float prob = band.visible(row, key) ? exp2_minus_shift(s, sc, shift) : 0.f;
+        const float dp = float(dot_f64(sdO + lane * RS, v + key * a.v_strides[1], a.head_dim));
+        const float ds = prob * (dp - row_delta) * cap_grad;
+        for (int i = 0; i < kF32BwdTile; ++i) {
+          const float p_i = __shfl_sync(0xffffffff, prob, i), ds_i = __shfl_sync(0xffffffff, ds, i);
+#pragma unroll
+          for (int c = 0; c < kCols; ++c) {
+            dv[r][c] = fmaf(p_i, sdO[i * RS + lane + 32 * c], dv[r][c]);
+            dk[r][c] = fmaf(ds_i, sQ[i * RS + lane + 32 * c], dk[r][c]);
+          }
+        }
+      }
+    }
+  }
+
+  float* dk_out = static_cast<float*>(p.dk) + batch * p.dk_strides[0] + kv_head * p.dk_strides[2];
+  float* dv_out = static_cast<float*>(p.dv) + batch * p.dv_strides[0] + kv_head * p.dv_strides[2];
+#pragma unroll
+  for (int r = 0; r < kF32BwdRowsPerWarp; ++r) {
+    const int key = n0 + warp * kF32BwdRowsPerWarp + r;
+    if (key >= a.seqlen_k) continue;
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) {
+      const int col = lane + 32 * c;
+      if (col < a.head_dim) {
+        dk_out[key * p.dk_strides[1] + col] = dk[r][c] * a.scale;
+        dv_out[key * p.dv_strides[1] + col] = dv[r][c];
+      }
+    }
+  }
+}
+
+}  // namespace cuattn

@@ -1,0 +1,80 @@
+// Float32 attention backward, dQ, on the CUDA cores (fp32 products, fp64 dot products, no tf32):
+// one CTA per 16 query rows of a (head, batch); each warp owns 4 rows and a lane scores one key
+// of every 32-key tile, then dQ row r += sum_j dS[r, j] K[j] with lanes over head-dim columns.
+#include "backward/fp32_tiles.cuh"
+#include "common/mask.cuh"
+#include "common/params.cuh"
+
+namespace cuattn {
+
+template <int HEAD_DIM, bool SOFTCAP>
+__global__ void __launch_bounds__(kF32BwdWarps * 32, 1) backward_fp32_dq_kernel(const __grid_constant__ BackwardParams p) {
+  constexpr int kCols = HEAD_DIM / 32;
+  constexpr int RS = HEAD_DIM + 1;
+  extern __shared__ float smem_f32[];
+  float* sK = smem_f32;
+  float* sV = sK + kF32BwdTile * RS;
+
+  const AttnParams& a = p.attn;
+  const int head = blockIdx.y, batch = blockIdx.z;
+  const int m0 = blockIdx.x * kF32BwdBlock;
+  const int m_last = min(m0 + kF32BwdBlock, a.seqlen_q) - 1;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int kv_head = head / (a.heads_q / a.heads_kv);
+  const float* q = static_cast<const float*>(a.q) + batch * a.q_strides[0] + head * a.q_strides[2];
+  const float* dout = static_cast<const float*>(p.dout) + batch * p.dout_strides[0] + head * p.dout_strides[2];
+  const float* k = static_cast<const float*>(a.k) + batch * a.k_strides[0] + kv_head * a.k_strides[2];
+  const float* v = static_cast<const float*>(a.v) + batch * a.v_strides[0] + kv_head * a.v_strides[2];
+  const float* lse = a.lse + batch * a.lse_strides[0] + head * a.lse_strides[1];
+  const float* delta = p.delta + (i64(batch) * a.heads_q + head) * a.seqlen_q;
+
+  const KeyBand band(a);
+  const int key_first = band.first_key(m0), key_last = band.last_key(m_last);
+  float dq[kF32BwdRowsPerWarp][kCols], row_delta[kF32BwdRowsPerWarp];
+  double shift[kF32BwdRowsPerWarp];
+#pragma unroll
+  for (int r = 0; r < kF32BwdRowsPerWarp; ++r) {
+    const int row = m0 + warp * kF32BwdRowsPerWarp + r;
+    shift[r] = lse_to_exp2_shift_f64(row < a.seqlen_q ? lse[row] : neg_inf());
+    row_delta[r] = row < a.seqlen_q ? delta[row] : 0.f;
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) dq[r][c] = 0.f;
+  }
+  const float sc = a.exp2_scale;
+
+  for (int n0 = key_last < key_first ? key_last + 1 : key_first / kF32BwdTile * kF32BwdTile; n0 <= key_last; n0 += kF32BwdTile) {
+    __syncthreads();  // previous tiles fully consumed
+    load_f32_tile<HEAD_DIM>(sK, k, a.k_strides[1], n0, a.seqlen_k, a.head_dim);
+    load_f32_tile<HEAD_DIM>(sV, v, a.v_strides[1], n0, a.seqlen_k, a.head_dim);
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < kF32BwdRowsPerWarp; ++r) {
+      const int row = m0 + warp * kF32BwdRowsPerWarp + r;
+      if (row >= a.seqlen_q) continue;  // warp-uniform
+      double s = dot_f64(q + row * a.q_strides[1], sK + lane * RS, a.head_dim);
+      float cap_grad = 1.f;
+      if (SOFTCAP) s = softcap_score(float(s), a.scale, a.softcap, cap_grad);
+      const float prob = band.visible(row, n0 + lane) ? exp2_minus_shift(s, sc, shift[r]) : 0.f;
+      const float dp = float(dot_f64(dout + row * p.dout_strides[1], sV + lane * RS, a.head_dim));
+      const float ds = prob * (dp - row_delta[r]) * cap_grad;
+      for (int j = 0; j < kF32BwdTile; ++j) {
+        const float ds_j = __shfl_sync(0xffffffff, ds, j);
+#pragma unroll
+        for (int c = 0; c < kCols; ++c) dq[r][c] = fmaf(ds_j, sK[j * RS + lane + 32 * c], dq[r][c]);
+      }
+    }
+  }
+
+  float* dq_out = static_cast<float*>(p.dq) + batch * p.dq_strides[0] + head * p.dq_strides[2];
+#pragma unroll
+  for (int r = 0; r < kF32BwdRowsPerWarp; ++r) {
+    const int row = m0 + warp * kF32BwdRowsPerWarp + r;
+    if (row >= a.seqlen_q) continue;
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) {
+      if (lane + 32 * c < a.head_dim) dq_out[row * p.dq_strides[1] + lane + 32 * c] = dq[r][c] * a.scale;
+    }
+  }
+}
+
+}  // namespace cuattn

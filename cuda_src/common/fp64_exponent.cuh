@@ -1,0 +1,30 @@
+// Softmax exponents of the float32 (CUDA-core) kernels, formed in fp64. A raw score of a few
+// hundred rounded to fp32 is off by ~1e-5, which exp turns into a relative error of that size in
+// the probability, and the backward (through delta = rowsum(dout * out)) into one of every
+// gradient. Shifts stay fp32 values computed one way (no fma contraction), so that every use
+// of a row's shift agrees exactly.
+#pragma once
+#include "dtypes.cuh"
+
+namespace cuattn {
+
+// The base-2 shift of a row whose max score is row_max (0 for a row that has seen nothing yet).
+__device__ __forceinline__ float exp2_shift(float row_max, float exp2_scale) {
+  return row_max == neg_inf() ? 0.f : __fmul_rn(row_max, exp2_scale);
+}
+
+__device__ __forceinline__ float exp2_minus_shift(double score, float exp2_scale, double shift) {
+  return exp2f(float(fma(score, double(exp2_scale), -shift)));
+}
+
+// Natural-log lse from a row's base-2 shift and probability sum; -inf for a row that saw no key.
+__device__ __forceinline__ float lse_from_shift(float shift, float row_sum) {
+  return row_sum > 0.f ? float((double(shift) + double(log2f(row_sum))) * 0.6931471805599453) : neg_inf();
+}
+
+// The base-2 shift of a saved lse, in fp64; +inf for lse = -inf, so that probabilities are 0.
+__device__ __forceinline__ double lse_to_exp2_shift_f64(float lse) {
+  return lse == neg_inf() ? double(-neg_inf()) : double(lse) * 1.4426950408889634;
+}
+
+}  // namespace cuattn
