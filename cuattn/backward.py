@@ -73,8 +73,8 @@ def attention_backward(
 
     ctx.stage(*a.values())
     grads = [ctx.empty(a[n].shape, a[n].dtype) for n in ("q", "k", "v")]
+    delta = ctx.empty((batch, heads_q, seqlen_q), np.float32)
     if batch and heads_q and (seqlen_q or a["k"].shape[1]):
-        delta = ctx.empty((batch, heads_q, seqlen_q), np.float32)
         p = _backward_params(a, grads, delta, attn_params(a["q"], a["k"], a["v"], a["out"], a["lse"], mask, scale, softcap))
         _launch(ctx, c_type, p, a["q"].shape, a["k"].shape)
     return tuple(ctx.export(g) for g in grads)

@@ -10,6 +10,8 @@ and stream-ordered allocator see them.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import math
@@ -194,11 +196,16 @@ def import_arrays(**arrays) -> tuple[CallContext, dict[str, DeviceArray | None]]
     """Checks that every given array comes from one framework and device, then wraps each
     without copying (NumPy arrays are uploaded later, by ``CallContext.stage``).
 
-    ``None`` values pass through. Raises TypeError / ValueError naming the argument.
+    ``None`` values pass through. Raises TypeError / ValueError naming the argument. Inside
+    :func:`preallocated_outputs` the arrays are device buffers described by
+    ``__cuda_array_interface__`` and the outputs come from that scope.
     """
     present = {k: v for k, v in arrays.items() if v is not None}
     if not present:
         raise TypeError("no array arguments given")
+    scope = _SCOPE.get()
+    if scope is not None:
+        return scope, {k: None if v is None else scope.wrap(v) for k, v in arrays.items()}
     frameworks = {k: framework_of(v) for k, v in present.items()}
     first = next(iter(present))
     framework = frameworks[first]
@@ -231,3 +238,99 @@ def import_arrays(**arrays) -> tuple[CallContext, dict[str, DeviceArray | None]]
             with ctx.device, ctx.stream:
                 wrapped[k] = _from_cupy(cupy.from_dlpack(v))
     return ctx, wrapped
+
+
+class PreallocatedContext(CallContext):
+    """A call whose outputs were allocated by the caller (XLA, in a JAX buffer callback):
+    ``empty`` hands them out in the order the op allocates, checking shape and dtype."""
+
+    def __init__(self, device_id: int, stream_handle: int, outputs):
+        import cupy
+
+        super().__init__(DLPACK, device_id, None)
+        self._stream = cupy.cuda.ExternalStream(stream_handle, device_id)
+        self._outputs = [_from_cuda_array_interface(o) for o in outputs]
+        self._next = 0
+
+    wrap = staticmethod(lambda x: _from_cuda_array_interface(x))
+
+    def empty(self, shape, dtype) -> DeviceArray:
+        if self._next == len(self._outputs):
+            raise RuntimeError("cuattn: the op allocated more arrays than the caller provided")
+        out = self._outputs[self._next]
+        self._next += 1
+        if out.shape != tuple(int(s) for s in shape) or out.dtype != np.dtype(dtype):
+            raise RuntimeError(f"cuattn: output {self._next - 1} is {out.shape} {out.dtype}, the op needs {tuple(shape)} {np.dtype(dtype)}")
+        return out
+
+    def export(self, array: DeviceArray):
+        return array
+
+    def check_all_used(self) -> None:
+        if self._next != len(self._outputs):
+            raise RuntimeError(f"cuattn: the op filled {self._next} of the {len(self._outputs)} outputs provided")
+
+
+class ValidationDone(Exception):
+    """Raised by a validation-only call when the op reaches its first device step."""
+
+
+class _ValidationContext(CallContext):
+    """Arguments known only by shape and dtype (JAX tracers): the op validates them and stops."""
+
+    wrap = staticmethod(lambda x: DeviceArray(None, tuple(int(s) for s in x.shape), _contiguous_strides(x.shape), _dtype_of(x), None))
+
+    def stage(self, *arrays) -> None:
+        raise ValidationDone
+
+
+_SCOPE: contextvars.ContextVar[CallContext | None] = contextvars.ContextVar("cuattn_call_scope", default=None)
+
+
+@contextlib.contextmanager
+def preallocated_outputs(device_id: int, stream_handle: int, outputs):
+    """Runs cuattn ops on ``stream_handle`` with inputs and outputs that are raw device buffers
+    (``__cuda_array_interface__``), the outputs handed out in allocation order."""
+    ctx = PreallocatedContext(device_id, stream_handle, outputs)
+    token = _SCOPE.set(ctx)
+    try:
+        yield ctx
+        ctx.check_all_used()
+    finally:
+        _SCOPE.reset(token)
+
+
+def validate(call, *args, **kwargs) -> None:
+    """Runs ``call`` (a cuattn op) on arguments that have only ``shape`` and ``dtype`` up to its
+    first device step: its TypeError / ValueError come out, nothing is launched."""
+    token = _SCOPE.set(_ValidationContext(DLPACK, None, None))
+    try:
+        call(*args, **kwargs)
+    except ValidationDone:
+        return
+    finally:
+        _SCOPE.reset(token)
+    raise RuntimeError("cuattn: the op finished without reaching a device step")
+
+
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    strides, step = [], 1
+    for extent in reversed(tuple(shape)):
+        strides.append(step)
+        step *= int(extent)
+    return tuple(reversed(strides))
+
+
+def _dtype_of(x) -> np.dtype:
+    dtype = np.dtype(x.dtype)
+    return BFLOAT16 if dtype.kind == "V" and dtype.itemsize == 2 and BFLOAT16 is not None else dtype
+
+
+def _from_cuda_array_interface(x) -> DeviceArray:
+    """A device buffer from ``__cuda_array_interface__``; dtype from ``x.dtype`` when present
+    (the interface cannot spell bfloat16)."""
+    cai = x.__cuda_array_interface__
+    dtype = _dtype_of(x if getattr(x, "dtype", None) is not None else np.dtype(cai["typestr"]))
+    shape = tuple(int(s) for s in cai["shape"])
+    strides = _contiguous_strides(shape) if cai.get("strides") is None else tuple(s // dtype.itemsize for s in cai["strides"])
+    return DeviceArray(int(cai["data"][0]), shape, strides, dtype, x)

@@ -1,0 +1,109 @@
+"""JAX adapter: cuattn's ops as differentiable JAX functions, eager or under ``jax.jit``.
+
+Each entry of :data:`cuattn.ops.OPS` runs through ``jax.experimental.buffer_callback``: XLA
+allocates the outputs, and the kernels are launched on XLA's stream with its device buffers (no
+host round trip, no copies; JAX arrays are never written in place). Arguments are validated
+while tracing. Differentiation is ``jax.custom_vjp`` through the entry's ``vjp``. Importing
+:mod:`cuattn` does not import jax; importing this module does.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.buffer_callback import buffer_callback
+
+from cuattn import boundary, ops
+
+__all__ = ["attention", "merge", "call"]
+
+
+def attention(q, k, v, *, causal=False, window=None, align="bottom_right", scale=None, softcap=None, return_lse=False):
+    """:func:`cuattn.attention` on JAX arrays, differentiable in ``q``, ``k``, ``v`` (and
+    through ``lse`` when it is returned and used)."""
+    options = ops.flat_mask_options(causal, window, align, scale, softcap, head_dim=q.shape[-1])
+    out, lse = _differentiable("attention")(tuple(options.items()), q, k, v)
+    return (out, lse) if return_lse else out
+
+
+def merge(outs, lses):
+    """:func:`cuattn.merge` of lists of partial ``(out, lse)`` arrays, differentiable in both."""
+    return _differentiable("merge")((), list(outs), list(lses))
+
+
+def call(name: str, *arrays, **options):
+    """Runs op ``name`` of :data:`cuattn.ops.OPS` (not differentiated); returns its outputs."""
+    entry = ops.OPS[name]
+    boundary.validate(entry.call, *arrays, **options)
+    shapes = {n: _shape(a) for n, a in zip(entry.array_names, arrays)}
+    named = dict(zip(entry.array_names, arrays))
+    results = [jax.ShapeDtypeStruct(shape, _dtype_of(named, d)) for shape, d in entry.outputs(**shapes, **options)]
+
+    def callback(ctx, outs, *buffers):
+        device = _device_of(buffers)
+        with boundary.preallocated_outputs(device, ctx.stream, outs):
+            entry.call(*buffers, **options)
+
+    return tuple(buffer_callback(callback, results)(*arrays)[: len(entry.returns)])
+
+
+@functools.cache
+def _differentiable(name: str):
+    entry = ops.OPS[name]
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+    def run(options, *arrays):
+        return call(name, *arrays, **dict(options))
+
+    def forward(options, *arrays):
+        outputs = call(name, *arrays, **dict(options))
+        return outputs, (arrays, outputs)
+
+    def backward(options, saved, grads):
+        inputs, outputs = saved
+        if name in _CUSTOM_VJPS:
+            return _CUSTOM_VJPS[name](inputs, outputs, grads)
+        return call(entry.vjp, *entry.vjp_arrays(inputs, outputs, grads), **dict(options), **dict(entry.vjp_options))
+
+    run.defvjp(forward, backward)
+    return run
+
+
+def _merge_vjp(inputs, outputs, grads):
+    """out = sum_i w_i out_i with w_i = exp(lse_i - lse): d out_i = w_i dout and
+    d lse_i = w_i (<dout, out_i - out> + dlse); a partial with lse_i = -inf gets zeros."""
+    (outs, lses), (out, lse), (dout, dlse) = inputs, outputs, grads
+    finite = jnp.isfinite(lse)
+    douts, dlses = [], []
+    for out_i, lse_i in zip(outs, lses):
+        w = jnp.where(finite & jnp.isfinite(lse_i), jnp.exp(lse_i - jnp.where(finite, lse, 0.0)), 0.0)
+        w_rows = jnp.swapaxes(w, 1, 2)[..., None]  # (batch, seqlen, heads, 1)
+        douts.append((w_rows * dout.astype(jnp.float32)).astype(out_i.dtype))
+        dot = jnp.swapaxes(((out_i.astype(jnp.float32) - out.astype(jnp.float32)) * dout.astype(jnp.float32)).sum(-1), 1, 2)
+        dlses.append(w * (dot + dlse))
+    return douts, dlses
+
+
+_CUSTOM_VJPS = {"merge": _merge_vjp}
+
+
+def _device_of(buffers) -> int:
+    for b in jax.tree_util.tree_leaves(buffers):
+        if hasattr(b, "__dlpack_device__"):
+            return int(b.__dlpack_device__()[1])
+    return 0
+
+
+def _shape(a):
+    if a is None:
+        return None
+    return [tuple(x.shape) for x in a] if isinstance(a, (list, tuple)) else tuple(a.shape)
+
+
+def _dtype_of(named: dict, dtype: str):
+    if dtype == "float32":
+        return jnp.float32
+    src = named[dtype]
+    return (src[0] if isinstance(src, (list, tuple)) else src).dtype

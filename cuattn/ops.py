@@ -1,0 +1,107 @@
+"""The ops that framework adapters (:mod:`cuattn.torch`, :mod:`cuattn.jax`) wrap, as data.
+
+Each entry names its array arguments, its static options with their types, the shapes and
+dtypes of its outputs as a function of the inputs' (torch's fake tensors, JAX's abstract
+evaluation), and the core call that computes it. Adapters register every entry the same way and
+differentiate an op through the entry named by its ``vjp``, so a new op (decode, varlen,
+paged) is one more entry here, not a new adapter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from cuattn.attention import attention
+from cuattn.backward import attention_backward
+from cuattn.merge import merge
+
+# Array arguments: "name" a tensor, "name?" an optional one, "name[]" a list of tensors.
+# Output dtypes: the name of an input whose dtype it takes, or "float32".
+
+
+@dataclasses.dataclass(frozen=True)
+class OpEntry:
+    name: str
+    arrays: tuple[str, ...]
+    options: tuple[tuple[str, str], ...]  # (name, "bool" | "int" | "float" | "str")
+    returns: tuple[str, ...]  # names of the outputs the op returns
+    outputs: Callable[..., list[tuple[tuple, str]]]  # (**input shapes, **options) -> [(shape, dtype)]
+    call: Callable  # (*arrays, **options) -> tuple of the returned outputs, through the core API
+    # Outputs past ``returns`` are scratch the core allocates for itself (delta); an adapter
+    # whose framework allocates every buffer (JAX) provides them and drops them.
+    vjp: str | None = None  # the entry that computes this op's input gradients
+    vjp_arrays: Callable | None = None  # (inputs, outputs, output grads) -> vjp entry's arrays
+    vjp_options: tuple[tuple[str, object], ...] = ()  # options of the vjp entry beyond this op's
+
+    @property
+    def array_names(self) -> tuple[str, ...]:
+        return tuple(a.rstrip("?[]") for a in self.arrays)
+
+
+MASK_OPTIONS = (("causal", "bool"), ("window_left", "int"), ("window_right", "int"), ("align", "str"), ("scale", "float"), ("softcap", "float"))
+
+
+def core_mask_options(causal, window_left, window_right, align, scale, softcap) -> dict:
+    """The flat, typed options of the op table as the core API's keywords."""
+    return dict(
+        causal=causal, window=(None if window_left < 0 else window_left, None if window_right < 0 else window_right),
+        align=align, scale=scale, softcap=softcap or None,
+    )
+
+
+def flat_mask_options(causal=False, window=None, align="bottom_right", scale=None, softcap=None, head_dim=None) -> dict:
+    """The core API's keywords as the op table's flat options (scale resolved, -1 / 0 for none)."""
+    left, right = (-1, -1) if window is None else (-1 if w is None else int(w) for w in window)
+    return dict(
+        causal=bool(causal), window_left=left, window_right=right, align=str(align),
+        scale=float(head_dim ** -0.5 if scale is None else scale), softcap=float(softcap or 0.0),
+    )
+
+
+def _attention_outputs(q, k, v, **_):
+    batch, seqlen_q, heads_q, _head_dim = q
+    return [(q, "q"), ((batch, heads_q, seqlen_q), "float32")]
+
+
+def _backward_outputs(dout, q, k, v, out, lse, dlse, **_):
+    batch, seqlen_q, heads_q, _head_dim = q
+    return [(q, "q"), (k, "k"), (v, "v"), ((batch, heads_q, seqlen_q), "float32")]
+
+
+def _merge_outputs(outs, lses, **_):
+    return [(outs[0], "outs"), (lses[0], "float32")]
+
+
+OPS = {
+    "attention": OpEntry(
+        name="attention",
+        arrays=("q", "k", "v"),
+        options=MASK_OPTIONS,
+        returns=("out", "lse"),
+        outputs=_attention_outputs,
+        call=lambda q, k, v, **o: attention(q, k, v, return_lse=True, **core_mask_options(**o)),
+        vjp="attention_backward",
+        vjp_arrays=lambda inputs, outputs, grads: (grads[0], *inputs, *outputs, grads[1]),  # dout, q, k, v, out, lse, dlse
+        vjp_options=(("deterministic", False),),
+    ),
+    "attention_backward": OpEntry(
+        name="attention_backward",
+        arrays=("dout", "q", "k", "v", "out", "lse", "dlse?"),
+        options=MASK_OPTIONS + (("deterministic", "bool"),),
+        returns=("dq", "dk", "dv"),
+        outputs=_backward_outputs,
+        call=lambda dout, q, k, v, out, lse, dlse, deterministic, **o: attention_backward(
+            dout, q, k, v, out, lse, dlse=dlse, deterministic=deterministic, **core_mask_options(**o)
+        ),
+    ),
+    "merge": OpEntry(
+        name="merge",
+        arrays=("outs[]", "lses[]"),
+        options=(),
+        returns=("out", "lse"),
+        outputs=_merge_outputs,
+        call=lambda outs, lses: merge(list(outs), list(lses)),
+    ),
+}
+

@@ -1,0 +1,171 @@
+"""PyTorch adapter: cuattn's ops as ``torch.library`` custom ops with autograd.
+
+They work eagerly, under ``torch.compile(fullgraph=True)`` and pass ``torch.library.opcheck``;
+kernels run on PyTorch's current stream and outputs come from its caching allocator. Every entry
+of :data:`cuattn.ops.OPS` is registered the same way (``torch.ops.cuattn.<name>``). Importing
+:mod:`cuattn` does not import torch; importing this module does.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from cuattn import ops
+
+__all__ = ["attention", "merge", "scaled_dot_product_attention", "op"]
+
+_LIBRARY = torch.library.Library("cuattn", "FRAGMENT")
+_TENSOR_KINDS = {"?": "Tensor?", "]": "Tensor[]"}
+
+
+def attention(q, k, v, *, causal=False, window=None, align="bottom_right", scale=None, softcap=None, return_lse=False):
+    """:func:`cuattn.attention` on torch tensors, differentiable in ``q``, ``k``, ``v`` (and
+    through ``lse`` when it is returned and used)."""
+    options = ops.flat_mask_options(causal, window, align, scale, softcap, head_dim=q.shape[-1])
+    out, lse = op("attention")(q, k, v, **options)
+    return (out, lse) if return_lse else out
+
+
+def merge(outs, lses):
+    """:func:`cuattn.merge` of lists of partial ``(out, lse)`` tensors, differentiable in both."""
+    return op("merge")(list(outs), list(lses))
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """Drop-in for ``torch.nn.functional.scaled_dot_product_attention`` on
+    ``(batch, heads, seqlen, head_dim)`` tensors: strided views into cuattn's layout, no copies.
+    ``is_causal`` is aligned top-left, as in SDPA. ``attn_mask`` and dropout are not supported."""
+    if attn_mask is not None:
+        raise NotImplementedError("cuattn's scaled_dot_product_attention takes no attn_mask; use is_causal (or cuattn.torch.attention's window)")
+    if dropout_p:
+        raise NotImplementedError(f"cuattn's scaled_dot_product_attention has no dropout, got dropout_p={dropout_p}")
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if x.dim() != 4:
+            raise ValueError(f"{name} must be (batch, heads, seqlen, head_dim), got shape {tuple(x.shape)}")
+    if not enable_gqa and key.shape[1] != query.shape[1]:
+        raise ValueError(f"query has {query.shape[1]} heads and key {key.shape[1]}; pass enable_gqa=True for grouped-query attention")
+    out = attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), causal=is_causal, align="top_left", scale=scale)
+    return out.transpose(1, 2)
+
+
+def op(name: str):
+    """``torch.ops.cuattn.<name>.default`` (every entry of the table is registered at import)."""
+    return _REGISTERED[name]
+
+
+def _register(name: str):
+    entry = ops.OPS[name]
+    _LIBRARY.define(name + _schema(entry))
+    _LIBRARY.impl(name, functools.partial(_run, entry), "CUDA")
+    torch.library.register_fake(f"cuattn::{name}", functools.partial(_fake, entry), lib=_LIBRARY)
+    if entry.vjp is not None or name in _CUSTOM_VJPS:
+        backward = _CUSTOM_VJPS.get(name, _table_vjp)
+        torch.library.register_autograd(
+            f"cuattn::{name}", functools.partial(backward, entry), setup_context=functools.partial(_save, entry), lib=_LIBRARY
+        )
+    return getattr(torch.ops.cuattn, name).default
+
+
+def _schema(entry: ops.OpEntry) -> str:
+    arrays = [f"{_TENSOR_KINDS.get(a[-1], 'Tensor')} {a.rstrip('?[]')}" for a in entry.arrays]
+    options = [f"{kind} {name}" for name, kind in entry.options]
+    return f"({', '.join(arrays + options)}) -> ({', '.join('Tensor' for _ in entry.returns)})"
+
+
+def _split(entry: ops.OpEntry, args, kwargs=None) -> tuple[list, dict]:
+    n = len(entry.arrays)
+    options = dict(zip((o for o, _ in entry.options), args[n:]))
+    options.update(kwargs or {})
+    return list(args[:n]), options
+
+
+def _run(entry: ops.OpEntry, *args, **kwargs):
+    arrays, options = _split(entry, args, kwargs)
+    return tuple(entry.call(*arrays, **options))
+
+
+def _fake(entry: ops.OpEntry, *args, **kwargs):
+    arrays, options = _split(entry, args, kwargs)
+    named = dict(zip(entry.array_names, arrays))
+    shapes = {n: _shape(a) for n, a in named.items()}
+    device = next(_tensors(arrays)).device
+    outs = entry.outputs(**shapes, **options)[: len(entry.returns)]
+    return tuple(torch.empty(shape, dtype=_dtype_of(named, d), device=device) for shape, d in outs)
+
+
+def _save(entry: ops.OpEntry, ctx, inputs, output) -> None:
+    arrays, options = _split(entry, inputs)
+    flat = list(_tensors(arrays))
+    ctx.layout = [len(a) if isinstance(a, (list, tuple)) else None for a in arrays]
+    ctx.options = options
+    ctx.save_for_backward(*flat, *output)
+
+
+def _saved(ctx) -> tuple[list, list]:
+    """(inputs with lists regrouped, outputs) from the tensors ``_save`` kept."""
+    saved, inputs, i = list(ctx.saved_tensors), [], 0
+    for length in ctx.layout:
+        inputs.append(saved[i] if length is None else saved[i:i + length])
+        i += 1 if length is None else length
+    return inputs, saved[i:]
+
+
+def _table_vjp(entry: ops.OpEntry, ctx, *grads):
+    inputs, outputs = _saved(ctx)
+    options = {**ctx.options, **dict(entry.vjp_options)}
+    grads_in = op(entry.vjp)(*entry.vjp_arrays(inputs, outputs, [_kernel_ready(g) for g in grads]), **options)
+    return (*grads_in, *(None for _ in entry.options))
+
+
+def _merge_vjp(entry: ops.OpEntry, ctx, dout, dlse):
+    """out = sum_i w_i out_i with w_i = exp(lse_i - lse): d out_i = w_i dout and
+    d lse_i = w_i (<dout, out_i - out> + dlse); a partial with lse_i = -inf gets zeros."""
+    (outs, lses), (out, lse) = _saved(ctx)
+    finite = torch.isfinite(lse)
+    douts, dlses = [], []
+    for out_i, lse_i in zip(outs, lses):
+        w = torch.where(finite & torch.isfinite(lse_i), torch.exp(lse_i - torch.where(finite, lse, 0.0)), 0.0)
+        w_rows = w.transpose(1, 2).unsqueeze(-1)  # (batch, seqlen, heads, 1)
+        douts.append((w_rows * dout.float()).to(out_i.dtype))
+        dot = ((out_i.float() - out.float()) * dout.float()).sum(-1).transpose(1, 2)  # (batch, heads, seqlen)
+        dlses.append(w * (dot + (0.0 if dlse is None else dlse)))
+    return douts, dlses
+
+
+_CUSTOM_VJPS = {"merge": _merge_vjp}
+_REGISTERED = {name: _register(name) for name in ops.OPS}
+
+
+def _kernel_ready(x):
+    """Incoming gradients may be expanded or oddly strided views; the kernels need a unit last
+    stride and 16-byte aligned rows: such gradients are made contiguous (a copy), others pass."""
+    if x is None or x.numel() == 0 or x.dtype == torch.float32 and x.stride(-1) == 1:
+        return x
+    vec = 16 // x.element_size()
+    # The caching allocator aligns every block; a view is aligned when its offset is.
+    if x.stride(-1) == 1 and x.storage_offset() % vec == 0 and all(s % vec == 0 for s in x.stride()[:-1]):
+        return x
+    return x.contiguous()
+
+
+def _tensors(arrays):
+    for a in arrays:
+        if isinstance(a, (list, tuple)):
+            yield from a
+        elif a is not None:
+            yield a
+
+
+def _shape(a):
+    if a is None:
+        return None
+    return [tuple(t.shape) for t in a] if isinstance(a, (list, tuple)) else tuple(a.shape)
+
+
+def _dtype_of(named: dict, dtype: str):
+    if dtype == "float32":
+        return torch.float32
+    src = named[dtype]
+    return (src[0] if isinstance(src, (list, tuple)) else src).dtype

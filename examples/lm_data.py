@@ -1,0 +1,69 @@
+"""The text the language-model examples train on, generated (so the repo ships no corpus):
+sentences from a small grammar mixed with sums, so a model has structure to learn."""
+
+import numpy as np
+
+_NOUNS = "cat dog bird model kernel tensor river engine garden teacher".split()
+_ADJS = "small quick lazy bright exact tiled sparse warm".split()
+_VERBS = "sees follows computes merges sorts reads writes moves".split()
+
+
+def corpus(sentences: int = 40_000, seed: int = 0) -> str:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(sentences):
+        if rng.random() < 0.3:
+            a, b = rng.integers(0, 100, 2)
+            out.append(f"{a} + {b} = {a + b} .")
+        else:
+            noun, other = rng.choice(_NOUNS, 2)
+            out.append(f"the {rng.choice(_ADJS)} {noun} {rng.choice(_VERBS)} the {other} .")
+    return " ".join(out)
+
+
+def encode(text: str) -> tuple[np.ndarray, list[str]]:
+    vocab = sorted(set(text))
+    index = {c: i for i, c in enumerate(vocab)}
+    return np.array([index[c] for c in text], np.int32), vocab
+
+
+def batches(tokens: np.ndarray, batch: int, seqlen: int, steps: int, seed: int = 0):
+    """``steps`` batches of (inputs, targets), each (batch, seqlen) int32, the same for a seed."""
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        starts = rng.integers(0, len(tokens) - seqlen - 1, batch)
+        window = np.stack([tokens[s:s + seqlen + 1] for s in starts])
+        yield window[:, :-1], window[:, 1:]
+
+
+def report(curves: dict, seconds: dict, out_dir, stem: str, title: str) -> None:
+    """Prints the two loss curves at a few steps and how far apart they are; writes them as CSV
+    and PNG (``out_dir/stem.csv``, ``.png``)."""
+    (name_a, a), (name_b, b) = curves.items()
+    for step in sorted({0, 49, 99, 199, len(a) - 1}):
+        if step < len(a):
+            print(f"step {step + 1:4d}  {name_a} {a[step]:.4f}  {name_b} {b[step]:.4f}")
+    print(f"mean loss over the last 50 steps: {name_a} {a[-50:].mean():.4f}, {name_b} {b[-50:].mean():.4f}; "
+          f"max |difference| of the curves {np.abs(a - b).max():.4f}")
+    print("wall time per run: " + ", ".join(f"{k} {v:.1f} s" for k, v in seconds.items()))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    np.savetxt(out_dir / f"{stem}.csv", np.stack([a, b], 1), delimiter=",", header=f"{name_a},{name_b}", comments="")
+    plot_curves(curves, title, str(out_dir / f"{stem}.png"))
+
+
+def plot_curves(curves: dict, title: str, path: str) -> None:
+    """Loss per step, one line per attention implementation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for label, losses in curves.items():
+        ax.plot(np.arange(1, len(losses) + 1), losses, label=label, linewidth=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (nats/char)")
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
