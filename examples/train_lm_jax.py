@@ -106,5 +106,6 @@ def main():
         curves[label], seconds[label] = train(attend, tokens, vocab, args.steps, args.batch, args.seqlen)
     report(curves, seconds, args.out, "lm_jax_losses", f"char LM, JAX, bf16 attention, {jax.devices()[0].device_kind}")
 
+
 if __name__ == "__main__":
     main()

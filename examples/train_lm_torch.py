@@ -87,5 +87,6 @@ def main():
         curves[label], seconds[label] = train(attend, tokens, vocab, args.steps, args.batch, args.seqlen)
     report(curves, seconds, args.out, "lm_torch_losses", f"char LM, PyTorch, bf16 autocast, {torch.cuda.get_device_name()}")
 
+
 if __name__ == "__main__":
     main()
