@@ -47,22 +47,24 @@ def grid_configs(args):
                 yield d, s, causal, 16384 // s, 2048 // d
 
 
-def torch_kernel_ms(fn, *, repeat: int = 10, samples: int = 7) -> float:
+def torch_kernel_ms(fn, *, repeat: int = 10, samples: int = 7, input_sets: int = 0) -> float:
     """Median over ``samples`` of the mean GPU time of ``repeat`` back-to-back calls on torch's
     current stream. A sleep kernel queued ahead keeps the GPU busy while the host enqueues the
     calls, so every implementation is timed on its GPU work alone, not on its host overhead
-    (``scripts/overhead_probe.py`` measures that)."""
+    (``scripts/overhead_probe.py`` measures that). With ``input_sets`` > 0, ``fn`` takes the
+    index of the input set to use, cycled so that consecutive calls do not hit L2."""
     import torch
 
-    fn()
+    call = (lambda i: fn(i % input_sets)) if input_sets else (lambda i: fn())
+    call(0)
     torch.cuda.synchronize()
     times = []
     for _ in range(samples):
         torch.cuda._sleep(20_000_000)  # about 10 ms of clock cycles: longer than queueing `repeat` calls
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for _ in range(repeat):
-            fn()
+        for i in range(repeat):
+            call(i)
         stop.record()
         stop.synchronize()
         times.append(start.elapsed_time(stop) / repeat)

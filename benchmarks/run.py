@@ -1,0 +1,139 @@
+"""The benchmark suite: cuattn next to every peer on this machine, in one run.
+
+    PYTHONPATH=. python -m benchmarks [--quick] [--modes fwd,bwd,fwdbwd,decode] [--impls ...] [--out results]
+
+Peers: PyTorch SDPA (flash, cuDNN, efficient, math), JAX ``dot_product_attention`` (cudnn,
+xla), naive CuPy attention (materialized scores). Method: CUDA events on the stream each runs
+on (GPU work only, a sleep queued ahead so that host overhead does not count; JAX by wall time
+of back-to-back dispatches), warm-up, median of samples, input sets rotated when they would fit
+in L2, random normal data. Writes ``<out>/suite.csv``, ``suite.json`` and one PNG per mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX shares the GPU with torch
+
+from benchmarks.cases import MODES, case_of, default_grid, label  # noqa: E402
+from benchmarks.impls import IMPLEMENTATIONS, Skip, torch_inputs  # noqa: E402
+from benchmarks.timing import environment, median_ms, torch_kernel_ms, write_csv  # noqa: E402
+
+L2_ROTATE_BYTES = 256 << 20  # input sets rotated until together they exceed this (several L2s)
+
+
+def time_ms(fn, clock: str, sets: int) -> float:
+    if clock == "torch":
+        return torch_kernel_ms(fn, input_sets=sets)
+    if clock == "cupy":
+        return median_ms(fn, repeat=10, input_sets=sets)
+    import jax
+
+    samples = []
+    for _ in range(5):
+        jax.block_until_ready(fn(0))
+        start = time.perf_counter()
+        for i in range(10):
+            out = fn(i % sets)
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - start) / 10 * 1e3)
+    return statistics.median(samples)
+
+
+def versions() -> dict:
+    env = environment()
+    for module in ("torch", "jax"):
+        try:
+            env[module] = __import__(module).__version__
+        except ImportError:
+            pass
+    try:
+        import subprocess
+
+        env["cuattn"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        import cuattn
+
+        env["cuattn"] = cuattn.__version__
+    return env
+
+
+def run(cases, impl_names, log=print) -> list[dict]:
+    import torch
+
+    rows = []
+    for case in cases:
+        sets = max(1, min(4, -(-L2_ROTATE_BYTES // case.input_bytes)))
+        inputs = torch_inputs(case, sets)
+        torch.cuda.synchronize()
+        row = {**{k: getattr(case, k) for k in case.__dataclass_fields__}, "unit": case.unit}
+        for name in impl_names:
+            try:
+                fn, clock = IMPLEMENTATIONS[name](case, inputs)
+                row[name] = round(case.rate(time_ms(fn, clock, sets)), 1)
+            except Skip as exc:
+                row[name] = None
+                row[f"{name}_skip"] = str(exc)
+            except torch.cuda.OutOfMemoryError:
+                row[name] = None
+                row[f"{name}_skip"] = "out of memory"
+            finally:
+                fn = None
+                torch.cuda.empty_cache()
+        rows.append(row)
+        log(f"{label(case):<40} " + " ".join(f"{n}={row[n] if row[n] is not None else '-'}" for n in impl_names))
+        del inputs
+    return rows
+
+
+def print_table(rows, impl_names) -> None:
+    for mode in MODES:
+        sel = [r for r in rows if r["mode"] == mode]
+        if not sel:
+            continue
+        print(f"\n{mode} ({sel[0]['unit']})")
+        print(f"{'case':<40}" + "".join(f"{n:>15}" for n in impl_names))
+        for r in sel:
+            print(f"{label(case_of(r)):<40}" + "".join(f"{'-' if r[n] is None else r[n]:>15}" for n in impl_names))
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="head_dim 128, seqlen 1k and 4k (under a minute)")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--impls", default=",".join(IMPLEMENTATIONS))
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"))
+    args = parser.parse_args(argv)
+    modes, impl_names = args.modes.split(","), [n for n in args.impls.split(",") if _available(n)]
+    cases = [c for c in default_grid(args.quick) if c.mode in modes]
+    start = time.perf_counter()
+    rows = run(cases, impl_names)
+    env = {**versions(), "seconds": round(time.perf_counter() - start, 1), "quick": args.quick}
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_csv(args.out / "suite.csv", [{**r, **env} for r in rows])
+    (args.out / "suite.json").write_text(json.dumps({"environment": env, "rows": rows}, indent=1))
+    from benchmarks.plots import plot_suite
+
+    for path in plot_suite(rows, impl_names, env, args.out):
+        print(f"wrote {path}")
+    print_table(rows, impl_names)
+    print(f"\n{env['gpu']}, {env['date']}, cuattn {env['cuattn']}, torch {env.get('torch')}, jax {env.get('jax')}, cupy {env['cupy']}; {env['seconds']} s")
+
+
+def _available(name: str) -> bool:
+    module = {"jax_cudnn": "jax", "jax_xla": "jax"}.get(name, "torch")
+    try:
+        __import__(module)
+        return True
+    except ImportError:
+        print(f"{name}: {module} is not installed here, left out")
+        return False
+
+
+if __name__ == "__main__":
+    main()
