@@ -103,9 +103,11 @@ def jax_impl(implementation: str):
             fn = jax.jit(forward)
             call = lambda i: fn(*arrays[i][:3])  # noqa: E731
         elif case.mode == "bwd":
+            # The vjp closure is a pytree of its residuals: passed as an argument, not baked
+            # into the program as constants.
             vjps = [jax.vjp(forward, *a[:3])[1] for a in arrays]
-            fns = [jax.jit(v) for v in vjps]
-            call = lambda i: fns[i](arrays[i][3])  # noqa: E731
+            apply = jax.jit(lambda vjp, do: vjp(do))
+            call = lambda i: apply(vjps[i], arrays[i][3])  # noqa: E731
         else:
             loss = lambda q, k, v, do: (forward(q, k, v).astype(jnp.float32) * do).sum()  # noqa: E731
             fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
@@ -122,6 +124,7 @@ def jax_impl(implementation: str):
 def naive_cupy_impl(case: Case, inputs):
     """Textbook attention in CuPy: scores materialized, softmax, then P V (forward only)."""
     import cupy
+    import ml_dtypes  # noqa: F401 - lets CuPy name bfloat16 ('E') arrays from DLPack
 
     if case.mode != "fwd":
         raise Skip("forward only")
