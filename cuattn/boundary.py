@@ -272,15 +272,29 @@ class PreallocatedContext(CallContext):
 
 
 class ValidationDone(Exception):
-    """Raised by a validation-only call when the op reaches its first device step."""
+    """Raised by a validation-only call when the op reaches its first launch."""
 
 
 class _ValidationContext(CallContext):
-    """Arguments known only by shape and dtype (JAX tracers): the op validates them and stops."""
+    """Arguments known only by shape and dtype (JAX tracers): the op validates them, allocates
+    (recorded, nothing is allocated) and stops at its first launch."""
 
-    wrap = staticmethod(lambda x: DeviceArray(None, tuple(int(s) for s in x.shape), _contiguous_strides(x.shape), _dtype_of(x), None))
+    wrap = staticmethod(lambda x: DeviceArray(0, tuple(int(s) for s in x.shape), _contiguous_strides(x.shape), _dtype_of(x), None))
+
+    def __init__(self):
+        super().__init__(DLPACK, None, None)
+        self.allocations: list[tuple[tuple[int, ...], np.dtype]] = []
 
     def stage(self, *arrays) -> None:
+        pass
+
+    def empty(self, shape, dtype) -> DeviceArray:
+        shape = tuple(int(s) for s in shape)
+        self.allocations.append((shape, np.dtype(dtype)))
+        return DeviceArray(0, shape, _contiguous_strides(shape), np.dtype(dtype), None)
+
+    @property
+    def device(self):
         raise ValidationDone
 
 
@@ -300,17 +314,19 @@ def preallocated_outputs(device_id: int, stream_handle: int, outputs):
         _SCOPE.reset(token)
 
 
-def validate(call, *args, **kwargs) -> None:
+def validate(call, *args, **kwargs) -> list[tuple[tuple[int, ...], np.dtype]]:
     """Runs ``call`` (a cuattn op) on arguments that have only ``shape`` and ``dtype`` up to its
-    first device step: its TypeError / ValueError come out, nothing is launched."""
-    token = _SCOPE.set(_ValidationContext(DLPACK, None, None))
+    first launch: its TypeError / ValueError come out, nothing is launched. Returns the
+    (shape, dtype) of every array the op allocates, in order: outputs, then scratch."""
+    ctx = _ValidationContext()
+    token = _SCOPE.set(ctx)
     try:
         call(*args, **kwargs)
     except ValidationDone:
-        return
+        pass
     finally:
         _SCOPE.reset(token)
-    raise RuntimeError("cuattn: the op finished without reaching a device step")
+    return ctx.allocations
 
 
 def _contiguous_strides(shape) -> tuple[int, ...]:

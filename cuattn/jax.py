@@ -1,7 +1,8 @@
 """JAX adapter: cuattn's ops as differentiable JAX functions, eager or under ``jax.jit``.
 
 Each entry of :data:`cuattn.ops.OPS` runs through ``jax.experimental.buffer_callback``: XLA
-allocates the outputs, and the kernels are launched on XLA's stream with its device buffers (no
+allocates every array the op would allocate (found by running the op's validation on the
+traced shapes), and the kernels are launched on XLA's stream with its device buffers (no
 host round trip, no copies; JAX arrays are never written in place). Arguments are validated
 while tracing. Differentiation is ``jax.custom_vjp`` through the entry's ``vjp``. Importing
 :mod:`cuattn` does not import jax; importing this module does.
@@ -36,10 +37,9 @@ def merge(outs, lses):
 def call(name: str, *arrays, **options):
     """Runs op ``name`` of :data:`cuattn.ops.OPS` (not differentiated); returns its outputs."""
     entry = ops.OPS[name]
-    boundary.validate(entry.call, *arrays, **options)
-    shapes = {n: _shape(a) for n, a in zip(entry.array_names, arrays)}
-    named = dict(zip(entry.array_names, arrays))
-    results = [jax.ShapeDtypeStruct(shape, _dtype_of(named, d)) for shape, d in entry.outputs(**shapes, **options)]
+    # XLA allocates every buffer the op allocates: its outputs, then its scratch (delta, ...).
+    allocations = boundary.validate(entry.call, *arrays, **options)
+    results = [jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)) for shape, dtype in allocations]
 
     def callback(ctx, outs, *buffers):
         device = _device_of(buffers)
@@ -94,16 +94,3 @@ def _device_of(buffers) -> int:
         if hasattr(b, "__dlpack_device__"):
             return int(b.__dlpack_device__()[1])
     return 0
-
-
-def _shape(a):
-    if a is None:
-        return None
-    return [tuple(x.shape) for x in a] if isinstance(a, (list, tuple)) else tuple(a.shape)
-
-
-def _dtype_of(named: dict, dtype: str):
-    if dtype == "float32":
-        return jnp.float32
-    src = named[dtype]
-    return (src[0] if isinstance(src, (list, tuple)) else src).dtype

@@ -26,10 +26,8 @@ class OpEntry:
     arrays: tuple[str, ...]
     options: tuple[tuple[str, str], ...]  # (name, "bool" | "int" | "float" | "str")
     returns: tuple[str, ...]  # names of the outputs the op returns
-    outputs: Callable[..., list[tuple[tuple, str]]]  # (**input shapes, **options) -> [(shape, dtype)]
+    outputs: Callable[..., list[tuple[tuple, str]]]  # (**input shapes, **options) -> [(shape, dtype)] of ``returns``
     call: Callable  # (*arrays, **options) -> tuple of the returned outputs, through the core API
-    # Outputs past ``returns`` are scratch the core allocates for itself (delta); an adapter
-    # whose framework allocates every buffer (JAX) provides them and drops them.
     vjp: str | None = None  # the entry that computes this op's input gradients
     vjp_arrays: Callable | None = None  # (inputs, outputs, output grads) -> vjp entry's arrays
     vjp_options: tuple[tuple[str, object], ...] = ()  # options of the vjp entry beyond this op's
@@ -65,8 +63,7 @@ def _attention_outputs(q, k, v, **_):
 
 
 def _backward_outputs(dout, q, k, v, out, lse, dlse, **_):
-    batch, seqlen_q, heads_q, _head_dim = q
-    return [(q, "q"), (k, "k"), (v, "v"), ((batch, heads_q, seqlen_q), "float32")]
+    return [(q, "q"), (k, "k"), (v, "v")]
 
 
 def _merge_outputs(outs, lses, **_):

@@ -67,6 +67,7 @@ BACKWARD_PARAMS = np.dtype(
         ("dv", _P),
         ("delta", _P),
         ("dlse", _P),
+        ("dq_accum", _P),
         ("dout_strides", *_S3),
         ("dq_strides", *_S3),
         ("dk_strides", *_S3),
