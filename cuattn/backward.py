@@ -9,10 +9,8 @@ from cuattn.attention import _LAYOUT, attn_params, check_qkv, mask_options, scor
 from cuattn.loader import load_kernel
 from cuattn.variants import (
     BACKWARD_PREP_ROWS,
-    backward_dq_convert_variant,
     backward_prep_variant,
     backward_variant,
-    fused_dq_supported,
     head_dim_bucket,
 )
 
@@ -36,11 +34,9 @@ def attention_backward(
     causal, window, align, scale, softcap : exactly as given to the forward.
     dlse : optional ``(batch, heads_q, seqlen_q)`` float32, the gradient that flowed into
         ``lse`` (for example through :func:`cuattn.merge`); ``None`` means zero.
-    deterministic : bool. ``True``: bit-identical gradients across runs (dK and dV summed over a
-        GQA group in registers, dQ by its own kernel, no atomics). ``False`` (default, faster):
-        the dK/dV kernel also adds dQ into an fp32 buffer with atomics (FlashAttention-2), so
-        dQ may differ in the last bits between runs; float32 inputs, and head dims 160 and 224,
-        always take the deterministic path.
+    deterministic : bool. Both settings give bit-identical gradients across runs today: dK and
+        dV are summed over a GQA group in registers and dQ is computed by its own kernel, with
+        no atomics (float32 included).
 
     Returns
     -------
@@ -78,48 +74,38 @@ def attention_backward(
     ctx.stage(*a.values())
     grads = [ctx.empty(a[n].shape, a[n].dtype) for n in ("q", "k", "v")]
     delta = ctx.empty((batch, heads_q, seqlen_q), np.float32)
-    fused = not deterministic and c_type != "float" and fused_dq_supported(head_dim_bucket(head_dim))
-    dq_accum = ctx.empty(a["q"].shape, np.float32) if fused else None
     if batch and heads_q and (seqlen_q or a["k"].shape[1]):
-        p = _backward_params(a, grads, delta, dq_accum, attn_params(a["q"], a["k"], a["v"], a["out"], a["lse"], mask, scale, softcap))
-        _launch(ctx, c_type, p, a["q"].shape, a["k"].shape, dq_accum)
+        p = _backward_params(a, grads, delta, attn_params(a["q"], a["k"], a["v"], a["out"], a["lse"], mask, scale, softcap))
+        _launch(ctx, c_type, p, a["q"].shape, a["k"].shape)
     return tuple(ctx.export(g) for g in grads)
 
 
-def _backward_params(a, grads, delta, dq_accum, attn: np.void) -> np.void:
+def _backward_params(a, grads, delta, attn: np.void) -> np.void:
     dq, dk, dv = grads
     dlse = a["dlse"]
     return params.pack(
         params.BACKWARD_PARAMS,
         attn=attn, dout=a["dout"].ptr, dq=dq.ptr, dk=dk.ptr, dv=dv.ptr, delta=delta.ptr,
-        dlse=0 if dlse is None else dlse.ptr, dq_accum=0 if dq_accum is None else dq_accum.ptr,
+        dlse=0 if dlse is None else dlse.ptr,
         dout_strides=a["dout"].strides[:3], dq_strides=dq.strides[:3], dk_strides=dk.strides[:3],
         dv_strides=dv.strides[:3], dlse_strides=(0, 0) if dlse is None else dlse.strides[:2],
     )
 
 
-def _launch(ctx, c_type: str, p: np.void, q_shape, k_shape, dq_accum) -> None:
+def _launch(ctx, c_type: str, p: np.void, q_shape, k_shape) -> None:
     batch, seqlen_q, heads_q, head_dim = q_shape
     seqlen_k, heads_kv = k_shape[1], k_shape[2]
     bucket, softcap = head_dim_bucket(head_dim), bool(p["attn"]["softcap"] > 0)
-    fused = dq_accum is not None
     launches = []
     rows = batch * seqlen_q * heads_q
-    row_grid = ((-(-rows // BACKWARD_PREP_ROWS), 1, 1), (32 * BACKWARD_PREP_ROWS, 1, 1))
     if rows:
-        launches.append((backward_prep_variant(c_type), *row_grid))
-        if not fused:
-            dq = backward_variant("backward_dq", c_type, bucket, softcap)
-            launches.append((dq, *plans.forward_launch(dq, seqlen_q, heads_q, batch)))
+        prep = backward_prep_variant(c_type)
+        launches.append((prep, (-(-rows // BACKWARD_PREP_ROWS), 1, 1), (32 * BACKWARD_PREP_ROWS, 1, 1)))
+        dq = backward_variant("backward_dq", c_type, bucket, softcap)
+        launches.append((dq, *plans.forward_launch(dq, seqlen_q, heads_q, batch)))
     if seqlen_k:  # dK and dV are written (zeros included) even when no query sees a key
-        dkdv = backward_variant("backward_dkdv", c_type, bucket, softcap, fused_dq=fused)
+        dkdv = backward_variant("backward_dkdv", c_type, bucket, softcap)
         launches.append((dkdv, *plans.forward_launch(dkdv, seqlen_k, heads_kv * dkdv.column_splits, batch)))
-    if fused and rows:  # dQ = scale * the sums; zero when no key was visited
-        launches.append((backward_dq_convert_variant(c_type), *row_grid))
     with ctx.device, ctx.stream:
-        if fused:
-            import cupy
-
-            cupy.cuda.runtime.memsetAsync(dq_accum.ptr, 0, 4 * dq_accum.size, ctx.stream.ptr)
         for variant, grid, block in launches:
             load_kernel(variant)(grid, block, (p,), shared_mem=variant.dynamic_smem)

@@ -67,7 +67,6 @@ BACKWARD_PARAMS = np.dtype(
         ("dv", _P),
         ("delta", _P),
         ("dlse", _P),
-        ("dq_accum", _P),
         ("dout_strides", *_S3),
         ("dq_strides", *_S3),
         ("dk_strides", *_S3),

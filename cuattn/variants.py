@@ -131,19 +131,10 @@ def backward_prep_variant(c_type: str) -> Variant:
     )
 
 
-def fused_dq_supported(bucket: int) -> bool:
-    """Whether backward_dkdv can add dQ itself at this bucket (kDqTiles even): each warp's part
-    of the step's dQ tile must be whole 16-column steps."""
-    stream = backward_stream_rows("backward_dkdv", bucket)
-    out_tiles = bucket // (2 if bucket > 128 else 1) // 8
-    return (out_tiles // (4 // (stream // 16))) % 2 == 0
-
-
 @functools.cache
-def backward_variant(family: str, c_type: str, bucket: int, softcap: bool, fused_dq: bool = False) -> Variant:
+def backward_variant(family: str, c_type: str, bucket: int, softcap: bool) -> Variant:
     """``family`` is backward_dkdv or backward_dq; float32 runs their CUDA-core twins
-    (backward_fp32_dkdv, backward_fp32_dq). ``fused_dq``: backward_dkdv also adds dQ, with
-    atomics, into an fp32 buffer."""
+    (backward_fp32_dkdv, backward_fp32_dq)."""
     cap = "true" if softcap else "false"
     if c_type == "float":
         fp32_family = family.replace("backward_", "backward_fp32_")
@@ -155,29 +146,15 @@ def backward_variant(family: str, c_type: str, bucket: int, softcap: bool, fused
             threads=128,
             block_m=FP32_BLOCK_M,
         )
-    template = f"{cxx_type(c_type)}, {bucket}, {cap}" + (f", {'true' if fused_dq else 'false'}" if family == "backward_dkdv" else "")
-    smem = backward_smem_bytes(family, bucket)
-    if fused_dq:
-        smem += BACKWARD_BLOCK * (backward_stream_rows(family, bucket) + 8) * 2  # kSmemBytesFusedDq
     return Variant(
         family=family,
-        expression=f"cuattn::{family}_kernel<{template}>",
-        uri=f"{family}/{c_type}/d{bucket}" + ("/softcap" if softcap else "") + ("/fused_dq" if fused_dq else ""),
+        expression=f"cuattn::{family}_kernel<{cxx_type(c_type)}, {bucket}, {cap}>",
+        uri=f"{family}/{c_type}/d{bucket}" + ("/softcap" if softcap else ""),
         hot=True,
-        dynamic_smem=smem,
+        dynamic_smem=backward_smem_bytes(family, bucket),
         threads=128,
         block_m=BACKWARD_BLOCK,
         column_splits=2 if family == "backward_dkdv" and bucket > 128 else 1,  # kDkdvSplits
-    )
-
-
-def backward_dq_convert_variant(c_type: str) -> Variant:
-    return Variant(
-        family="backward_dq_convert",
-        expression=f"cuattn::backward_dq_convert_kernel<{cxx_type(c_type)}>",
-        uri=f"backward_dq_convert/{c_type}",
-        hot=True,
-        block_m=BACKWARD_PREP_ROWS,
     )
 
 
@@ -193,14 +170,10 @@ def all_variants() -> list[Variant]:
                 out.append(forward_variant(c_type, bucket, softcap))
     for c_type in ("f16", "bf16", "float"):
         out.append(backward_prep_variant(c_type))
-        if c_type != "float":
-            out.append(backward_dq_convert_variant(c_type))
         for family in ("backward_dkdv", "backward_dq"):
             for bucket in HEAD_DIM_BUCKETS:
                 for softcap in (False, True):
                     out.append(backward_variant(family, c_type, bucket, softcap))
-                    if family == "backward_dkdv" and c_type != "float" and fused_dq_supported(bucket):
-                        out.append(backward_variant(family, c_type, bucket, softcap, fused_dq=True))
     return out
 
 

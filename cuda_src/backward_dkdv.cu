@@ -3,9 +3,7 @@
 // query blocks of every query head of the KV head's group, so that GQA sums happen in registers
 // and every gradient element is written once (deterministic). Per query block, each warp forms
 // S^T = K Q^T for its 16 keys, P^T from the saved lse, dV += P^T dO, dP^T = V dO^T,
-// dS^T = P^T (dP^T - delta) and dK += dS^T Q. With FUSED_DQ (the non-deterministic default)
-// the step's dS^T also goes through shared memory and dQ += dS K is added to an fp32 buffer
-// with atomics (FlashAttention-2), instead of backward_dq recomputing S and dP.
+// dS^T = P^T (dP^T - delta) and dK += dS^T Q.
 #include "backward/score_grad.cuh"
 #include "backward/traits.cuh"
 #include "common/mask.cuh"
@@ -21,29 +19,20 @@ constexpr int kDkdvBlockQ = HEAD_DIM > 64 ? 32 : 64;
 template <int HEAD_DIM>
 constexpr int kDkdvSplits = HEAD_DIM > 128 ? 2 : 1;
 
-// The fused dQ tile (BM queries x the CTA's columns) over the 4 warps: BM / 16 row tiles, the
-// columns split in 4 / (BM / 16) parts.
-template <typename Tr>
-constexpr int kDqColParts = 4 / (Tr::kBlockStream / 16);
-template <typename Tr>
-constexpr int kDqTiles = Tr::kOutTiles / kDqColParts<Tr>;
-
-template <typename T, int HEAD_DIM, bool SOFTCAP, bool FUSED_DQ>
+template <typename T, int HEAD_DIM, bool SOFTCAP>
 __global__ void __launch_bounds__(128, 1) backward_dkdv_kernel(const __grid_constant__ BackwardParams p) {
   using Tr = BackwardTraits<HEAD_DIM, kDkdvBlockQ<HEAD_DIM>, kDkdvSplits<HEAD_DIM>>;
   constexpr int BM = Tr::kBlockStream;    // queries per step
   constexpr int BN = Tr::kBlockResident;  // keys per CTA
   constexpr int RS = Tr::kRowStride;
-  static_assert(!FUSED_DQ || kDqTiles<Tr> % 2 == 0, "fused dQ needs whole 16-column steps per warp");
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  if (dynamic_smem_bytes() < (FUSED_DQ ? Tr::kSmemBytesFusedDq : Tr::kSmemBytes)) __trap();  // launch contract
+  if (dynamic_smem_bytes() < Tr::kSmemBytes) __trap();  // launch contract
   T* sK = reinterpret_cast<T*>(smem_raw);
   T* sV = sK + Tr::kSmemResident;
   T* sQ_ring = sV + Tr::kSmemResident;
   T* sdO_ring = sQ_ring + Tr::kStages * Tr::kSmemStream;
   float* sLse_ring = reinterpret_cast<float*>(sdO_ring + Tr::kStages * Tr::kSmemStream);
   float* sDelta_ring = sLse_ring + Tr::kStages * BM;
-  T* sdS = reinterpret_cast<T*>(sDelta_ring + Tr::kStages * BM);  // FUSED_DQ: [key][query]
 
   const AttnParams& a = p.attn;
   const int n_block = blockIdx.x, kv_head = blockIdx.y / Tr::kSplits, batch = blockIdx.z;
@@ -89,29 +78,6 @@ __global__ void __launch_bounds__(128, 1) backward_dkdv_kernel(const __grid_cons
 #pragma unroll
     for (int e = 0; e < 4; ++e) dk[dt][e] = dv[dt][e] = 0.f;
 
-  // dQ[m0 + ...] += dS K for this warp's part of the step's dQ tile, in fp32 with atomics.
-  const auto add_dq_atomic = [&](int head_in_group, int m0) {
-    constexpr int kRowTiles = BM / 16;
-    const int q_tile = warp % kRowTiles, cols = col0 + warp / kRowTiles * kDqTiles<Tr> * 8;
-    float dq[kDqTiles<Tr>][4] = {};
-    mma_transposed_by_tile<T, BN, kDqTiles<Tr>, Tr::kDsStride, RS>(dq, sdS + q_tile * 16, sK + cols, lane);
-    const int head = kv_head * group + head_in_group;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = m0 + q_tile * 16 + g + h * 8;
-      if (row >= a.seqlen_q) continue;
-      float* dst = p.dq_accum + ((i64(batch) * a.seqlen_q + row) * a.heads_q + head) * a.head_dim;
-#pragma unroll
-      for (int dt = 0; dt < kDqTiles<Tr>; ++dt) {
-        const int col = cols + dt * 8 + 2 * t;
-        if (col < a.head_dim) {
-          atomicAdd(dst + col, dq[dt][2 * h]);
-          atomicAdd(dst + col + 1, dq[dt][2 * h + 1]);
-        }
-      }
-    }
-  };
-
   const int warp_key0 = n0 + warp * 16;
   const int warp_key_last = min(warp_key0 + 15, a.seqlen_k - 1);
   const float sc = a.exp2_scale;
@@ -125,43 +91,37 @@ __global__ void __launch_bounds__(128, 1) backward_dkdv_kernel(const __grid_cons
     }
     const int m0 = (m_first + step % m_count) * BM;
     const int m_last = min(m0 + BM, a.seqlen_q) - 1;
-    float ds[Tr::kNTiles][4] = {};  // dS^T: this warp's 16 keys x BM queries
-    if (warp_key_last >= warp_key0 && warp_key0 <= band.last_key(m_last) && warp_key_last >= band.first_key(m0)) {
-      const bool masked = !band.all_visible(m0, m_last, warp_key0, warp_key0 + 15);
-      const T* sQ = sQ_ring + stage * Tr::kSmemStream;
-      const T* sdO = sdO_ring + stage * Tr::kSmemStream;
-      const float* sLse = sLse_ring + stage * BM;
-      const float* sDelta = sDelta_ring + stage * BM;
+    if (warp_key_last < warp_key0 || warp_key0 > band.last_key(m_last) || warp_key_last < band.first_key(m0)) continue;
+    const bool masked = !band.all_visible(m0, m_last, warp_key0, warp_key0 + 15);
+    const T* sQ = sQ_ring + stage * Tr::kSmemStream;
+    const T* sdO = sdO_ring + stage * Tr::kSmemStream;
+    const float* sLse = sLse_ring + stage * BM;
+    const float* sDelta = sDelta_ring + stage * BM;
 
-      float s[Tr::kNTiles][4] = {};
-      mma_rows_by_rows<T, HEAD_DIM, Tr::kNTiles, RS>(s, sK + warp * 16 * RS, sQ, lane);
-      float cap_grad[SOFTCAP ? Tr::kNTiles : 1][4];
-      if constexpr (SOFTCAP) apply_softcap(s, cap_grad, a.scale, a.softcap);
+    float s[Tr::kNTiles][4] = {};
+    mma_rows_by_rows<T, HEAD_DIM, Tr::kNTiles, RS>(s, sK + warp * 16 * RS, sQ, lane);
+    float cap_grad[SOFTCAP ? Tr::kNTiles : 1][4];
+    if constexpr (SOFTCAP) apply_softcap(s, cap_grad, a.scale, a.softcap);
 #pragma unroll
-      for (int nt = 0; nt < Tr::kNTiles; ++nt)
+    for (int nt = 0; nt < Tr::kNTiles; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int col = nt * 8 + 2 * t + (e % 2);  // query m0 + col
-          s[nt][e] = exp2f(fmaf(s[nt][e], sc, -lse_to_exp2_shift(sLse[col])));
-          if (masked && !band.visible(m0 + col, warp_key0 + g + (e / 2) * 8)) s[nt][e] = 0.f;
-        }
-      mma_frag_by_tile<T, Tr::kNTiles, Tr::kOutTiles, RS>(dv, s, sdO + col0, lane);
+      for (int e = 0; e < 4; ++e) {
+        const int col = nt * 8 + 2 * t + (e % 2);  // query m0 + col
+        s[nt][e] = exp2f(fmaf(s[nt][e], sc, -lse_to_exp2_shift(sLse[col])));
+        if (masked && !band.visible(m0 + col, warp_key0 + g + (e / 2) * 8)) s[nt][e] = 0.f;
+      }
+    mma_frag_by_tile<T, Tr::kNTiles, Tr::kOutTiles, RS>(dv, s, sdO + col0, lane);
 
-      mma_rows_by_rows<T, HEAD_DIM, Tr::kNTiles, RS>(ds, sV + warp * 16 * RS, sdO, lane);
+    float dp[Tr::kNTiles][4] = {};
+    mma_rows_by_rows<T, HEAD_DIM, Tr::kNTiles, RS>(dp, sV + warp * 16 * RS, sdO, lane);
 #pragma unroll
-      for (int nt = 0; nt < Tr::kNTiles; ++nt)
+    for (int nt = 0; nt < Tr::kNTiles; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          ds[nt][e] = s[nt][e] * (ds[nt][e] - sDelta[nt * 8 + 2 * t + (e % 2)]);
-          if constexpr (SOFTCAP) ds[nt][e] *= cap_grad[nt][e];
-        }
-      mma_frag_by_tile<T, Tr::kNTiles, Tr::kOutTiles, RS>(dk, ds, sQ + col0, lane);
-    }
-    if constexpr (FUSED_DQ) {  // every warp, its keys visible or not (zeros), then one barrier
-      store_frag_rows<T, Tr::kNTiles, Tr::kDsStride>(ds, sdS + warp * 16 * Tr::kDsStride, lane);
-      __syncthreads();  // dS^T complete
-      add_dq_atomic(step / m_count, m0);
-    }
+      for (int e = 0; e < 4; ++e) {
+        dp[nt][e] = s[nt][e] * (dp[nt][e] - sDelta[nt * 8 + 2 * t + (e % 2)]);
+        if constexpr (SOFTCAP) dp[nt][e] *= cap_grad[nt][e];
+      }
+    mma_frag_by_tile<T, Tr::kNTiles, Tr::kOutTiles, RS>(dk, dp, sQ + col0, lane);
   }
 
   T* dk_out = static_cast<T*>(p.dk) + batch * p.dk_strides[0] + kv_head * p.dk_strides[2] + col0;

@@ -72,35 +72,6 @@ __device__ __forceinline__ void mma_frag_by_tile(float (&acc)[D][4], const float
   }
 }
 
-// Stores a warp's 16 x 8*N tile of C fragments as T into a row-major shared tile (row stride RS).
-template <typename T, int N, int RS>
-__device__ __forceinline__ void store_frag_rows(const float (&c)[N][4], T* dst, int lane) {
-  const int g = lane / 4, t = lane % 4;
-#pragma unroll
-  for (int nt = 0; nt < N; ++nt)
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-      *reinterpret_cast<u32*>(dst + (g + h * 8) * RS + nt * 8 + 2 * t) = pack2<T>(c[nt][2 * h], c[nt][2 * h + 1]);
-}
-
-// acc (16 x 8*D) += A * B, where A (16 x K) is held transposed in shared memory (sAt: K rows,
-// A's 16 rows as columns, row stride RSA) and B (K x 8*D) is row-major in sB (row stride RSB).
-template <typename T, int K, int D, int RSA, int RSB>
-__device__ __forceinline__ void mma_transposed_by_tile(float (&acc)[D][4], const T* sAt, const T* sB, int lane) {
-#pragma unroll
-  for (int kk = 0; kk < K; kk += 16) {
-    u32 a[4];
-    ldmatrix_x4_trans(a, sAt + (kk + (lane / 16) * 8 + lane % 8) * RSA + ((lane / 8) % 2) * 8);
-#pragma unroll
-    for (int dt = 0; dt < D; dt += 2) {
-      u32 b[4];
-      ldmatrix_x4_trans(b, sB + (kk + (lane % 8) + ((lane / 8) % 2) * 8) * RSB + dt * 8 + (lane / 16) * 8);
-      mma_16816<T>(acc[dt], a, b[0], b[1]);
-      mma_16816<T>(acc[dt + 1], a, b[2], b[3]);
-    }
-  }
-}
-
 // Stores a warp's 16 x 8*D fp32 accumulator times `mul` as T rows row0 + (g, g + 8), columns
 // < head_dim, rows < row_end.
 template <typename T, int D>

@@ -27,9 +27,6 @@ struct BackwardTraits {
   static constexpr int kSmemStream = BLOCK_STREAM * kRowStride;
   // Two resident tiles, two streamed tiles per stage, and per stage two fp32 row vectors.
   static constexpr int kSmemBytes = (2 * kSmemResident + 2 * kStages * kSmemStream) * 2 + 2 * kStages * BLOCK_STREAM * 4;
-  // backward_dkdv with dQ fused: dS^T of a step, resident rows x streamed rows, padded.
-  static constexpr int kDsStride = BLOCK_STREAM + 8;
-  static constexpr int kSmemBytesFusedDq = kSmemBytes + kBlockResident * kDsStride * 2;
 
   static_assert(HEAD_DIM % 16 == 0 && HEAD_DIM <= 256, "backward head-dim bucket");
   static_assert(kOutCols % 16 == 0, "whole 16-column steps per split");

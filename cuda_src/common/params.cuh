@@ -64,7 +64,6 @@ struct BackwardParams {
   void* dv;
   float* delta;                             // (batch, heads_q, seqlen_q), contiguous
   const float* dlse;                        // null: no gradient flows into lse
-  float* dq_accum;                          // (batch, seqlen_q, heads_q, head_dim) fp32, zeroed; null: dQ by its own kernel
   i64 dout_strides[3];                      // batch, row, head
   i64 dq_strides[3];
   i64 dk_strides[3];
