@@ -158,3 +158,25 @@ def test_backward_rejects_bad_arguments(change, exc, match):
 def test_backward_rejects_bad_options(kwargs, exc, match):
     with pytest.raises(exc, match=match):
         cuattn.attention_backward(*_backward_args(), **kwargs)
+
+
+class _Meta:
+    """An argument known by shape and dtype only, as a JAX tracer is."""
+
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype = shape, np.dtype(dtype)
+
+
+def test_validation_only_runs_report_allocations_and_errors_without_a_gpu():
+    """What the JAX adapter relies on: the op's checks run on shapes alone, and the arrays it
+    would allocate (outputs, then scratch) come back in order; nothing is launched."""
+    from cuattn import boundary, ops
+
+    q, kv = _Meta((2, 5, 4, 64), np.float16), _Meta((2, 7, 2, 64), np.float16)
+    options = ops.flat_mask_options(causal=True, head_dim=64)
+    assert boundary.validate(ops.OPS["attention"].call, q, kv, kv, **options) == [((2, 5, 4, 64), np.float16), ((2, 4, 5), np.float32)]
+    lse = _Meta((2, 4, 5), np.float32)
+    allocations = boundary.validate(ops.OPS["attention_backward"].call, q, q, kv, kv, q, lse, None, deterministic=False, **options)
+    assert allocations == [((2, 5, 4, 64), np.float16), ((2, 7, 2, 64), np.float16), ((2, 7, 2, 64), np.float16), ((2, 4, 5), np.float32)]
+    with pytest.raises(ValueError, match="multiple of heads_kv"):
+        boundary.validate(ops.OPS["attention"].call, q, _Meta((2, 7, 3, 64), np.float16), _Meta((2, 7, 3, 64), np.float16), **options)
