@@ -132,28 +132,33 @@ def accuracy(log2: int = 14) -> dict:
     return out
 
 
+def table_rows(rows: list[dict], kind: str) -> list[tuple[str, list[str]]]:
+    """(row name, cells per sequence length) of one reproduced table, the paper's rows beside
+    ours; the printed table and the README's are both made from these."""
+    paper = PAPER[kind]
+    idx = [LOG2_LENGTHS.index(r["log2"]) for r in rows]
+    return [
+        ("size of inputs and outputs", [human(r["io"]) for r in rows]),
+        ("paper", [paper["io"][i] for i in idx]),
+        ("overhead, standard (SDPA math)", [human(r["standard"][0]) for r in rows]),
+        ("paper, standard", [paper["standard"][i] for i in idx]),
+        ("overhead, cuattn", [human(r["cuattn"][0]) for r in rows]),
+        ("paper, memory-efficient", [paper["efficient"][i] for i in idx]),
+        ("time, standard", [human_ms(r["standard"][1]) for r in rows]),
+        ("time, cuattn", [human_ms(r["cuattn"][1]) for r in rows]),
+        ("paper, memory-efficient (TPUv3)", [paper["time"][i] for i in idx]),
+    ]
+
+
 def print_tables(results: dict) -> None:
     for dtype_name, res in results.items():
         if dtype_name == "accuracy":
             continue
         for kind in ("inference", "differentiation"):
             rows = res[kind]
-            paper = PAPER[kind]
-            idx = [LOG2_LENGTHS.index(r["log2"]) for r in rows]
             print(f"\n{kind}, {dtype_name}, one head, head_dim {HEAD_DIM} (paper: TPUv3, its own sizes)")
             print(f"{'sequence length':<34}" + "".join(f"{'2^%d' % r['log2']:>10}" for r in rows))
-            lines = [
-                ("size of inputs and outputs", [human(r["io"]) for r in rows]),
-                ("  paper", [paper["io"][i] for i in idx]),
-                ("overhead, standard (SDPA math)", [human(r["standard"][0]) for r in rows]),
-                ("  paper", [paper["standard"][i] for i in idx]),
-                ("overhead, cuattn", [human(r["cuattn"][0]) for r in rows]),
-                ("  paper, memory-efficient", [paper["efficient"][i] for i in idx]),
-                ("time, standard", [human_ms(r["standard"][1]) for r in rows]),
-                ("time, cuattn", [human_ms(r["cuattn"][1]) for r in rows]),
-                ("  paper, memory-efficient", [paper["time"][i] for i in idx]),
-            ]
-            for name, cells in lines:
+            for name, cells in table_rows(rows, kind):
                 print(f"{name:<34}" + "".join(f"{c:>10}" for c in cells))
     if "accuracy" in results:
         acc = results["accuracy"]

@@ -56,7 +56,7 @@ def suite_section(results: pathlib.Path) -> list[str]:
 
 
 def paper_section(results: pathlib.Path) -> list[str]:
-    from benchmarks.paper import LOG2_LENGTHS, PAPER, human, human_ms
+    from benchmarks.paper import table_rows
 
     data = json.loads((results / "paper_tables.json").read_text())
     out = [
@@ -68,22 +68,10 @@ def paper_section(results: pathlib.Path) -> list[str]:
     for dtype in ("bfloat16", "float32"):
         for kind in ("inference", "differentiation"):
             rows = data[dtype][kind]
-            idx = [LOG2_LENGTHS.index(r["log2"]) for r in rows]
-            paper = PAPER[kind]
             out += ["", f"{kind.capitalize()}, {dtype} inputs:", ""]
             out.append("| | " + " | ".join(f"2^{r['log2']}" for r in rows) + " |")
             out.append("|" + "---|" * (len(rows) + 1))
-            lines = [
-                ("inputs and outputs", [human(r["io"]) for r in rows]),
-                ("paper", [paper["io"][i] for i in idx]),
-                ("overhead, standard", [human(r["standard"][0]) for r in rows]),
-                ("paper, standard", [paper["standard"][i] for i in idx]),
-                ("**overhead, cuattn**", [human(r["cuattn"][0]) for r in rows]),
-                ("paper, memory-efficient", [paper["efficient"][i] for i in idx]),
-                ("time, standard", [human_ms(r["standard"][1]) for r in rows]),
-                ("**time, cuattn**", [human_ms(r["cuattn"][1]) for r in rows]),
-                ("paper, memory-efficient (TPUv3)", [paper["time"][i] for i in idx]),
-            ]
+            lines = table_rows(rows, kind)
             out += [f"| {name} | " + " | ".join(cells) + " |" for name, cells in lines]
     acc = data["accuracy"]
     out += ["", f"Accuracy (the paper's check): max |cuattn - standard| at 2^14, float32: normal inputs {acc['normal']:.1e}, uniform {acc['uniform']:.1e}."]

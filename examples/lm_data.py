@@ -36,6 +36,25 @@ def batches(tokens: np.ndarray, batch: int, seqlen: int, steps: int, seed: int =
         yield window[:, :-1], window[:, 1:]
 
 
+def compare(doc: str, attentions: dict, train, stem: str, title: str) -> None:
+    """The examples' command line: trains the model once per attention implementation (same
+    initialization, same batches) and reports the curves."""
+    import argparse
+    import pathlib
+
+    parser = argparse.ArgumentParser(description=doc)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--seqlen", type=int, default=256)
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"))
+    args = parser.parse_args()
+    tokens, vocab = encode(corpus())
+    curves, seconds = {}, {}
+    for label, attend in attentions.items():
+        curves[label], seconds[label] = train(attend, tokens, vocab, args.steps, args.batch, args.seqlen)
+    report(curves, seconds, args.out, stem, title)
+
+
 def report(curves: dict, seconds: dict, out_dir, stem: str, title: str) -> None:
     """Prints the two loss curves at a few steps and how far apart they are; writes them as CSV
     and PNG (``out_dir/stem.csv``, ``.png``)."""

@@ -5,10 +5,8 @@ with jax.nn.dot_product_attention. Attention runs in bfloat16, the rest in float
     python examples/train_lm_jax.py [--steps 300] [--out results/]
 """
 
-import argparse
 import functools
 import math
-import pathlib
 import time
 
 import jax
@@ -16,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import cuattn.jax
-from lm_data import batches, corpus, encode, report
+from lm_data import batches, compare
 
 ATTENTION = {
     "cuattn": lambda q, k, v: cuattn.jax.attention(q, k, v, causal=True),
@@ -94,17 +92,7 @@ def train(attend, tokens, vocab, steps, batch, seqlen, seed=0):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--seqlen", type=int, default=256)
-    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"))
-    args = parser.parse_args()
-    tokens, vocab = encode(corpus())
-    curves, seconds = {}, {}
-    for label, attend in ATTENTION.items():
-        curves[label], seconds[label] = train(attend, tokens, vocab, args.steps, args.batch, args.seqlen)
-    report(curves, seconds, args.out, "lm_jax_losses", f"char LM, JAX, bf16 attention, {jax.devices()[0].device_kind}")
+    compare(__doc__, ATTENTION, train, "lm_jax_losses", f"char LM, JAX, bf16 attention, {jax.devices()[0].device_kind}")
 
 
 if __name__ == "__main__":

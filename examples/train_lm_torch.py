@@ -5,9 +5,7 @@ The two loss curves agree within noise.
     python examples/train_lm_torch.py [--steps 300] [--out results/]
 """
 
-import argparse
 import math
-import pathlib
 import time
 
 import numpy as np
@@ -15,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import cuattn.torch
-from lm_data import batches, corpus, encode, report
+from lm_data import batches, compare
 
 
 def cuattn_attention(q, k, v):  # (batch, seqlen, heads, head_dim)
@@ -75,17 +73,7 @@ def train(attend, tokens, vocab, steps, batch, seqlen, seed=0):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--seqlen", type=int, default=256)
-    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"))
-    args = parser.parse_args()
-    tokens, vocab = encode(corpus())
-    curves, seconds = {}, {}
-    for label, attend in (("cuattn", cuattn_attention), ("PyTorch SDPA", sdpa_attention)):
-        curves[label], seconds[label] = train(attend, tokens, vocab, args.steps, args.batch, args.seqlen)
-    report(curves, seconds, args.out, "lm_torch_losses", f"char LM, PyTorch, bf16 autocast, {torch.cuda.get_device_name()}")
+    compare(__doc__, {"cuattn": cuattn_attention, "PyTorch SDPA": sdpa_attention}, train, "lm_torch_losses", f"char LM, PyTorch, bf16 autocast, {torch.cuda.get_device_name()}")
 
 
 if __name__ == "__main__":
