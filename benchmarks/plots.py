@@ -7,7 +7,7 @@ import pathlib
 
 
 def _caption(env: dict) -> str:
-    return f"{env['gpu']}, {env['date']}, cuattn {env['cuattn']}, torch {env.get('torch', '-')}, jax {env.get('jax', '-')}, cupy {env['cupy']}"
+    return f"{env['gpu']}, {env['date']}, cuattn {env['cuattn_version']}, torch {env.get('torch', '-')}, jax {env.get('jax', '-')}, cupy {env['cupy']}"
 
 
 def plot_suite(rows, impl_names, env: dict, out_dir: pathlib.Path) -> list[pathlib.Path]:

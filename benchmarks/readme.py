@@ -29,7 +29,7 @@ def suite_section(results: pathlib.Path) -> list[str]:
     impls = [k for k in rows[0] if k in {"cuattn", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math", "jax_cudnn", "jax_xla", "naive_cupy"}]
     out = [
         f"Suite: `PYTHONPATH=. python -m benchmarks --out {results}` ({env['seconds']} s; "
-        f"{env['gpu']}, {env['date']}, cuattn {env['cuattn']}, torch {env.get('torch')}, jax {env.get('jax')}, cupy {env['cupy']}). "
+        f"{env['gpu']}, {env['date']}, cuattn {env['cuattn_version']}, torch {env.get('torch')}, jax {env.get('jax')}, cupy {env['cupy']}). "
         "TFLOP/s with the FlashAttention count (`4*B*H*Sq*Sk*D`, halved when causal, x2.5 backward, x3.5 forward+backward); "
         "decode in GB/s of K/V read. Each implementation is timed on its GPU work (CUDA events, a sleep queued ahead, "
         "median of samples, input sets rotated past L2); JAX by wall time of back-to-back dispatches. "

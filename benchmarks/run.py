@@ -63,7 +63,7 @@ def versions() -> dict:
     import cuattn
     from cuattn import loader
 
-    env["cuattn"] = f"{cuattn.__version__}+{loader.source_hash()[:10]}"  # the kernels' source hash
+    env["cuattn_version"] = f"{cuattn.__version__}+{loader.source_hash()[:10]}"  # the kernels' source hash
     return env
 
 
@@ -139,7 +139,7 @@ def main(argv=None) -> None:
     for path in plot_suite(rows, impl_names, env, args.out):
         print(f"wrote {path}")
     print_table(rows, impl_names)
-    print(f"\n{env['gpu']}, {env['date']}, cuattn {env['cuattn']}, torch {env.get('torch')}, jax {env.get('jax')}, cupy {env['cupy']}; {env['seconds']} s")
+    print(f"\n{env['gpu']}, {env['date']}, cuattn {env['cuattn_version']}, torch {env.get('torch')}, jax {env.get('jax')}, cupy {env['cupy']}; {env['seconds']} s")
 
 
 def _available(name: str) -> bool:

@@ -1,6 +1,7 @@
 """The benchmark suite's host-side pieces: grid, FLOP counts, README generation."""
 
 import json
+import pathlib
 
 import pytest
 
@@ -36,7 +37,7 @@ def test_case_round_trips_through_a_result_row():
 
 def test_readme_section_is_generated_from_results(tmp_path):
     row = {**cases.Case("fwd", 16, 1024, 1024, 16, 16, 128, True).__dict__, "unit": "TFLOP/s", "cuattn": 300.0, "sdpa_flash": 250.0, "sdpa_cudnn": None, "sdpa_cudnn_skip": "refused"}
-    env = {"gpu": "GPU", "date": "2026-11-22", "cuattn": "abc", "cupy": "14", "seconds": 1.0}
+    env = {"gpu": "GPU", "date": "2026-11-22", "cuattn_version": "abc", "cupy": "14", "seconds": 1.0}
     (tmp_path / "suite.json").write_text(json.dumps({"environment": env, "rows": [row]}))
     text = readme.section(tmp_path)
     assert "| 128 | 1024 | 16 | 16/16 | yes | bfloat16 | 300 | 250 | - | 1.20 | - |" in text
@@ -48,3 +49,10 @@ def test_readme_section_is_generated_from_results(tmp_path):
     with pytest.raises(SystemExit):
         (tmp_path / "plain.md").write_text("no markers")
         readme.main(["--results", str(tmp_path), "--readme", str(tmp_path / "plain.md")])
+
+
+def test_committed_results_keep_measurements_apart_from_environment():
+    data = json.loads((pathlib.Path(__file__).parents[1] / "docs" / "bench" / "suite.json").read_text())
+    columns = {k for row in data["rows"] for k in row}
+    assert not columns & set(data["environment"]), "an environment key would overwrite a measured column in suite.csv"
+    assert all(isinstance(row["cuattn"], float) for row in data["rows"] if row["cuattn"] is not None)
