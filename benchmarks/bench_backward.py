@@ -3,7 +3,8 @@
 FLOPs follow FlashAttention: 2.5 x the forward's 4 * batch * heads * seqlen^2 * head_dim,
 halved when causal. Grid as in bench_forward.py (batch * seqlen = 16k tokens, heads =
 2048 / head_dim, bf16). Peers are timed on ``torch.autograd.grad`` of their own forward;
-cuattn on ``attention_backward`` (delta pass + dQ kernel + dK/dV kernel).
+cuattn on ``attention_backward`` (delta pass + dQ kernel + dK/dV kernel). On Hopper the column
+``mma_sync`` times the portable kernels (``CUATTN_WGMMA=0``) on the same inputs.
 
     PYTHONPATH=. python benchmarks/bench_backward.py [--csv results/backward.csv]
 """
@@ -11,7 +12,8 @@ cuattn on ``attention_backward`` (delta pass + dQ kernel + dK/dV kernel).
 from __future__ import annotations
 
 import cuattn
-from benchmarks.timing import environment, grid_arguments, grid_configs, torch_tflops, write_csv
+from cuattn import loader
+from benchmarks.timing import environment, grid_arguments, grid_configs, portable, print_comparison, torch_tflops, write_csv
 
 
 def main() -> None:
@@ -21,6 +23,7 @@ def main() -> None:
 
     parser = grid_arguments("results/backward.csv")
     args = parser.parse_args()
+    hopper = loader.device_arch() == "sm_90a" and loader.wgmma_enabled()
     env = {**environment(), "torch": torch.__version__}
     rows = []
     for d, s, causal, b, h in grid_configs(args):
@@ -29,6 +32,8 @@ def main() -> None:
         row = {"head_dim": d, "seqlen": s, "batch": b, "heads": h, "causal": causal}
         out, lse = cuattn.attention(q, k, v, causal=causal, return_lse=True)
         impls = {"cuattn": lambda: cuattn.attention_backward(do, q, k, v, out, lse, causal=causal)}
+        if hopper:
+            impls["cuattn_mma_sync"] = portable(impls["cuattn"])
         for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
             qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
             with sdpa_kernel(backend):
@@ -39,13 +44,7 @@ def main() -> None:
         rows.append({**row, **env})
         del q, k, v, do, out, lse, impls
     write_csv(args.csv, rows)
-    print(f"backward, bf16, TFLOP/s — {env['gpu']}, {env['date']}, torch {env['torch']}, cupy {env['cupy']}")
-    print(f"{'d':>4} {'seqlen':>6} {'causal':>6} {'cuattn':>7} {'flash':>7} {'cudnn':>7} {'vs flash':>8} {'vs cudnn':>8}")
-    for r in rows:
-        print(
-            f"{r['head_dim']:>4} {r['seqlen']:>6} {str(r['causal']):>6} {r['cuattn']:>7} {r['sdpa_flash']:>7} {r['sdpa_cudnn']:>7} "
-            f"{r['cuattn'] / r['sdpa_flash']:>8.2f} {r['cuattn'] / r['sdpa_cudnn']:>8.2f}"
-        )
+    print_comparison(f"backward, bf16, TFLOP/s — {env['gpu']}, {env['date']}, torch {env['torch']}, cupy {env['cupy']}", rows)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
+import os
 import pathlib
 import platform
 import statistics
@@ -80,6 +81,19 @@ def torch_tflops(flops: float, fn) -> float:
         return float("nan")
 
 
+def portable(fn):
+    """``fn`` run with cuattn's Hopper kernels switched off (``CUATTN_WGMMA=0``)."""
+
+    def run():
+        os.environ["CUATTN_WGMMA"] = "0"
+        try:
+            return fn()
+        finally:
+            del os.environ["CUATTN_WGMMA"]
+
+    return run
+
+
 def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
     """Device-to-device copy bandwidth, counting bytes read plus bytes written."""
     import cupy
@@ -110,3 +124,16 @@ def write_csv(path: str | pathlib.Path, rows: list[dict]) -> None:
         writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
         writer.writerows(rows)
+
+
+def print_comparison(title: str, rows: list[dict]) -> None:
+    """The bench_forward / bench_backward table: cuattn next to the SDPA peers, ratios, and any
+    extra cuattn_* columns."""
+    print(title)
+    extra = sorted({c for r in rows for c in r if c.startswith("cuattn_")})
+    print(f"{'d':>4} {'seqlen':>6} {'causal':>6} {'cuattn':>7} {'flash':>7} {'cudnn':>7} {'vs flash':>8} {'vs cudnn':>8}" + "".join(f" {c[7:]:>9}" for c in extra))
+    for r in rows:
+        print(
+            f"{r['head_dim']:>4} {r['seqlen']:>6} {str(r['causal']):>6} {r['cuattn']:>7} {r['sdpa_flash']:>7} {r['sdpa_cudnn']:>7} "
+            f"{r['cuattn'] / r['sdpa_flash']:>8.2f} {r['cuattn'] / r['sdpa_cudnn']:>8.2f}" + "".join(f" {r.get(c, ''):>9}" for c in extra)
+        )

@@ -7,8 +7,8 @@ import math
 import numpy as np
 
 from cuattn import boundary, params, plans, reference, validation
-from cuattn.loader import load_kernel
-from cuattn.variants import HEAD_DIM_BUCKETS, forward_variant, head_dim_bucket
+from cuattn.loader import device_arch, load_kernel, wgmma_enabled
+from cuattn.variants import HEAD_DIM_BUCKETS, head_dim_bucket, select_forward_variant
 
 _LAYOUT = "(batch, seqlen, heads, head_dim)"
 LOG2E = 1.4426950408889634
@@ -154,7 +154,8 @@ def attn_params(q, k, v, out, lse, mask, scale: float, softcap: float) -> np.voi
 
 
 def _launch(ctx, c_type, p, seqlen_q, heads_q, batch) -> None:
-    variant = forward_variant(c_type, head_dim_bucket(int(p["head_dim"])), p["softcap"] > 0)
-    grid, block = plans.forward_launch(variant, seqlen_q, heads_q, batch)
     with ctx.device, ctx.stream:
+        arch = device_arch(ctx.device.id)
+        variant = select_forward_variant(c_type, head_dim_bucket(int(p["head_dim"])), p["softcap"] > 0, arch, wgmma_enabled())
+        grid, block = plans.forward_launch(variant, seqlen_q, heads_q, batch)
         load_kernel(variant)(grid, block, (p,), shared_mem=variant.dynamic_smem)

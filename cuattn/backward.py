@@ -6,13 +6,8 @@ import numpy as np
 
 from cuattn import boundary, params, plans, validation
 from cuattn.attention import _LAYOUT, attn_params, check_qkv, mask_options, score_options
-from cuattn.loader import load_kernel
-from cuattn.variants import (
-    BACKWARD_PREP_ROWS,
-    backward_prep_variant,
-    backward_variant,
-    head_dim_bucket,
-)
+from cuattn.loader import device_arch, load_kernel, wgmma_enabled
+from cuattn.variants import BACKWARD_PREP_ROWS, backward_prep_variant, head_dim_bucket, select_backward_variant
 
 _LSE_LAYOUT = "(batch, heads_q, seqlen_q)"
 
@@ -98,14 +93,15 @@ def _launch(ctx, c_type: str, p: np.void, q_shape, k_shape) -> None:
     bucket, softcap = head_dim_bucket(head_dim), bool(p["attn"]["softcap"] > 0)
     launches = []
     rows = batch * seqlen_q * heads_q
-    if rows:
-        prep = backward_prep_variant(c_type)
-        launches.append((prep, (-(-rows // BACKWARD_PREP_ROWS), 1, 1), (32 * BACKWARD_PREP_ROWS, 1, 1)))
-        dq = backward_variant("backward_dq", c_type, bucket, softcap)
-        launches.append((dq, *plans.forward_launch(dq, seqlen_q, heads_q, batch)))
-    if seqlen_k:  # dK and dV are written (zeros included) even when no query sees a key
-        dkdv = backward_variant("backward_dkdv", c_type, bucket, softcap)
-        launches.append((dkdv, *plans.forward_launch(dkdv, seqlen_k, heads_kv * dkdv.column_splits, batch)))
     with ctx.device, ctx.stream:
+        arch, wgmma = device_arch(ctx.device.id), wgmma_enabled()
+        if rows:
+            prep = backward_prep_variant(c_type)
+            launches.append((prep, (-(-rows // BACKWARD_PREP_ROWS), 1, 1), (32 * BACKWARD_PREP_ROWS, 1, 1)))
+            dq = select_backward_variant("backward_dq", c_type, bucket, softcap, arch, wgmma)
+            launches.append((dq, *plans.forward_launch(dq, seqlen_q, heads_q, batch)))
+        if seqlen_k:  # dK and dV are written (zeros included) even when no query sees a key
+            dkdv = select_backward_variant("backward_dkdv", c_type, bucket, softcap, arch, wgmma)
+            launches.append((dkdv, *plans.forward_launch(dkdv, seqlen_k, heads_kv * dkdv.column_splits, batch)))
         for variant, grid, block in launches:
             load_kernel(variant)(grid, block, (p,), shared_mem=variant.dynamic_smem)

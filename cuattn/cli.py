@@ -83,7 +83,8 @@ def cmd_warmup(args) -> int:
         return 2
     import time
 
-    chosen = _select(args.names, args.all)
+    arch = loader.device_arch()
+    chosen = [v for v in _select(args.names, args.all) if v.builds_for(arch)]
     for v in chosen:
         start = time.perf_counter()
         loader.load_kernel(v)

@@ -62,7 +62,20 @@ def arch_for(compute_capability: str | int) -> str:
 def device_arch(device_id: int | None = None) -> str:
     import cupy
 
+    return _arch_of(cupy.cuda.Device(device_id).id)
+
+
+@functools.cache
+def _arch_of(device_id: int) -> str:
+    import cupy
+
     return arch_for(cupy.cuda.Device(device_id).compute_capability)
+
+
+def wgmma_enabled() -> bool:
+    """Whether Hopper devices run the wgmma kernels; ``CUATTN_WGMMA=0`` keeps them on the
+    portable mma.sync kernels (to compare the two, or to rule one out)."""
+    return os.environ.get("CUATTN_WGMMA", "1") != "0"
 
 
 def cache_dir() -> pathlib.Path:

@@ -75,7 +75,7 @@ def compile_variant(variant: Variant, arch: str) -> CompileReport:
 
 def compile_all(archs=DEFAULT_ARCHS, variants=None, jobs: int = 2) -> list[CompileReport]:
     variants = all_variants() if variants is None else variants
-    tasks = [(v, a) for a in archs for v in variants]
+    tasks = [(v, a) for a in archs for v in variants if v.builds_for(a)]
     if not tasks:
         return []
     # The first compile runs alone: NVRTC loads its builtins library lazily, and concurrent

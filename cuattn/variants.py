@@ -34,6 +34,10 @@ class Variant:
     threads: int = 256  # threads per CTA
     block_m: int = 0  # rows per CTA (attention kernels)
     column_splits: int = 1  # CTAs per row block, each with a slice of the head-dim columns
+    archs: tuple[str, ...] = ()  # the only targets it compiles for; empty: every target
+
+    def builds_for(self, arch: str) -> bool:
+        return not self.archs or arch in self.archs
 
 
 def cxx_type(c_type: str) -> str:
@@ -103,6 +107,49 @@ def forward_variant(c_type: str, bucket: int, softcap: bool) -> Variant:
     )
 
 
+# Hopper forward (forward_wgmma.cu, sm_90a only) per head-dim bucket: (BLOCK_N, WARPGROUPS,
+# CTAS_PER_SM); every warpgroup owns 64 query rows. Mirrors cuda_src/forward/wgmma_traits.cuh.
+WGMMA_FORWARD_TILES = {64: (64, 2, 2), 128: (128, 2, 1)}  # scripts/tune_forward_wgmma.py
+WGMMA_ARCH = "sm_90a"
+
+
+def wgmma_forward_smem_bytes(bucket: int) -> int:
+    block_n, warpgroups, _ = WGMMA_FORWARD_TILES[bucket]
+    stages, swizzle_alignment = 2, 1024
+    return (64 * warpgroups + 2 * stages * block_n) * bucket * 2 + swizzle_alignment
+
+
+def _wgmma_variant(family: str, template_args: str, softcap: bool, uri: str, smem: int, warpgroups: int) -> Variant:
+    cap = "true" if softcap else "false"
+    return Variant(
+        family=family,
+        expression=f"cuattn::{family}_kernel<{template_args}, {cap}>",
+        uri=f"{family}/{uri}" + ("/softcap" if softcap else ""),
+        hot=True,
+        dynamic_smem=smem,
+        threads=128 * warpgroups,
+        block_m=64 * warpgroups,
+        archs=(WGMMA_ARCH,),
+    )
+
+
+@functools.cache
+def wgmma_forward_variant(c_type: str, bucket: int, softcap: bool) -> Variant:
+    block_n, warpgroups, ctas = WGMMA_FORWARD_TILES[bucket]
+    return _wgmma_variant(
+        "forward_wgmma", f"{cxx_type(c_type)}, {bucket}, {block_n}, {warpgroups}, {ctas}", softcap,
+        f"{c_type}/d{bucket}/n{block_n}wg{warpgroups}c{ctas}", wgmma_forward_smem_bytes(bucket), warpgroups,
+    )
+
+
+def select_forward_variant(c_type: str, bucket: int, softcap: bool, arch: str, allow_wgmma: bool = True) -> Variant:
+    """The forward kernel for a problem on a target: the Hopper kernel where one exists for it,
+    else the portable tensor-core (or float32) kernel."""
+    if allow_wgmma and arch == WGMMA_ARCH and c_type != "float" and bucket in WGMMA_FORWARD_TILES:
+        return wgmma_forward_variant(c_type, bucket, softcap)
+    return forward_variant(c_type, bucket, softcap)
+
+
 # Tensor-core backward: its shared-memory contract (cuda_src/backward/traits.cuh). Every CTA
 # has 4 warps of 16 resident rows.
 BACKWARD_BLOCK = 64  # resident rows per CTA
@@ -158,6 +205,34 @@ def backward_variant(family: str, c_type: str, bucket: int, softcap: bool) -> Va
     )
 
 
+# Hopper backward (backward_wgmma_*.cu, sm_90a only): rows per streamed block per head-dim bucket
+# (keys for dQ, queries for dK/dV); two warpgroups of 64 resident rows. Mirrors
+# cuda_src/backward/wgmma_traits.cuh.
+WGMMA_BACKWARD_STREAM = {"backward_dq": {64: 128, 128: 64}, "backward_dkdv": {64: 64, 128: 64}}
+
+
+def wgmma_backward_smem_bytes(family: str, bucket: int) -> int:
+    stream, resident, stages, swizzle_alignment = WGMMA_BACKWARD_STREAM[family][bucket], 128, 2, 1024
+    return (2 * resident + 2 * stages * stream) * bucket * 2 + 2 * stages * stream * 4 + swizzle_alignment
+
+
+@functools.cache
+def wgmma_backward_variant(family: str, c_type: str, bucket: int, softcap: bool) -> Variant:
+    """``family`` is backward_dq or backward_dkdv; the kernel is its backward_wgmma_* twin."""
+    stream = WGMMA_BACKWARD_STREAM[family][bucket]
+    return _wgmma_variant(
+        family.replace("backward_", "backward_wgmma_"), f"{cxx_type(c_type)}, {bucket}, {stream}", softcap,
+        f"{c_type}/d{bucket}/s{stream}", wgmma_backward_smem_bytes(family, bucket), 2,
+    )
+
+
+def select_backward_variant(family: str, c_type: str, bucket: int, softcap: bool, arch: str, allow_wgmma: bool = True) -> Variant:
+    """As :func:`select_forward_variant`, for backward_dq and backward_dkdv."""
+    if allow_wgmma and arch == WGMMA_ARCH and c_type != "float" and bucket in WGMMA_BACKWARD_STREAM[family]:
+        return wgmma_backward_variant(family, c_type, bucket, softcap)
+    return backward_variant(family, c_type, bucket, softcap)
+
+
 def all_variants() -> list[Variant]:
     """Every variant, in a stable order; the offline compile and ``warmup --all`` use it."""
     out = []
@@ -168,17 +243,26 @@ def all_variants() -> list[Variant]:
         for bucket in HEAD_DIM_BUCKETS:
             for softcap in (False, True):
                 out.append(forward_variant(c_type, bucket, softcap))
+    for c_type in ("f16", "bf16"):
+        for bucket in WGMMA_FORWARD_TILES:
+            for softcap in (False, True):
+                out.append(wgmma_forward_variant(c_type, bucket, softcap))
     for c_type in ("f16", "bf16", "float"):
         out.append(backward_prep_variant(c_type))
         for family in ("backward_dkdv", "backward_dq"):
             for bucket in HEAD_DIM_BUCKETS:
                 for softcap in (False, True):
                     out.append(backward_variant(family, c_type, bucket, softcap))
+    for c_type in ("f16", "bf16"):
+        for family, buckets in WGMMA_BACKWARD_STREAM.items():
+            for bucket in buckets:
+                for softcap in (False, True):
+                    out.append(wgmma_backward_variant(family, c_type, bucket, softcap))
     return out
 
 
 def common_variants() -> list[Variant]:
     """The set ``python -m cuattn warmup`` compiles by default."""
     merges = [merge_variant(c, MERGE_VEC_WIDTHS[c][0]) for c in MERGE_VEC_WIDTHS]
-    forwards = [forward_variant(c, d, False) for c in ("f16", "bf16") for d in (64, 128)]
+    forwards = [make(c, d, False) for make in (forward_variant, wgmma_forward_variant) for c in ("f16", "bf16") for d in (64, 128)]
     return merges + forwards

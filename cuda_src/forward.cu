@@ -6,12 +6,10 @@
 #include "common/mma.cuh"
 #include "common/tile_copy.cuh"
 #include "common/params.cuh"
+#include "forward/online_softmax.cuh"
 #include "forward/traits.cuh"
 
 namespace cuattn {
-
-// log2 of the growth of a row's max that forces a rescale (FlashAttention-4's lazy rescaling).
-constexpr float kRescaleSlack = 8.f;
 
 /// \brief Attention forward for one (query block, head, batch) = (blockIdx.x, blockIdx.y,
 /// blockIdx.z); query blocks run heaviest-first. Writes out and lse.
@@ -112,99 +110,15 @@ __global__ void __launch_bounds__(WARPS * 32) forward_kernel(const __grid_consta
         }
       }
     }
-    if (SOFTCAP) {
-      const float pre = p.scale / p.softcap;
-#pragma unroll
-      for (int mt = 0; mt < Tr::kMTiles; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < Tr::kNTiles; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) s[mt][nt][e] = p.softcap * tanhf(s[mt][nt][e] * pre);
-    }
-    if (!band.all_visible(warp_first_row, warp_last_row, n0, n0 + BLOCK_N - 1)) {
-#pragma unroll
-      for (int mt = 0; mt < Tr::kMTiles; ++mt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int row = m0 + warp_row0 + mt * 16 + g + h * 8;
-          const int lo = band.first_key(row) - n0 - 2 * t, hi = band.last_key(row) - n0 - 2 * t;
-#pragma unroll
-          for (int nt = 0; nt < Tr::kNTiles; ++nt)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const int col = nt * 8 + e;  // key n0 + 2t + col
-              if (col < lo || col > hi) s[mt][nt][2 * h + e] = neg_inf();
-            }
-        }
-    }
-
-    // Online softmax. Each thread holds rows g and g + 8 of each m-tile; a row's 4 owners are
-    // the lanes of one quad. Scores stay unscaled; exp2_scale (> 0) folds scale and log2(e).
-    // row_max is the shift of the exponents, not always the true running max: it is raised
-    // (and acc, row_sum rescaled) only when some row of the warp grew by more than
-    // 2^kRescaleSlack, so most key blocks skip the rescale; p <= 2^kRescaleSlack stays exact.
-    const float sc = p.exp2_scale;
-    float block_max[Tr::kMTiles][2];
-    bool grow = false;
-#pragma unroll
-    for (int mt = 0; mt < Tr::kMTiles; ++mt) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float mx = row_max[mt][h];
-#pragma unroll
-        for (int nt = 0; nt < Tr::kNTiles; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
-        block_max[mt][h] = mx;
-        // -inf - -inf is NaN, which compares false: a row that still sees no key never grows.
-        grow |= mx * sc - row_max[mt][h] * sc > kRescaleSlack;
-      }
-    }
-    if (__any_sync(0xffffffff, grow)) {
-#pragma unroll
-      for (int mt = 0; mt < Tr::kMTiles; ++mt) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const float alpha = row_max[mt][h] == neg_inf() ? 0.f : exp2f(row_max[mt][h] * sc - block_max[mt][h] * sc);
-          row_max[mt][h] = block_max[mt][h];
-          row_sum[mt][h] *= alpha;
-#pragma unroll
-          for (int dt = 0; dt < Tr::kDTiles; ++dt) {
-            acc[mt][dt][2 * h] *= alpha;
-            acc[mt][dt][2 * h + 1] *= alpha;
-          }
-        }
-      }
-    }
-#pragma unroll
-    for (int mt = 0; mt < Tr::kMTiles; ++mt) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        // A row that has seen no key yet keeps max -inf; exponents then use 0 so no inf - inf.
-        const float shift = row_max[mt][h] == neg_inf() ? 0.f : row_max[mt][h] * sc;
-        float sum = 0.f;
-#pragma unroll
-        for (int nt = 0; nt < Tr::kNTiles; ++nt) {
-#pragma unroll
-          for (int e = 2 * h; e < 2 * h + 2; ++e) {
-            s[mt][nt][e] = exp2f(fmaf(s[mt][nt][e], sc, -shift));
-            sum += s[mt][nt][e];
-          }
-        }
-        row_sum[mt][h] += sum;
-      }
-    }
+    if (SOFTCAP) softcap_scores(s, p);
+    if (!band.all_visible(warp_first_row, warp_last_row, n0, n0 + BLOCK_N - 1)) mask_scores(s, band, warp_first_row, n0);
+    online_softmax(s, row_max, row_sum, acc, p.exp2_scale);
 
 #pragma unroll
     for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-      u32 a[Tr::kMTiles][4];  // P as the A operand: the C tiles 2kk, 2kk+1 re-packed to 16 bits
+      u32 a[Tr::kMTiles][4];
 #pragma unroll
-      for (int mt = 0; mt < Tr::kMTiles; ++mt) {
-        a[mt][0] = pack2<T>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-        a[mt][1] = pack2<T>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-        a[mt][2] = pack2<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-        a[mt][3] = pack2<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
-      }
+      for (int mt = 0; mt < Tr::kMTiles; ++mt) c_tiles_to_a<T>(s[mt], kk, a[mt]);  // P as the A operand
 #pragma unroll
       for (int dt = 0; dt < Tr::kDTiles; dt += 2) {
         u32 b[4];  // b0,b1 of d-tile dt, then of dt + 1
@@ -226,20 +140,15 @@ __global__ void __launch_bounds__(WARPS * 32) forward_kernel(const __grid_consta
   for (int mt = 0; mt < Tr::kMTiles; ++mt) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      float l = row_sum[mt][h];
-      l += __shfl_xor_sync(0xffffffff, l, 1);
-      l += __shfl_xor_sync(0xffffffff, l, 2);
-      const float inv = l > 0.f ? 1.f / l : 0.f;
+      const RowTotal total = finish_row(row_max[mt][h], row_sum[mt][h], p.exp2_scale);
       const int r = mt * 16 + g + h * 8;
 #pragma unroll
       for (int dt = 0; dt < Tr::kDTiles; ++dt) {
         *reinterpret_cast<u32*>(sOut + r * Tr::kRowStride + dt * 8 + 2 * t) =
-            pack2<T>(acc[mt][dt][2 * h] * inv, acc[mt][dt][2 * h + 1] * inv);
+            pack2<T>(acc[mt][dt][2 * h] * total.inv, acc[mt][dt][2 * h + 1] * total.inv);
       }
       const int row = warp_first_row + r;
-      if (t == 0 && row < p.seqlen_q) {
-        head_view.lse[row] = l > 0.f ? (row_max[mt][h] * p.exp2_scale + log2f(l)) * 0.69314718055994531f : neg_inf();
-      }
+      if (t == 0 && row < p.seqlen_q) head_view.lse[row] = total.lse;
     }
   }
   __syncwarp();

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 import numpy as np
 
 from cuattn.variants import BFLOAT16
@@ -122,3 +125,25 @@ def naive_attention_backward(dout, q, k, v, dtype, causal=False, window=None, al
     dk = rnd(dk.reshape(b, sk, hk, group, d).sum(3))
     dv = rnd(dv.reshape(b, sk, hk, group, v.shape[3]).sum(3))
     return dq, dk, dv
+
+
+# The forward kernels a GPU test can ask for: "default" is what cuattn picks for the device (the
+# wgmma kernel on Hopper for f16/bf16 head dims 33-64 and 97-128); "portable" switches the Hopper
+# kernels off, so the mma.sync kernel runs there too.
+KERNEL_PATHS = ("default", "portable")
+
+
+@contextlib.contextmanager
+def kernel_path(path: str):
+    saved = os.environ.get("CUATTN_WGMMA")
+    if path == "portable":
+        os.environ["CUATTN_WGMMA"] = "0"
+    else:
+        os.environ.pop("CUATTN_WGMMA", None)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("CUATTN_WGMMA", None)
+        else:
+            os.environ["CUATTN_WGMMA"] = saved

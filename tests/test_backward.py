@@ -7,13 +7,18 @@ from hypothesis import strategies as st
 
 import cuattn
 from cuattn import reference
-from helpers import assert_attention_accuracy, naive_attention_backward, poison_cupy_pool, randn
+from helpers import KERNEL_PATHS, assert_attention_accuracy, kernel_path, naive_attention_backward, poison_cupy_pool, randn
 
 pytestmark = pytest.mark.gpu
 
 
-def _run(rng, batch, sq, sk, hq, hk, d, dtype, with_dlse=False, scale_inputs=1.0, **kw):
+def _run(rng, batch, sq, sk, hq, hk, d, dtype, with_dlse=False, scale_inputs=1.0, path="default", **kw):
     """Forward with cuattn, then backward; each gradient within 3x the naive error."""
+    with kernel_path(path):
+        return _run_on_path(rng, batch, sq, sk, hq, hk, d, dtype, with_dlse, scale_inputs, **kw)
+
+
+def _run_on_path(rng, batch, sq, sk, hq, hk, d, dtype, with_dlse, scale_inputs, **kw):
     import cupy
 
     q = randn(rng, (batch, sq, hq, d), dtype, scale_inputs)
@@ -46,13 +51,14 @@ _OPTIONS = dict(
     align=st.sampled_from(["bottom_right", "top_left"]),
     softcap=st.sampled_from([None, None, 5.0]),
     with_dlse=st.booleans(),
+    path=st.sampled_from(KERNEL_PATHS),
     seed=st.integers(0, 2**32 - 1),
 )
 
 
-def _run_drawn(batch, sq, sk, heads, d, dtype, causal, window, align, softcap, with_dlse, seed):
+def _run_drawn(batch, sq, sk, heads, d, dtype, causal, window, align, softcap, with_dlse, path, seed):
     _run(np.random.default_rng(seed), batch, sq, sk, *heads, d, dtype, with_dlse=with_dlse,
-         causal=causal, window=window, align=align, softcap=softcap)
+         causal=causal, window=window, align=align, softcap=softcap, path=path)
 
 
 @settings(max_examples=50, deadline=None)
@@ -66,6 +72,21 @@ def _run_drawn(batch, sq, sk, heads, d, dtype, causal, window, align, softcap, w
     **_OPTIONS,
 )
 def test_backward_matches_reference(**drawn):
+    _run_drawn(**drawn)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    batch=st.integers(1, 2),
+    sq=st.sampled_from([1, 17, 64, 113, 129, 300]),
+    sk=st.sampled_from([1, 17, 113, 128, 256, 333]),
+    heads=st.sampled_from([(1, 1), (4, 1), (6, 2)]),
+    d=st.sampled_from([40, 64, 104, 128]),
+    dtype=st.sampled_from(["float16", "bfloat16"]),
+    **{**_OPTIONS, "path": st.just("default")},
+)
+def test_hopper_kernel_buckets_backward_matches_reference(**drawn):
+    """The head dims the wgmma kernels serve on Hopper (the default path), drawn densely."""
     _run_drawn(**drawn)
 
 
@@ -105,16 +126,18 @@ def test_backward_long_sequences_large_head_dim(dtype):
     _run(np.random.default_rng(), 1, 300, 1023, 2, 2, 200, dtype, window=(100, 20), with_dlse=True)
 
 
+@pytest.mark.parametrize("path", KERNEL_PATHS)
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-def test_backward_long_awkward_sequences(d, causal):
-    _run(np.random.default_rng(), 1, 1023, 1023, 4, 2, d, "bfloat16", causal=causal)
-    _run(np.random.default_rng(), 1, 113, 1023, 2, 1, d, "float16", causal=causal, align="top_left", with_dlse=True)
+def test_backward_long_awkward_sequences(d, causal, path):
+    _run(np.random.default_rng(), 1, 1023, 1023, 4, 2, d, "bfloat16", causal=causal, path=path)
+    _run(np.random.default_rng(), 1, 113, 1023, 2, 1, d, "float16", causal=causal, align="top_left", with_dlse=True, path=path)
 
 
+@pytest.mark.parametrize("path", KERNEL_PATHS)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_backward_large_scores(dtype):
-    _run(np.random.default_rng(), 1, 128, 200, 2, 2, 64, dtype, scale_inputs=6.0, causal=True)
+def test_backward_large_scores(dtype, path):
+    _run(np.random.default_rng(), 1, 128, 200, 2, 2, 64, dtype, scale_inputs=6.0, causal=True, path=path)
 
 
 def test_fully_masked_rows_get_zero_gradients():
@@ -131,7 +154,7 @@ def test_fully_masked_rows_get_zero_gradients():
 
 
 @pytest.mark.parametrize("deterministic", [True, False])
-@pytest.mark.parametrize("dtype, d", [("bfloat16", 64), ("bfloat16", 256), ("float32", 64)])
+@pytest.mark.parametrize("dtype, d", [("bfloat16", 64), ("bfloat16", 128), ("bfloat16", 256), ("float32", 64)])
 def test_gradients_are_bit_identical_across_runs(deterministic, dtype, d):
     import cupy
 

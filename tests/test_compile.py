@@ -61,7 +61,8 @@ def test_every_variant_compiles_without_hot_spills(arch, tmp_path):
     table = offline.format_table(reports)
     print(table)
     (tmp_path / f"compile-{arch}.txt").write_text(table)
-    assert len(reports) == len(variants.all_variants())
+    assert len(reports) == sum(v.builds_for(arch) for v in variants.all_variants())
+    assert any(r.uri.startswith("forward_wgmma/") for r in reports) == (arch == "sm_90a")
     failed = [f"{r.uri}: {'error' if not r.ok else 'spills'}\n{r.log}" for r in reports if r.failed]
     assert not failed, "\n".join(failed)
     assert all(r.registers > 0 for r in reports)
@@ -88,3 +89,15 @@ def test_compile_report_flags_errors_and_hot_spills(monkeypatch, tmp_path):
         loader.source_hash.cache_clear()
     assert not broken.ok and broken.failed
     assert spilly.ok and spilly.spills and spilly.failed, spilly.log
+
+
+def test_forward_kernel_selection():
+    select = variants.select_forward_variant
+    assert select("bf16", 128, False, "sm_90a").family == "forward_wgmma"
+    assert select("f16", 64, True, "sm_90a").uri.endswith("/softcap")
+    assert select("bf16", 128, False, "sm_90a", allow_wgmma=False).family == "forward"
+    assert select("bf16", 128, False, "sm_80").family == "forward"
+    assert select("bf16", 96, False, "sm_90a").family == "forward"  # no Hopper kernel for that bucket
+    assert select("float", 128, False, "sm_90a").family == "forward_fp32"
+    assert variants.wgmma_forward_variant("bf16", 128, False).builds_for("sm_90a")
+    assert not variants.wgmma_forward_variant("bf16", 128, False).builds_for("sm_80")

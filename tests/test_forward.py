@@ -7,19 +7,20 @@ from hypothesis import strategies as st
 
 import cuattn
 from cuattn import reference
-from helpers import DTYPES, assert_attention_accuracy, naive_attention, poison_cupy_pool, randn
+from helpers import DTYPES, KERNEL_PATHS, assert_attention_accuracy, kernel_path, naive_attention, poison_cupy_pool, randn
 
 pytestmark = pytest.mark.gpu
 
 
-def _run(rng, batch, sq, sk, hq, hk, d, dtype, scale_inputs=1.0, **kw):
+def _run(rng, batch, sq, sk, hq, hk, d, dtype, scale_inputs=1.0, path="default", **kw):
     import cupy
 
     q = randn(rng, (batch, sq, hq, d), dtype, scale_inputs)
     k = randn(rng, (batch, sk, hk, d), dtype, scale_inputs)
     v = randn(rng, (batch, sk, hk, d), dtype)
     poison_cupy_pool()
-    out, lse = cuattn.attention(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), return_lse=True, **kw)
+    with kernel_path(path):
+        out, lse = cuattn.attention(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), return_lse=True, **kw)
     out, lse = out.get(), lse.get()
     assert out.dtype == q.dtype and out.shape == q.shape and lse.shape == (batch, hq, sq)
     assert not np.isnan(out.astype(np.float32)).any() and not np.isnan(lse).any()
@@ -45,25 +46,57 @@ def _run(rng, batch, sq, sk, hq, hk, d, dtype, scale_inputs=1.0, **kw):
     window=st.sampled_from([None, None, (16, 0), (40, 8), (None, 5), (0, 0)]),
     align=st.sampled_from(["bottom_right", "top_left"]),
     softcap=st.sampled_from([None, None, 5.0]),
+    path=st.sampled_from(KERNEL_PATHS),
     seed=st.integers(0, 2**32 - 1),
 )
-def test_attention_matches_reference(batch, sq, sk, heads, d, dtype, causal, window, align, softcap, seed):
+def test_attention_matches_reference(batch, sq, sk, heads, d, dtype, causal, window, align, softcap, path, seed):
+    _run(np.random.default_rng(seed), batch, sq, sk, *heads, d, dtype, causal=causal, window=window, align=align, softcap=softcap, path=path)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    batch=st.integers(1, 2),
+    sq=st.sampled_from([1, 17, 64, 113, 129, 300]),
+    sk=st.sampled_from([1, 17, 113, 128, 256, 333]),
+    heads=st.sampled_from([(1, 1), (4, 1), (6, 2)]),
+    d=st.sampled_from([40, 64, 104, 128]),
+    dtype=st.sampled_from(["float16", "bfloat16"]),
+    causal=st.booleans(),
+    window=st.sampled_from([None, None, (16, 0), (40, 8), (None, 5), (0, 0)]),
+    align=st.sampled_from(["bottom_right", "top_left"]),
+    softcap=st.sampled_from([None, None, 5.0]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_hopper_kernel_buckets_match_reference(batch, sq, sk, heads, d, dtype, causal, window, align, softcap, seed):
+    """The head dims the wgmma kernel serves on Hopper (the default path), drawn densely."""
     _run(np.random.default_rng(seed), batch, sq, sk, *heads, d, dtype, causal=causal, window=window, align=align, softcap=softcap)
 
 
+def test_hopper_devices_run_the_wgmma_kernel():
+    from cuattn import loader, variants
+
+    arch = loader.device_arch()
+    picked = variants.select_forward_variant("bf16", 128, False, arch, loader.wgmma_enabled())
+    assert (picked.family == "forward_wgmma") == (arch == "sm_90a")
+    with kernel_path("portable"):
+        assert variants.select_forward_variant("bf16", 128, False, arch, loader.wgmma_enabled()).family == "forward"
+
+
+@pytest.mark.parametrize("path", KERNEL_PATHS)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-def test_long_awkward_sequences(dtype, d, causal):
-    _run(np.random.default_rng(), 1, 1023, 1023, 2, 1, d, dtype, causal=causal)
-    _run(np.random.default_rng(), 1, 113, 1023, 2, 2, d, dtype, causal=causal, align="top_left")
+def test_long_awkward_sequences(dtype, d, causal, path):
+    _run(np.random.default_rng(), 1, 1023, 1023, 2, 1, d, dtype, causal=causal, path=path)
+    _run(np.random.default_rng(), 1, 113, 1023, 2, 2, d, dtype, causal=causal, align="top_left", path=path)
 
 
+@pytest.mark.parametrize("path", KERNEL_PATHS)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
-def test_large_scores_stay_finite_and_correct(dtype):
+def test_large_scores_stay_finite_and_correct(dtype, path):
     """Raw scores past 100 (inputs scaled up): the online softmax must not overflow."""
     rng = np.random.default_rng()
-    out, lse = _run(rng, 1, 128, 200, 2, 2, 64, dtype, scale_inputs=6.0, causal=True)
+    out, lse = _run(rng, 1, 128, 200, 2, 2, 64, dtype, scale_inputs=6.0, causal=True, path=path)
     assert np.isfinite(lse).all() and np.abs(lse).max() > 100
 
 

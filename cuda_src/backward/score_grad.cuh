@@ -3,6 +3,7 @@
 #pragma once
 #include "../common/dtypes.cuh"
 #include "../common/mma.cuh"
+#include "../common/params.cuh"
 
 namespace cuattn {
 
@@ -28,13 +29,22 @@ __device__ __forceinline__ void apply_softcap(float (&s)[N][4], float (&cap_grad
     }
 }
 
-// A operand (16 x 16, rows of the C tile, k = its columns 16kk..16kk+15) from two C tiles.
-template <typename T, int N>
-__device__ __forceinline__ void c_tiles_to_a(const float (&c)[N][4], int kk, u32 (&a)[4]) {
-  a[0] = pack2<T>(c[2 * kk][0], c[2 * kk][1]);
-  a[1] = pack2<T>(c[2 * kk][2], c[2 * kk][3]);
-  a[2] = pack2<T>(c[2 * kk + 1][0], c[2 * kk + 1][1]);
-  a[3] = pack2<T>(c[2 * kk + 1][2], c[2 * kk + 1][3]);
+// P and dS = P (dP - delta) of one raw score x in one pass, the softcap applied (and
+// differentiated) on the way; shift is the row's exp2 shift, visible false forces P = 0.
+struct ProbGrad {
+  float prob;
+  float grad;
+};
+template <bool SOFTCAP>
+__device__ __forceinline__ ProbGrad prob_and_grad(float x, float dp, float shift, float delta, bool visible, const AttnParams& a) {
+  float cap_grad = 1.f;
+  if constexpr (SOFTCAP) {
+    const float th = tanhf(x * (a.scale / a.softcap));
+    x = a.softcap * th;
+    cap_grad = 1.f - th * th;
+  }
+  const float prob = visible ? exp2f(fmaf(x, a.exp2_scale, -shift)) : 0.f;
+  return {prob, prob * (dp - delta) * cap_grad};
 }
 
 // acc (16 x 8*N) += A (16 rows of sA, k over HEAD_DIM) * B^T where B is 8*N rows of sB: both

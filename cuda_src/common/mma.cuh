@@ -55,6 +55,16 @@ __device__ __forceinline__ void mma_16816<bf16>(float (&c)[4], const u32 (&a)[4]
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// A operand (16 x 16: rows of a C tile pair, k = columns 16kk..16kk+15) from C tiles 2kk and
+// 2kk + 1, re-packed to 16 bits.
+template <typename T, int N>
+__device__ __forceinline__ void c_tiles_to_a(const float (&c)[N][4], int kk, u32 (&a)[4]) {
+  a[0] = pack2<T>(c[2 * kk][0], c[2 * kk][1]);
+  a[1] = pack2<T>(c[2 * kk][2], c[2 * kk][3]);
+  a[2] = pack2<T>(c[2 * kk + 1][0], c[2 * kk + 1][1]);
+  a[3] = pack2<T>(c[2 * kk + 1][2], c[2 * kk + 1][3]);
+}
+
 __device__ __forceinline__ u32 dynamic_smem_bytes() {
   u32 r;
   asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(r));

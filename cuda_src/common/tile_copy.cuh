@@ -2,6 +2,7 @@
 // kThreads, kChunksPerRow (16-byte chunks of the padded head dim), kRowStride and kHeadDim.
 #pragma once
 #include "mma.cuh"
+#include "wgmma.cuh"
 
 namespace cuattn {
 
@@ -36,6 +37,32 @@ __device__ __forceinline__ void load_tile(T* smem, const T* gmem, i64 row_stride
       const int r = chunk / Tr::kChunksPerRow, c = (chunk % Tr::kChunksPerRow) * 8;
       const bool valid = row0 + r < row_end && c < head_dim;
       cp_async_16(smem + r * Tr::kRowStride + c, valid ? gmem + (row0 + r) * row_stride + c : gmem, valid);
+    }
+  }
+}
+
+// The same copy into the 128-byte-swizzled column-block layout of common/wgmma.cuh (no padding);
+// smem is 1024-byte aligned.
+template <typename Tr, int ROWS, typename T>
+__device__ __forceinline__ void load_tile_sw128(unsigned char* smem, const T* gmem, i64 row_stride, int row0, int row_end, int head_dim) {
+  constexpr int kRowsPerRound = Tr::kThreads / Tr::kChunksPerRow;
+  constexpr int kRounds = (ROWS + kRowsPerRound - 1) / kRowsPerRound;
+  static_assert(Tr::kThreads % Tr::kChunksPerRow == 0 && kRowsPerRound % 8 == 0, "one chunk column and swizzle phase per thread");
+  const int r = threadIdx.x / Tr::kChunksPerRow, c = threadIdx.x % Tr::kChunksPerRow;
+  unsigned char* dst = smem + (c / 8) * (ROWS * kSwizzleRowBytes) + swizzled_chunk(r, c % 8);
+  const T* src = gmem + (row0 + r) * row_stride + c * 8;
+  if (row0 + ROWS <= row_end && head_dim == Tr::kHeadDim) {
+#pragma unroll
+    for (int i = 0; i < kRounds; ++i) {
+      if (ROWS % kRowsPerRound != 0 && r + i * kRowsPerRound >= ROWS) break;  // the short last round
+      cp_async_16(dst + i * kRowsPerRound * kSwizzleRowBytes, src + i * kRowsPerRound * row_stride);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < kRounds; ++i) {
+      if (ROWS % kRowsPerRound != 0 && r + i * kRowsPerRound >= ROWS) break;
+      const bool valid = row0 + r + i * kRowsPerRound < row_end && c * 8 < head_dim;
+      cp_async_16(dst + i * kRowsPerRound * kSwizzleRowBytes, valid ? src + i * kRowsPerRound * row_stride : gmem, valid);
     }
   }
 }

@@ -1,0 +1,31 @@
+// Tile shapes of the Hopper backward kernels (backward_wgmma_dq.cu, backward_wgmma_dkdv.cu). Two
+// warpgroups of 64 resident rows each (queries for dQ, keys for dK/dV); the other operand pair
+// streams through a two-stage ring in blocks of BLOCK_STREAM rows, in the 128-byte-swizzled
+// layout of common/wgmma.cuh. cuattn/variants.py computes the same shared-memory size.
+#pragma once
+#include "../common/wgmma.cuh"
+
+namespace cuattn {
+
+template <int HEAD_DIM, int BLOCK_STREAM>
+struct WgmmaBackwardTraits {
+  static constexpr int kHeadDim = HEAD_DIM;
+  static constexpr int kWarpgroups = 2;
+  static constexpr int kThreads = 128 * kWarpgroups;
+  static constexpr int kBlockResident = 64 * kWarpgroups;
+  static constexpr int kBlockStream = BLOCK_STREAM;
+  static constexpr int kNTiles = BLOCK_STREAM / 8;  // n8 tiles of a warp's 16 x BLOCK_STREAM scores
+  static constexpr int kDTiles = HEAD_DIM / 8;      // n8 tiles of a 16 x head_dim accumulator
+  static constexpr int kChunksPerRow = HEAD_DIM / 8;
+  static constexpr int kStages = 2;
+  static constexpr int kResidentBytes = kBlockResident * HEAD_DIM * 2;
+  static constexpr int kStreamBytes = BLOCK_STREAM * HEAD_DIM * 2;
+  // Two resident tiles, two streamed tiles per stage, per stage two fp32 row vectors, and the
+  // realignment of the dynamic shared memory to the swizzle period.
+  static constexpr int kSmemBytes = 2 * kResidentBytes + 2 * kStages * kStreamBytes + 2 * kStages * BLOCK_STREAM * 4 + kSwizzleAtomBytes;
+
+  static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "wgmma N of the gradient products");
+  static_assert(BLOCK_STREAM == 64 || BLOCK_STREAM == 128, "wgmma N of the score products");
+};
+
+}  // namespace cuattn

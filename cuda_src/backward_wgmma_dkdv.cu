@@ -1,0 +1,127 @@
+// Attention backward, dK and dV, for Hopper (sm_90a): backward_dkdv.cu's scheme on warpgroup
+// tensor cores. One CTA per (128-key block, KV head, batch) keeps K, V and the fp32 dK / dV
+// accumulators on chip and streams the query blocks of every query head of the KV head's group
+// (GQA sums in registers; every gradient element written once, deterministic). Per query block
+// each warpgroup forms S^T = K Q^T and dP^T = V dO^T for its 64 keys, P^T from the saved lse,
+// dV += P^T dO, dS^T = P^T (dP^T - delta) and dK += dS^T Q.
+#include "backward/score_grad.cuh"
+#include "backward/wgmma_traits.cuh"
+#include "common/mask.cuh"
+#include "common/params.cuh"
+#include "common/tile_copy.cuh"
+#include "common/wgmma.cuh"
+
+namespace cuattn {
+
+template <typename T, int HEAD_DIM, int BLOCK_M, bool SOFTCAP>
+__global__ void __launch_bounds__(256, 1) backward_wgmma_dkdv_kernel(const __grid_constant__ BackwardParams p) {
+  using Tr = WgmmaBackwardTraits<HEAD_DIM, BLOCK_M>;
+  constexpr int BN = Tr::kBlockResident;  // keys per CTA
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  if (dynamic_smem_bytes() < Tr::kSmemBytes) __trap();  // launch contract
+  unsigned char* sK = smem_raw + (kSwizzleAtomBytes - smem_addr(smem_raw) % kSwizzleAtomBytes) % kSwizzleAtomBytes;
+  unsigned char* sV = sK + Tr::kResidentBytes;
+  unsigned char* sQ_ring = sV + Tr::kResidentBytes;
+  unsigned char* sdO_ring = sQ_ring + Tr::kStages * Tr::kStreamBytes;
+  float* sLse_ring = reinterpret_cast<float*>(sdO_ring + Tr::kStages * Tr::kStreamBytes);
+  float* sDelta_ring = sLse_ring + Tr::kStages * BLOCK_M;
+
+  const AttnParams& a = p.attn;
+  const int n_block = blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
+  const int n0 = n_block * BN;
+  const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int group = a.heads_q / a.heads_kv;
+
+  const T* k = static_cast<const T*>(a.k) + batch * a.k_strides[0] + kv_head * a.k_strides[2];
+  const T* v = static_cast<const T*>(a.v) + batch * a.v_strides[0] + kv_head * a.v_strides[2];
+  const KeyBand band(a);
+  const int row_first = band.first_row(n0);
+  const int row_last = band.last_row(min(n0 + BN, a.seqlen_k) - 1, a.seqlen_q);
+  const int m_first = row_first / BLOCK_M;
+  const int m_count = row_last < row_first ? 0 : row_last / BLOCK_M - m_first + 1;
+  const int steps = group * m_count;  // (query head of the group, query block) pairs
+
+  const auto load_step = [&](int step, int stage) {
+    const int head = kv_head * group + step / m_count, m0 = (m_first + step % m_count) * BLOCK_M;
+    const T* q = static_cast<const T*>(a.q) + batch * a.q_strides[0] + head * a.q_strides[2];
+    const T* dout = static_cast<const T*>(p.dout) + batch * p.dout_strides[0] + head * p.dout_strides[2];
+    load_tile_sw128<Tr, BLOCK_M>(sQ_ring + stage * Tr::kStreamBytes, q, a.q_strides[1], m0, a.seqlen_q, a.head_dim);
+    load_tile_sw128<Tr, BLOCK_M>(sdO_ring + stage * Tr::kStreamBytes, dout, p.dout_strides[1], m0, a.seqlen_q, a.head_dim);
+    if (threadIdx.x < BLOCK_M) {
+      const int row = m0 + threadIdx.x;
+      const bool valid = row < a.seqlen_q;
+      const float* lse = a.lse + batch * a.lse_strides[0] + head * a.lse_strides[1];
+      const float* delta = p.delta + (i64(batch) * a.heads_q + head) * a.seqlen_q;
+      cp_async_4(sLse_ring + stage * BLOCK_M + threadIdx.x, valid ? lse + row : lse, valid);
+      cp_async_4(sDelta_ring + stage * BLOCK_M + threadIdx.x, valid ? delta + row : delta, valid);
+    }
+  };
+
+  load_tile_sw128<Tr, BN>(sK, k, a.k_strides[1], n0, a.seqlen_k, a.head_dim);
+  load_tile_sw128<Tr, BN>(sV, v, a.v_strides[1], n0, a.seqlen_k, a.head_dim);
+  if (steps > 0) load_step(0, 0);
+  cp_async_commit();
+
+  float dk[Tr::kDTiles][4], dv[Tr::kDTiles][4];
+#pragma unroll
+  for (int dt = 0; dt < Tr::kDTiles; ++dt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk[dt][e] = dv[dt][e] = 0.f;
+
+  const int wg_key0 = n0 + wg * 64;
+  const int wg_key_last = min(wg_key0 + 63, a.seqlen_k - 1);
+  const int warp_key0 = wg_key0 + warp * 16;
+  const u32 k_addr = smem_addr(sK), v_addr = smem_addr(sV);
+
+  for (int step = 0, stage = 0; step < steps; ++step, stage ^= 1) {
+    cp_async_wait<0>();
+    fence_proxy_async();
+    __syncthreads();  // this stage landed; every warpgroup finished with the other one
+    if (step + 1 < steps) {
+      load_step(step + 1, stage ^ 1);
+      cp_async_commit();
+    }
+    const int m0 = (m_first + step % m_count) * BLOCK_M;
+    const int m_last = min(m0 + BLOCK_M, a.seqlen_q) - 1;
+    if (wg_key_last < wg_key0 || wg_key0 > band.last_key(m_last) || wg_key_last < band.first_key(m0)) continue;
+    const bool masked = !band.all_visible(m0, m_last, warp_key0, warp_key0 + 15);
+    const u32 q_addr = smem_addr(sQ_ring + stage * Tr::kStreamBytes), do_addr = smem_addr(sdO_ring + stage * Tr::kStreamBytes);
+    const float* sLse = sLse_ring + stage * BLOCK_M;
+    const float* sDelta = sDelta_ring + stage * BLOCK_M;
+
+    float s[Tr::kNTiles][4], dp[Tr::kNTiles][4];  // S^T and dP^T: this warp's 16 keys x BLOCK_M queries
+    wgmma_fence();
+    wgmma_rows_by_rows<T, BLOCK_M, HEAD_DIM>(s, k_addr, BN, wg * 64, q_addr);
+    wgmma_rows_by_rows<T, BLOCK_M, HEAD_DIM>(dp, v_addr, BN, wg * 64, do_addr);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_registers(s);
+    fence_registers(dp);
+
+#pragma unroll
+    for (int nt = 0; nt < Tr::kNTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int col = nt * 8 + 2 * t + (e % 2);  // query m0 + col
+        const bool visible = !masked || band.visible(m0 + col, warp_key0 + g + (e / 2) * 8);
+        const ProbGrad pg = prob_and_grad<SOFTCAP>(s[nt][e], dp[nt][e], lse_to_exp2_shift(sLse[col]), sDelta[col], visible, a);
+        s[nt][e] = pg.prob;  // P^T
+        dp[nt][e] = pg.grad;  // dS^T
+      }
+    wgmma_fence();
+    wgmma_frag_by_tile<T, BLOCK_M, HEAD_DIM>(dv, s, do_addr);  // dV += P^T dO
+    wgmma_frag_by_tile<T, BLOCK_M, HEAD_DIM>(dk, dp, q_addr);  // dK += dS^T Q
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_registers(dv);
+    fence_registers(dk);
+  }
+
+  T* dk_out = static_cast<T*>(p.dk) + batch * p.dk_strides[0] + kv_head * p.dk_strides[2];
+  T* dv_out = static_cast<T*>(p.dv) + batch * p.dv_strides[0] + kv_head * p.dv_strides[2];
+  store_acc_rows<T, Tr::kDTiles>(dk, a.scale, dk_out, p.dk_strides[1], warp_key0, a.seqlen_k, a.head_dim, lane);
+  store_acc_rows<T, Tr::kDTiles>(dv, 1.f, dv_out, p.dv_strides[1], warp_key0, a.seqlen_k, a.head_dim, lane);
+}
+
+}  // namespace cuattn

@@ -1,0 +1,117 @@
+// Attention backward, dQ, for Hopper (sm_90a): backward_dq.cu's scheme on warpgroup tensor
+// cores. One CTA per (128-row query block, query head, batch) keeps Q, dO and the fp32 dQ
+// accumulator on chip and streams the visible key blocks. Per key block each warpgroup forms
+// S = Q K^T and dP = dO V^T for its 64 rows (shared-memory operands), P from the saved lse,
+// dS = P (dP - delta) and dQ += dS K (dS from registers). No atomics: deterministic.
+#include "backward/score_grad.cuh"
+#include "backward/wgmma_traits.cuh"
+#include "common/mask.cuh"
+#include "common/params.cuh"
+#include "common/tile_copy.cuh"
+#include "common/wgmma.cuh"
+
+namespace cuattn {
+
+template <typename T, int HEAD_DIM, int BLOCK_N, bool SOFTCAP>
+__global__ void __launch_bounds__(256, 1) backward_wgmma_dq_kernel(const __grid_constant__ BackwardParams p) {
+  using Tr = WgmmaBackwardTraits<HEAD_DIM, BLOCK_N>;
+  constexpr int BM = Tr::kBlockResident;  // query rows per CTA
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  if (dynamic_smem_bytes() < Tr::kSmemBytes) __trap();  // launch contract
+  unsigned char* sQ = smem_raw + (kSwizzleAtomBytes - smem_addr(smem_raw) % kSwizzleAtomBytes) % kSwizzleAtomBytes;
+  unsigned char* sdO = sQ + Tr::kResidentBytes;
+  unsigned char* sK_ring = sdO + Tr::kResidentBytes;
+  unsigned char* sV_ring = sK_ring + Tr::kStages * Tr::kStreamBytes;
+
+  const AttnParams& a = p.attn;
+  const int m_block = gridDim.x - 1 - blockIdx.x;  // heaviest first under a causal mask
+  const int head = blockIdx.y, batch = blockIdx.z;
+  const int m0 = m_block * BM;
+  const int m_last = min(m0 + BM, a.seqlen_q) - 1;
+  const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+  const int g = lane / 4;
+  const int kv_head = head / (a.heads_q / a.heads_kv);
+
+  const T* q = static_cast<const T*>(a.q) + batch * a.q_strides[0] + head * a.q_strides[2];
+  const T* dout = static_cast<const T*>(p.dout) + batch * p.dout_strides[0] + head * p.dout_strides[2];
+  const T* k = static_cast<const T*>(a.k) + batch * a.k_strides[0] + kv_head * a.k_strides[2];
+  const T* v = static_cast<const T*>(a.v) + batch * a.v_strides[0] + kv_head * a.v_strides[2];
+  const KeyBand band(a);
+  const int key_first = band.first_key(m0), key_last = band.last_key(m_last);
+  const int n_first = key_first / BLOCK_N;
+  const int n_last = key_last < key_first ? n_first - 1 : key_last / BLOCK_N;
+
+  const int wg_first_row = m0 + wg * 64;
+  const int wg_last_row = min(wg_first_row + 64, a.seqlen_q) - 1;
+  const int wg_first_key = band.first_key(wg_first_row), wg_last_key = band.last_key(wg_last_row);
+  const int warp_first_row = wg_first_row + warp * 16;
+  const int warp_last_row = min(warp_first_row + 16, a.seqlen_q) - 1;
+  float shift[2], delta[2];  // rows g and g + 8 of the warp
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = warp_first_row + g + h * 8;
+    const bool valid = row < a.seqlen_q;
+    shift[h] = valid ? lse_to_exp2_shift(a.lse[batch * a.lse_strides[0] + head * a.lse_strides[1] + row]) : -neg_inf();
+    delta[h] = valid ? p.delta[(i64(batch) * a.heads_q + head) * a.seqlen_q + row] : 0.f;
+  }
+
+  const auto load_kv = [&](int n_block, int stage) {
+    load_tile_sw128<Tr, BLOCK_N>(sK_ring + stage * Tr::kStreamBytes, k, a.k_strides[1], n_block * BLOCK_N, a.seqlen_k, a.head_dim);
+    load_tile_sw128<Tr, BLOCK_N>(sV_ring + stage * Tr::kStreamBytes, v, a.v_strides[1], n_block * BLOCK_N, a.seqlen_k, a.head_dim);
+  };
+  if (n_last >= n_first) {
+    load_tile_sw128<Tr, BM>(sQ, q, a.q_strides[1], m0, a.seqlen_q, a.head_dim);
+    load_tile_sw128<Tr, BM>(sdO, dout, p.dout_strides[1], m0, a.seqlen_q, a.head_dim);
+    load_kv(n_last, 0);
+    cp_async_commit();
+  }
+
+  float dq[Tr::kDTiles][4];
+#pragma unroll
+  for (int dt = 0; dt < Tr::kDTiles; ++dt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dq[dt][e] = 0.f;
+  const u32 q_addr = smem_addr(sQ), do_addr = smem_addr(sdO);
+
+  for (int n_block = n_last, stage = 0; n_block >= n_first; --n_block, stage ^= 1) {
+    const int n0 = n_block * BLOCK_N;
+    cp_async_wait<0>();
+    fence_proxy_async();
+    __syncthreads();  // this stage (and Q, dO) landed; every warpgroup finished with the other one
+    if (n_block > n_first) {
+      load_kv(n_block - 1, stage ^ 1);
+      cp_async_commit();
+    }
+    if (wg_last_row < wg_first_row || n0 > wg_last_key || n0 + BLOCK_N <= wg_first_key) continue;
+    const bool masked = !band.all_visible(warp_first_row, warp_last_row, n0, n0 + BLOCK_N - 1);
+    const u32 k_addr = smem_addr(sK_ring + stage * Tr::kStreamBytes), v_addr = smem_addr(sV_ring + stage * Tr::kStreamBytes);
+
+    float s[Tr::kNTiles][4], dp[Tr::kNTiles][4];
+    wgmma_fence();
+    wgmma_rows_by_rows<T, BLOCK_N, HEAD_DIM>(s, q_addr, BM, wg * 64, k_addr);
+    wgmma_rows_by_rows<T, BLOCK_N, HEAD_DIM>(dp, do_addr, BM, wg * 64, v_addr);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_registers(s);
+    fence_registers(dp);
+
+    const int t = lane % 4;
+#pragma unroll
+    for (int nt = 0; nt < Tr::kNTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const bool visible = !masked || band.visible(warp_first_row + g + (e / 2) * 8, n0 + nt * 8 + 2 * t + (e % 2));
+        dp[nt][e] = prob_and_grad<SOFTCAP>(s[nt][e], dp[nt][e], shift[e / 2], delta[e / 2], visible, a).grad;  // dS
+      }
+    wgmma_fence();
+    wgmma_frag_by_tile<T, BLOCK_N, HEAD_DIM>(dq, dp, k_addr);  // dQ += dS K
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_registers(dq);
+  }
+
+  T* dq_out = static_cast<T*>(p.dq) + batch * p.dq_strides[0] + head * p.dq_strides[2];
+  store_acc_rows<T, Tr::kDTiles>(dq, a.scale, dq_out, p.dq_strides[1], warp_first_row, a.seqlen_q, a.head_dim, lane);
+}
+
+}  // namespace cuattn

@@ -1,0 +1,126 @@
+// Attention forward for Hopper (sm_90a): the FlashAttention-2 loop of forward.cu with its matmuls
+// on warpgroup tensor cores. Each warpgroup owns 64 query rows; S = Q K^T reads Q and K from
+// 128-byte-swizzled shared memory, O += P V takes P from registers and V from shared memory.
+// K/V blocks stream through a two-stage cp.async ring shared by the CTA; the warpgroups'
+// matmuls and softmax interleave on the SM's tensor cores and ALUs.
+#include "common/head_view.cuh"
+#include "common/mask.cuh"
+#include "common/params.cuh"
+#include "common/tile_copy.cuh"
+#include "common/wgmma.cuh"
+#include "forward/online_softmax.cuh"
+#include "forward/wgmma_traits.cuh"
+
+namespace cuattn {
+
+/// \brief Attention forward for one (query block, head, batch) = (blockIdx.x, blockIdx.y,
+/// blockIdx.z); query blocks run heaviest-first. Writes out and lse. CTAS_PER_SM bounds the
+/// registers (65536 / (threads * CTAS_PER_SM)).
+template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int CTAS_PER_SM, bool SOFTCAP>
+__global__ void __launch_bounds__(WARPGROUPS * 128, CTAS_PER_SM) forward_wgmma_kernel(const __grid_constant__ AttnParams p) {
+  using Tr = WgmmaForwardTraits<HEAD_DIM, BLOCK_N, WARPGROUPS>;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  if (dynamic_smem_bytes() < Tr::kSmemBytes) __trap();  // launch contract
+  unsigned char* sQ = smem_raw + (kSwizzleAtomBytes - smem_addr(smem_raw) % kSwizzleAtomBytes) % kSwizzleAtomBytes;
+  unsigned char* sK_ring = sQ + Tr::kQBytes;  // kStages K tiles, then kStages V tiles
+  unsigned char* sV_ring = sK_ring + Tr::kStages * Tr::kKVBytes;
+
+  const int m_block = gridDim.x - 1 - blockIdx.x;
+  const int head = blockIdx.y, batch = blockIdx.z;
+  const int m0 = m_block * Tr::kBlockM;
+  const int m_last = min(m0 + Tr::kBlockM, p.seqlen_q) - 1;
+  const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+
+  const HeadView<T> head_view(p, batch, head);
+  const KeyBand band(p);
+  const int key_first = band.first_key(m0), key_last = band.last_key(m_last);
+  const int n_first = key_first / BLOCK_N;
+  const int n_last = key_last < key_first ? n_first - 1 : key_last / BLOCK_N;
+
+  float acc[1][Tr::kDTiles][4];
+  float row_max[1][2] = {{neg_inf(), neg_inf()}}, row_sum[1][2] = {{0.f, 0.f}};
+#pragma unroll
+  for (int dt = 0; dt < Tr::kDTiles; ++dt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[0][dt][e] = 0.f;
+
+  const auto load_kv = [&](int n_block, int stage) {
+    const int n0 = n_block * BLOCK_N;
+    load_tile_sw128<Tr, BLOCK_N>(sK_ring + stage * Tr::kKVBytes, head_view.k, p.k_strides[1], n0, p.seqlen_k, p.head_dim);
+    load_tile_sw128<Tr, BLOCK_N>(sV_ring + stage * Tr::kKVBytes, head_view.v, p.v_strides[1], n0, p.seqlen_k, p.head_dim);
+  };
+  if (n_last >= n_first) {
+    load_tile_sw128<Tr, Tr::kBlockM>(sQ, head_view.q, p.q_strides[1], m0, p.seqlen_q, p.head_dim);
+    load_kv(n_last, 0);
+    cp_async_commit();
+  }
+  // This warpgroup's rows and the keys they see (a warpgroup skips the key blocks none of its
+  // rows see), and this warp's rows (masking is per warp).
+  const int wg_first_row = m0 + wg * 64;
+  const int wg_last_row = min(wg_first_row + 64, p.seqlen_q) - 1;
+  const int wg_first_key = band.first_key(wg_first_row), wg_last_key = band.last_key(wg_last_row);
+  const int warp_first_row = wg_first_row + warp * 16;
+  const int warp_last_row = min(warp_first_row + 16, p.seqlen_q) - 1;
+  const u32 q_addr = smem_addr(sQ);
+
+  // Key blocks from last to first, so that the partially masked diagonal block comes first.
+  for (int n_block = n_last, stage = 0; n_block >= n_first; --n_block, stage ^= 1) {
+    const int n0 = n_block * BLOCK_N;
+    cp_async_wait<0>();
+    fence_proxy_async();  // this thread's copies, visible to the tensor cores' async proxy
+    __syncthreads();      // K/V[n_block] (and Q) landed; every warpgroup finished with the other stage
+    if (n_block > n_first) {
+      load_kv(n_block - 1, stage ^ 1);
+      cp_async_commit();
+    }
+    if (wg_last_row < wg_first_row || n0 > wg_last_key || n0 + BLOCK_N <= wg_first_key) continue;
+    const u32 k_addr = smem_addr(sK_ring + stage * Tr::kKVBytes), v_addr = smem_addr(sV_ring + stage * Tr::kKVBytes);
+
+    float s[1][Tr::kNTiles][4];
+    wgmma_fence();
+    wgmma_rows_by_rows<T, BLOCK_N, HEAD_DIM>(s[0], q_addr, Tr::kBlockM, wg * 64, k_addr);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_registers(s[0]);
+
+    if (SOFTCAP) softcap_scores(s, p);
+    if (!band.all_visible(warp_first_row, warp_last_row, n0, n0 + BLOCK_N - 1)) mask_scores(s, band, warp_first_row, n0);
+    online_softmax(s, row_max, row_sum, acc, p.exp2_scale);
+
+    wgmma_fence();
+    wgmma_frag_by_tile<T, BLOCK_N, HEAD_DIM>(acc[0], s[0], v_addr);  // O += P V
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_registers(acc[0]);
+  }
+
+  // Epilogue: normalize, stage the warpgroup's rows of out in its own rows of sQ (no other
+  // warpgroup reads them; its own matmuls are done), then store them in 16-byte chunks.
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const RowTotal total = finish_row(row_max[0][h], row_sum[0][h], p.exp2_scale);
+    const int r = wg * 64 + warp * 16 + g + h * 8;  // row of the CTA's tile
+#pragma unroll
+    for (int dt = 0; dt < Tr::kDTiles; ++dt) {
+      const int col = dt * 8 + 2 * t;
+      unsigned char* dst = sQ + (col / kSwizzleBlockElems) * Tr::kBlockM * kSwizzleRowBytes +
+                           swizzled_chunk(r, col % kSwizzleBlockElems / 8) + (col % 8) * 2;
+      *reinterpret_cast<u32*>(dst) = pack2<T>(acc[0][dt][2 * h] * total.inv, acc[0][dt][2 * h + 1] * total.inv);
+    }
+    if (t == 0 && m0 + r < p.seqlen_q) head_view.lse[m0 + r] = total.lse;
+  }
+  asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");  // this warpgroup's rows staged
+  constexpr int kOutChunks = 64 * Tr::kChunksPerRow;
+#pragma unroll
+  for (int i = 0; i < kOutChunks / 128; ++i) {
+    const int chunk = i * 128 + threadIdx.x % 128;
+    const int r = wg * 64 + chunk / Tr::kChunksPerRow, c = chunk % Tr::kChunksPerRow;
+    if (m0 + r < p.seqlen_q && c * 8 < p.head_dim) {
+      *reinterpret_cast<uint4*>(head_view.out + (m0 + r) * p.out_strides[1] + c * 8) = *reinterpret_cast<const uint4*>(
+          sQ + (c / 8) * Tr::kBlockM * kSwizzleRowBytes + swizzled_chunk(r, c % 8));
+    }
+  }
+}
+
+}  // namespace cuattn
