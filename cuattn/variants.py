@@ -205,30 +205,34 @@ def backward_variant(family: str, c_type: str, bucket: int, softcap: bool) -> Va
     )
 
 
-# Hopper backward (backward_wgmma_*.cu, sm_90a only): rows per streamed block per head-dim bucket
-# (keys for dQ, queries for dK/dV); two warpgroups of 64 resident rows. Mirrors
-# cuda_src/backward/wgmma_traits.cuh.
-WGMMA_BACKWARD_STREAM = {"backward_dq": {64: 128, 128: 64}, "backward_dkdv": {64: 64, 128: 64}}
+# Hopper backward (backward_wgmma_*.cu, sm_90a only) per head-dim bucket: (rows per streamed
+# block, WARPGROUPS, CTAS_PER_SM); keys stream for dQ, queries for dK/dV, and every warpgroup
+# owns 64 resident rows. Mirrors cuda_src/backward/wgmma_traits.cuh.
+WGMMA_BACKWARD_TILES = {  # scripts/tune_wgmma.py
+    "backward_dq": {64: (64, 2, 2), 128: (64, 1, 2)},
+    "backward_dkdv": {64: (64, 1, 2), 128: (64, 1, 2)},
+}
 
 
 def wgmma_backward_smem_bytes(family: str, bucket: int) -> int:
-    stream, resident, stages, swizzle_alignment = WGMMA_BACKWARD_STREAM[family][bucket], 128, 2, 1024
+    stream, warpgroups, _ = WGMMA_BACKWARD_TILES[family][bucket]
+    resident, stages, swizzle_alignment = 64 * warpgroups, 2, 1024
     return (2 * resident + 2 * stages * stream) * bucket * 2 + 2 * stages * stream * 4 + swizzle_alignment
 
 
 @functools.cache
 def wgmma_backward_variant(family: str, c_type: str, bucket: int, softcap: bool) -> Variant:
     """``family`` is backward_dq or backward_dkdv; the kernel is its backward_wgmma_* twin."""
-    stream = WGMMA_BACKWARD_STREAM[family][bucket]
+    stream, warpgroups, ctas = WGMMA_BACKWARD_TILES[family][bucket]
     return _wgmma_variant(
-        family.replace("backward_", "backward_wgmma_"), f"{cxx_type(c_type)}, {bucket}, {stream}", softcap,
-        f"{c_type}/d{bucket}/s{stream}", wgmma_backward_smem_bytes(family, bucket), 2,
+        family.replace("backward_", "backward_wgmma_"), f"{cxx_type(c_type)}, {bucket}, {stream}, {warpgroups}, {ctas}", softcap,
+        f"{c_type}/d{bucket}/s{stream}wg{warpgroups}c{ctas}", wgmma_backward_smem_bytes(family, bucket), warpgroups,
     )
 
 
 def select_backward_variant(family: str, c_type: str, bucket: int, softcap: bool, arch: str, allow_wgmma: bool = True) -> Variant:
     """As :func:`select_forward_variant`, for backward_dq and backward_dkdv."""
-    if allow_wgmma and arch == WGMMA_ARCH and c_type != "float" and bucket in WGMMA_BACKWARD_STREAM[family]:
+    if allow_wgmma and arch == WGMMA_ARCH and c_type != "float" and bucket in WGMMA_BACKWARD_TILES[family]:
         return wgmma_backward_variant(family, c_type, bucket, softcap)
     return backward_variant(family, c_type, bucket, softcap)
 
@@ -254,7 +258,7 @@ def all_variants() -> list[Variant]:
                 for softcap in (False, True):
                     out.append(backward_variant(family, c_type, bucket, softcap))
     for c_type in ("f16", "bf16"):
-        for family, buckets in WGMMA_BACKWARD_STREAM.items():
+        for family, buckets in WGMMA_BACKWARD_TILES.items():
             for bucket in buckets:
                 for softcap in (False, True):
                     out.append(wgmma_backward_variant(family, c_type, bucket, softcap))

@@ -1,5 +1,5 @@
 // Attention backward, dK and dV, for Hopper (sm_90a): backward_dkdv.cu's scheme on warpgroup
-// tensor cores. One CTA per (128-key block, KV head, batch) keeps K, V and the fp32 dK / dV
+// tensor cores. One CTA per (key block of 64 keys per warpgroup, KV head, batch) keeps K, V and the fp32 dK / dV
 // accumulators on chip and streams the query blocks of every query head of the KV head's group
 // (GQA sums in registers; every gradient element written once, deterministic). Per query block
 // each warpgroup forms S^T = K Q^T and dP^T = V dO^T for its 64 keys, P^T from the saved lse,
@@ -13,9 +13,9 @@
 
 namespace cuattn {
 
-template <typename T, int HEAD_DIM, int BLOCK_M, bool SOFTCAP>
-__global__ void __launch_bounds__(256, 1) backward_wgmma_dkdv_kernel(const __grid_constant__ BackwardParams p) {
-  using Tr = WgmmaBackwardTraits<HEAD_DIM, BLOCK_M>;
+template <typename T, int HEAD_DIM, int BLOCK_M, int WARPGROUPS, int CTAS_PER_SM, bool SOFTCAP>
+__global__ void __launch_bounds__(WARPGROUPS * 128, CTAS_PER_SM) backward_wgmma_dkdv_kernel(const __grid_constant__ BackwardParams p) {
+  using Tr = WgmmaBackwardTraits<HEAD_DIM, BLOCK_M, WARPGROUPS>;
   constexpr int BN = Tr::kBlockResident;  // keys per CTA
   extern __shared__ __align__(16) unsigned char smem_raw[];
   if (dynamic_smem_bytes() < Tr::kSmemBytes) __trap();  // launch contract

@@ -1,5 +1,5 @@
 // Attention backward, dQ, for Hopper (sm_90a): backward_dq.cu's scheme on warpgroup tensor
-// cores. One CTA per (128-row query block, query head, batch) keeps Q, dO and the fp32 dQ
+// cores. One CTA per (query block of 64 rows per warpgroup, query head, batch) keeps Q, dO and the fp32 dQ
 // accumulator on chip and streams the visible key blocks. Per key block each warpgroup forms
 // S = Q K^T and dP = dO V^T for its 64 rows (shared-memory operands), P from the saved lse,
 // dS = P (dP - delta) and dQ += dS K (dS from registers). No atomics: deterministic.
@@ -12,9 +12,9 @@
 
 namespace cuattn {
 
-template <typename T, int HEAD_DIM, int BLOCK_N, bool SOFTCAP>
-__global__ void __launch_bounds__(256, 1) backward_wgmma_dq_kernel(const __grid_constant__ BackwardParams p) {
-  using Tr = WgmmaBackwardTraits<HEAD_DIM, BLOCK_N>;
+template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int CTAS_PER_SM, bool SOFTCAP>
+__global__ void __launch_bounds__(WARPGROUPS * 128, CTAS_PER_SM) backward_wgmma_dq_kernel(const __grid_constant__ BackwardParams p) {
+  using Tr = WgmmaBackwardTraits<HEAD_DIM, BLOCK_N, WARPGROUPS>;
   constexpr int BM = Tr::kBlockResident;  // query rows per CTA
   extern __shared__ __align__(16) unsigned char smem_raw[];
   if (dynamic_smem_bytes() < Tr::kSmemBytes) __trap();  // launch contract

@@ -1,5 +1,5 @@
-// Tile shapes of the Hopper backward kernels (backward_wgmma_dq.cu, backward_wgmma_dkdv.cu). Two
-// warpgroups of 64 resident rows each (queries for dQ, keys for dK/dV); the other operand pair
+// Tile shapes of the Hopper backward kernels (backward_wgmma_dq.cu, backward_wgmma_dkdv.cu).
+// WARPGROUPS of 64 resident rows each (queries for dQ, keys for dK/dV); the other operand pair
 // streams through a two-stage ring in blocks of BLOCK_STREAM rows, in the 128-byte-swizzled
 // layout of common/wgmma.cuh. cuattn/variants.py computes the same shared-memory size.
 #pragma once
@@ -7,10 +7,10 @@
 
 namespace cuattn {
 
-template <int HEAD_DIM, int BLOCK_STREAM>
+template <int HEAD_DIM, int BLOCK_STREAM, int WARPGROUPS>
 struct WgmmaBackwardTraits {
   static constexpr int kHeadDim = HEAD_DIM;
-  static constexpr int kWarpgroups = 2;
+  static constexpr int kWarpgroups = WARPGROUPS;
   static constexpr int kThreads = 128 * kWarpgroups;
   static constexpr int kBlockResident = 64 * kWarpgroups;
   static constexpr int kBlockStream = BLOCK_STREAM;

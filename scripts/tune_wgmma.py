@@ -1,0 +1,73 @@
+"""Times candidate tilings of the Hopper kernels on the bench_forward / bench_backward grid, to
+choose variants.WGMMA_FORWARD_TILES and WGMMA_BACKWARD_TILES. A candidate is
+``table:head_dim:tiles``: ``forward:64:64,2,2`` (BLOCK_N, WARPGROUPS, CTAS_PER_SM), or
+``backward_dq:128:64,2,1`` / ``backward_dkdv:128:64,1,2`` (stream rows, WARPGROUPS, CTAS_PER_SM).
+Each row prints TFLOP/s of the forward or of the whole backward, and SDPA flash.
+
+    PYTHONPATH=. python scripts/tune_wgmma.py --candidates "backward_dkdv:128:64,1,2;backward_dkdv:128:64,2,1"
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import cuattn  # noqa: E402
+from cuattn import variants  # noqa: E402
+from benchmarks.timing import grid_arguments, grid_configs, torch_tflops  # noqa: E402
+
+
+def _table(name: str) -> dict:
+    return variants.WGMMA_FORWARD_TILES if name == "forward" else variants.WGMMA_BACKWARD_TILES[name]
+
+
+def _clear() -> None:
+    variants.wgmma_forward_variant.cache_clear()
+    variants.wgmma_backward_variant.cache_clear()
+
+
+def main() -> None:
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    parser = grid_arguments("unused.csv")
+    parser.add_argument("--candidates", required=True)
+    args = parser.parse_args()
+    candidates = [(name, int(d), tuple(map(int, tiles.split(",")))) for name, d, tiles in (c.split(":") for c in args.candidates.split(";"))]
+    backward = any(name != "forward" for name, _, _ in candidates)
+    dims = sorted({d for _, d, _ in candidates})
+    args.head_dims = ",".join(map(str, dims))
+    for d, s, causal, b, h in grid_configs(args):
+        q, k, v, do = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+        flops = (2.5 if backward else 1) * 4 * b * h * s * s * d / (2 if causal else 1)
+        out, lse = cuattn.attention(q, k, v, causal=causal, return_lse=True)
+        if backward:
+            ours = lambda: cuattn.attention_backward(do, q, k, v, out, lse, causal=causal)  # noqa: E731
+        else:
+            ours = lambda: cuattn.attention(q, k, v, causal=causal)  # noqa: E731
+        cells = []
+        for name, cd, tiles in candidates:
+            if cd != d:
+                continue
+            saved = _table(name)[d]
+            _table(name)[d] = tiles
+            _clear()
+            cells.append(f"{name}:{','.join(map(str, tiles))}={torch_tflops(flops, ours)}")
+            _table(name)[d] = saved
+            _clear()
+        qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            ot = sdpa(qt, kt, vt, is_causal=causal)
+            if backward:
+                flash = torch_tflops(flops, lambda: torch.autograd.grad(ot, (qt, kt, vt), do.transpose(1, 2), retain_graph=True))
+            else:
+                flash = torch_tflops(flops, lambda: sdpa(qt, kt, vt, is_causal=causal))
+        print(f"d{d} s{s} causal={causal!s:<5} flash={flash} " + " ".join(cells), flush=True)
+        del q, k, v, do, out, lse, ot
+
+
+if __name__ == "__main__":
+    main()
