@@ -90,37 +90,29 @@ __global__ void __launch_bounds__(WARPGROUPS * 128, CTAS_PER_SM) backward_wgmma_
     const float* sLse = sLse_ring + stage * BLOCK_M;
     const float* sDelta = sDelta_ring + stage * BLOCK_M;
 
-    // The query block in two halves, software-pipelined: the elementwise work of one half runs
-    // while the tensor cores compute the other's products.
-    constexpr int H = BLOCK_M / 2;
-    float s[2][H / 8][4], dp[2][H / 8][4];  // S^T and dP^T: this warp's 16 keys x H queries
+    float s[Tr::kNTiles][4], dp[Tr::kNTiles][4];  // S^T and dP^T: this warp's 16 keys x BLOCK_M queries
     wgmma_fence();
+    wgmma_rows_by_rows<T, BLOCK_M, HEAD_DIM>(s, k_addr, BN, wg * 64, q_addr);
+    wgmma_rows_by_rows<T, BLOCK_M, HEAD_DIM>(dp, v_addr, BN, wg * 64, do_addr);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_registers(s);
+    fence_registers(dp);
+
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      wgmma_rows_by_rows<T, H, HEAD_DIM>(s[half], k_addr, BN, wg * 64, q_addr, BLOCK_M, half * H);
-      wgmma_rows_by_rows<T, H, HEAD_DIM>(dp[half], v_addr, BN, wg * 64, do_addr, BLOCK_M, half * H);
-      wgmma_commit();
-    }
+    for (int nt = 0; nt < Tr::kNTiles; ++nt)
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      wgmma_wait<1>();  // this half's S^T and dP^T (the newest group may still run)
-      fence_registers(s[half]);
-      fence_registers(dp[half]);
-#pragma unroll
-      for (int nt = 0; nt < H / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int col = half * H + nt * 8 + 2 * t + (e % 2);  // query m0 + col
-          const bool visible = !masked || band.visible(m0 + col, warp_key0 + g + (e / 2) * 8);
-          const ProbGrad pg = prob_and_grad<SOFTCAP>(s[half][nt][e], dp[half][nt][e], lse_to_exp2_shift(sLse[col]), sDelta[col], visible, a);
-          s[half][nt][e] = pg.prob;  // P^T
-          dp[half][nt][e] = pg.grad;  // dS^T
-        }
-      wgmma_fence();
-      wgmma_frag_by_tile<T, H, HEAD_DIM>(dv, s[half], do_addr, BLOCK_M, half * H);  // dV += P^T dO
-      wgmma_frag_by_tile<T, H, HEAD_DIM>(dk, dp[half], q_addr, BLOCK_M, half * H);  // dK += dS^T Q
-      wgmma_commit();
-    }
+      for (int e = 0; e < 4; ++e) {
+        const int col = nt * 8 + 2 * t + (e % 2);  // query m0 + col
+        const bool visible = !masked || band.visible(m0 + col, warp_key0 + g + (e / 2) * 8);
+        const ProbGrad pg = prob_and_grad<SOFTCAP>(s[nt][e], dp[nt][e], lse_to_exp2_shift(sLse[col]), sDelta[col], visible, a);
+        s[nt][e] = pg.prob;  // P^T
+        dp[nt][e] = pg.grad;  // dS^T
+      }
+    wgmma_fence();
+    wgmma_frag_by_tile<T, BLOCK_M, HEAD_DIM>(dv, s, do_addr);  // dV += P^T dO
+    wgmma_frag_by_tile<T, BLOCK_M, HEAD_DIM>(dk, dp, q_addr);  // dK += dS^T Q
+    wgmma_commit();
     wgmma_wait<0>();
     fence_registers(dv);
     fence_registers(dk);

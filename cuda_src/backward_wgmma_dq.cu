@@ -86,33 +86,26 @@ __global__ void __launch_bounds__(WARPGROUPS * 128, CTAS_PER_SM) backward_wgmma_
     const bool masked = !band.all_visible(warp_first_row, warp_last_row, n0, n0 + BLOCK_N - 1);
     const u32 k_addr = smem_addr(sK_ring + stage * Tr::kStreamBytes), v_addr = smem_addr(sV_ring + stage * Tr::kStreamBytes);
 
-    // The key block in two halves, software-pipelined as in backward_wgmma_dkdv.cu.
-    constexpr int H = BLOCK_N / 2;
-    float s[2][H / 8][4], dp[2][H / 8][4];
+    float s[Tr::kNTiles][4], dp[Tr::kNTiles][4];
     wgmma_fence();
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      wgmma_rows_by_rows<T, H, HEAD_DIM>(s[half], q_addr, BM, wg * 64, k_addr, BLOCK_N, half * H);
-      wgmma_rows_by_rows<T, H, HEAD_DIM>(dp[half], do_addr, BM, wg * 64, v_addr, BLOCK_N, half * H);
-      wgmma_commit();
-    }
+    wgmma_rows_by_rows<T, BLOCK_N, HEAD_DIM>(s, q_addr, BM, wg * 64, k_addr);
+    wgmma_rows_by_rows<T, BLOCK_N, HEAD_DIM>(dp, do_addr, BM, wg * 64, v_addr);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_registers(s);
+    fence_registers(dp);
+
     const int t = lane % 4;
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      wgmma_wait<1>();
-      fence_registers(s[half]);
-      fence_registers(dp[half]);
+    for (int nt = 0; nt < Tr::kNTiles; ++nt)
 #pragma unroll
-      for (int nt = 0; nt < H / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const bool visible = !masked || band.visible(warp_first_row + g + (e / 2) * 8, n0 + half * H + nt * 8 + 2 * t + (e % 2));
-          dp[half][nt][e] = prob_and_grad<SOFTCAP>(s[half][nt][e], dp[half][nt][e], shift[e / 2], delta[e / 2], visible, a).grad;  // dS
-        }
-      wgmma_fence();
-      wgmma_frag_by_tile<T, H, HEAD_DIM>(dq, dp[half], k_addr, BLOCK_N, half * H);  // dQ += dS K
-      wgmma_commit();
-    }
+      for (int e = 0; e < 4; ++e) {
+        const bool visible = !masked || band.visible(warp_first_row + g + (e / 2) * 8, n0 + nt * 8 + 2 * t + (e % 2));
+        dp[nt][e] = prob_and_grad<SOFTCAP>(s[nt][e], dp[nt][e], shift[e / 2], delta[e / 2], visible, a).grad;  // dS
+      }
+    wgmma_fence();
+    wgmma_frag_by_tile<T, BLOCK_N, HEAD_DIM>(dq, dp, k_addr);  // dQ += dS K
+    wgmma_commit();
     wgmma_wait<0>();
     fence_registers(dq);
   }

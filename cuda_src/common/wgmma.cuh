@@ -47,12 +47,10 @@ __device__ __forceinline__ void fence_registers(float (&d)[TILES][4]) {
 }
 
 #define CUATTN_ACC_TILE(i) "+f"(d[i][0]), "+f"(d[i][1]), "+f"(d[i][2]), "+f"(d[i][3])
-#define CUATTN_ACC_32 CUATTN_ACC_TILE(0), CUATTN_ACC_TILE(1), CUATTN_ACC_TILE(2), CUATTN_ACC_TILE(3)
 #define CUATTN_ACC_64 CUATTN_ACC_TILE(0), CUATTN_ACC_TILE(1), CUATTN_ACC_TILE(2), CUATTN_ACC_TILE(3), \
     CUATTN_ACC_TILE(4), CUATTN_ACC_TILE(5), CUATTN_ACC_TILE(6), CUATTN_ACC_TILE(7)
 #define CUATTN_ACC_128 CUATTN_ACC_64, CUATTN_ACC_TILE(8), CUATTN_ACC_TILE(9), CUATTN_ACC_TILE(10), \
     CUATTN_ACC_TILE(11), CUATTN_ACC_TILE(12), CUATTN_ACC_TILE(13), CUATTN_ACC_TILE(14), CUATTN_ACC_TILE(15)
-#define CUATTN_REGS_16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
 #define CUATTN_REGS_32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
 #define CUATTN_REGS_64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
@@ -83,9 +81,7 @@ __device__ __forceinline__ void wgmma_rs_mn(float (&d)[N / 8][4], const u32 (&a)
                  ", p, 1, 1, 1;\n}\n"                                                                              \
                  : ACC : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));                        \
   }
-// The operands after the N / 2 accumulators are numbered from %16, %32 or %64.
-CUATTN_WGMMA_SS(f16, 32, CUATTN_REGS_16, CUATTN_ACC_32, "%16", "%17", "%18")
-CUATTN_WGMMA_SS(bf16, 32, CUATTN_REGS_16, CUATTN_ACC_32, "%16", "%17", "%18")
+// The operands after the N / 2 accumulators are numbered from %32 (N = 64) or %64 (N = 128).
 CUATTN_WGMMA_SS(f16, 64, CUATTN_REGS_32, CUATTN_ACC_64, "%32", "%33", "%34")
 CUATTN_WGMMA_SS(bf16, 64, CUATTN_REGS_32, CUATTN_ACC_64, "%32", "%33", "%34")
 CUATTN_WGMMA_SS(f16, 128, CUATTN_REGS_64, CUATTN_ACC_128, "%64", "%65", "%66")
@@ -107,28 +103,23 @@ __device__ __forceinline__ u64 mn_major_desc(u32 tile_addr, int tile_rows, int k
 }
 
 // Issues d (64 x N) = A B^T over K = HEAD_DIM: A is rows a_row0..+63 of a tile of a_rows rows,
-// B rows b_row0..+N-1 of a tile of b_rows rows (both row-major, head dim contiguous).
-// Asynchronous: commit and wait.
+// B the N rows of a tile (both row-major, head dim contiguous). Asynchronous: commit and wait.
 template <typename T, int N, int HEAD_DIM>
-__device__ __forceinline__ void wgmma_rows_by_rows(float (&d)[N / 8][4], u32 a_tile, int a_rows, int a_row0, u32 b_tile,
-                                                   int b_rows = N, int b_row0 = 0) {
+__device__ __forceinline__ void wgmma_rows_by_rows(float (&d)[N / 8][4], u32 a_tile, int a_rows, int a_row0, u32 b_tile) {
 #pragma unroll
-  for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-    wgmma_ss<T, N>(d, k_major_desc(a_tile, a_rows, a_row0, kk), k_major_desc(b_tile, b_rows, b_row0, kk), kk > 0);
-  }
+  for (int kk = 0; kk < HEAD_DIM / 16; ++kk) wgmma_ss<T, N>(d, k_major_desc(a_tile, a_rows, a_row0, kk), k_major_desc(b_tile, N, 0, kk), kk > 0);
 }
 
 // Issues acc (64 x D) += C B: C (64 x K, fp32 fragments) re-packed to 16 bits as the register
-// A operand, B rows b_row0..+K-1 of a tile of b_rows rows (head dim contiguous, D columns). The
-// packed registers are read asynchronously; ptxas keeps them until the wait.
+// A operand, B the K x D tile at b_tile (K rows, head dim contiguous). The packed registers
+// are read asynchronously: commit and wait before they go out of scope.
 template <typename T, int K, int D>
-__device__ __forceinline__ void wgmma_frag_by_tile(float (&acc)[D / 8][4], const float (&c)[K / 8][4], u32 b_tile,
-                                                   int b_rows = K, int b_row0 = 0) {
+__device__ __forceinline__ void wgmma_frag_by_tile(float (&acc)[D / 8][4], const float (&c)[K / 8][4], u32 b_tile) {
   u32 a[K / 16][4];
 #pragma unroll
   for (int kk = 0; kk < K / 16; ++kk) c_tiles_to_a<T>(c, kk, a[kk]);
 #pragma unroll
-  for (int kk = 0; kk < K / 16; ++kk) wgmma_rs_mn<T, D>(acc, a[kk], mn_major_desc(b_tile + b_row0 * kSwizzleRowBytes, b_rows, kk));
+  for (int kk = 0; kk < K / 16; ++kk) wgmma_rs_mn<T, D>(acc, a[kk], mn_major_desc(b_tile, K, kk));
 }
 
 }  // namespace cuattn
