@@ -74,64 +74,49 @@ __global__ void __launch_bounds__(WARPGROUPS * 128, CTAS_PER_SM) backward_wgmma_
   const int warp_key0 = wg_key0 + warp * 16;
   const u32 k_addr = smem_addr(sK), v_addr = smem_addr(sV);
 
-  // The dV / dK products of a step are waited for only at the next step, after its S^T / dP^T
-  // products are issued: the tensor cores run from one step into the next without a bubble.
   for (int step = 0, stage = 0; step < steps; ++step, stage ^= 1) {
     cp_async_wait<0>();
     fence_proxy_async();
-    __syncthreads();  // this stage landed
-    const int m0 = (m_first + step % m_count) * BLOCK_M;
-    const int m_last = min(m0 + BLOCK_M, a.seqlen_q) - 1;
-    const bool active = wg_key_last >= wg_key0 && wg_key0 <= band.last_key(m_last) && wg_key_last >= band.first_key(m0);
-    const u32 q_addr = smem_addr(sQ_ring + stage * Tr::kStreamBytes), do_addr = smem_addr(sdO_ring + stage * Tr::kStreamBytes);
-    float s[Tr::kNTiles][4], dp[Tr::kNTiles][4];  // S^T and dP^T: this warp's 16 keys x BLOCK_M queries
-    if (active) {
-      wgmma_fence();
-      wgmma_rows_by_rows<T, BLOCK_M, HEAD_DIM>(s, k_addr, BN, wg * 64, q_addr);
-      wgmma_rows_by_rows<T, BLOCK_M, HEAD_DIM>(dp, v_addr, BN, wg * 64, do_addr);
-      wgmma_commit();
-    }
-    // The previous step's dV / dK products (they read the other stage) are done past here.
-    if (active) {
-      wgmma_wait<1>();
-    } else {
-      wgmma_wait<0>();
-    }
-    if (WARPGROUPS > 1) __syncthreads();  // every warpgroup's
+    __syncthreads();  // this stage landed; every warpgroup finished with the other one
     if (step + 1 < steps) {
       load_step(step + 1, stage ^ 1);
       cp_async_commit();
     }
-    if (!active) continue;
+    const int m0 = (m_first + step % m_count) * BLOCK_M;
+    const int m_last = min(m0 + BLOCK_M, a.seqlen_q) - 1;
+    if (wg_key_last < wg_key0 || wg_key0 > band.last_key(m_last) || wg_key_last < band.first_key(m0)) continue;
+    const bool masked = !band.all_visible(m0, m_last, warp_key0, warp_key0 + 15);
+    const u32 q_addr = smem_addr(sQ_ring + stage * Tr::kStreamBytes), do_addr = smem_addr(sdO_ring + stage * Tr::kStreamBytes);
+    const float* sLse = sLse_ring + stage * BLOCK_M;
+    const float* sDelta = sDelta_ring + stage * BLOCK_M;
+
+    float s[Tr::kNTiles][4], dp[Tr::kNTiles][4];  // S^T and dP^T: this warp's 16 keys x BLOCK_M queries
+    wgmma_fence();
+    wgmma_rows_by_rows<T, BLOCK_M, HEAD_DIM>(s, k_addr, BN, wg * 64, q_addr);
+    wgmma_rows_by_rows<T, BLOCK_M, HEAD_DIM>(dp, v_addr, BN, wg * 64, do_addr);
+    wgmma_commit();
     wgmma_wait<0>();
     fence_registers(s);
     fence_registers(dp);
 
-    const bool masked = !band.all_visible(m0, m_last, warp_key0, warp_key0 + 15);
-    const float* sLse = sLse_ring + stage * BLOCK_M;
-    const float* sDelta = sDelta_ring + stage * BLOCK_M;
 #pragma unroll
-    for (int nt = 0; nt < Tr::kNTiles; ++nt) {
-      const float2 lse = *reinterpret_cast<const float2*>(sLse + nt * 8 + 2 * t);  // queries of columns e % 2
-      const float2 delta = *reinterpret_cast<const float2*>(sDelta + nt * 8 + 2 * t);
-      const float shift[2] = {lse_to_exp2_shift(lse.x), lse_to_exp2_shift(lse.y)};
+    for (int nt = 0; nt < Tr::kNTiles; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int col = nt * 8 + 2 * t + (e % 2);  // query m0 + col
         const bool visible = !masked || band.visible(m0 + col, warp_key0 + g + (e / 2) * 8);
-        const ProbGrad pg = prob_and_grad<SOFTCAP>(s[nt][e], dp[nt][e], shift[e % 2], e % 2 ? delta.y : delta.x, visible, a);
+        const ProbGrad pg = prob_and_grad<SOFTCAP>(s[nt][e], dp[nt][e], lse_to_exp2_shift(sLse[col]), sDelta[col], visible, a);
         s[nt][e] = pg.prob;  // P^T
         dp[nt][e] = pg.grad;  // dS^T
       }
-    }
     wgmma_fence();
     wgmma_frag_by_tile<T, BLOCK_M, HEAD_DIM>(dv, s, do_addr);  // dV += P^T dO
     wgmma_frag_by_tile<T, BLOCK_M, HEAD_DIM>(dk, dp, q_addr);  // dK += dS^T Q
     wgmma_commit();
+    wgmma_wait<0>();
+    fence_registers(dv);
+    fence_registers(dk);
   }
-  wgmma_wait<0>();
-  fence_registers(dv);
-  fence_registers(dk);
 
   T* dk_out = static_cast<T*>(p.dk) + batch * p.dk_strides[0] + kv_head * p.dk_strides[2];
   T* dv_out = static_cast<T*>(p.dv) + batch * p.dv_strides[0] + kv_head * p.dv_strides[2];
