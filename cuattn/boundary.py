@@ -240,6 +240,16 @@ def import_arrays(**arrays) -> tuple[CallContext, dict[str, DeviceArray | None]]
     return ctx, wrapped
 
 
+class _StreamHandle:
+    """A raw CUDA stream handle (XLA's) under the CUDA stream protocol."""
+
+    def __init__(self, handle: int):
+        self.handle = handle
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.handle)
+
+
 class PreallocatedContext(CallContext):
     """A call whose outputs were allocated by the caller (XLA, in a JAX buffer callback):
     ``empty`` hands them out in the order the op allocates, checking shape and dtype."""
@@ -248,7 +258,8 @@ class PreallocatedContext(CallContext):
         import cupy
 
         super().__init__(DLPACK, device_id, None)
-        self._stream = cupy.cuda.ExternalStream(stream_handle, device_id)
+        with cupy.cuda.Device(device_id):
+            self._stream = cupy.cuda.Stream.from_external(_StreamHandle(stream_handle))
         self._outputs = [_from_cuda_array_interface(o) for o in outputs]
         self._next = 0
 
