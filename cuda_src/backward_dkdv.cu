@@ -4,6 +4,7 @@
 // and every gradient element is written once (deterministic). Per query block, each warp forms
 // S^T = K Q^T for its 16 keys, P^T from the saved lse, dV += P^T dO, dP^T = V dO^T,
 // dS^T = P^T (dP^T - delta) and dK += dS^T Q.
+#include "backward/head_rows.cuh"
 #include "backward/score_grad.cuh"
 #include "backward/traits.cuh"
 #include "common/mask.cuh"
@@ -40,36 +41,22 @@ __global__ void __launch_bounds__(128, 1) backward_dkdv_kernel(const __grid_cons
   const int n0 = n_block * BN;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
-  const int group = a.heads_q / a.heads_kv;
 
-  const T* k = static_cast<const T*>(a.k) + batch * a.k_strides[0] + kv_head * a.k_strides[2];
-  const T* v = static_cast<const T*>(a.v) + batch * a.v_strides[0] + kv_head * a.v_strides[2];
+  const T* k = head_rows<T>(a.k, a.k_strides, batch, kv_head);
+  const T* v = head_rows<T>(a.v, a.v_strides, batch, kv_head);
   const KeyBand band(a);
-  const int row_first = band.first_row(n0);
-  const int row_last = band.last_row(min(n0 + BN, a.seqlen_k) - 1, a.seqlen_q);
-  const int m_first = row_first / BM;
-  const int m_count = row_last < row_first ? 0 : row_last / BM - m_first + 1;
-  const int steps = group * m_count;  // (query head of the group, query block) pairs
+  const QuerySteps<BM> plan(a, band, n0, BN);
 
   const auto load_step = [&](int step, int stage) {
-    const int head = kv_head * group + step / m_count, m0 = (m_first + step % m_count) * BM;
-    const T* q = static_cast<const T*>(a.q) + batch * a.q_strides[0] + head * a.q_strides[2];
-    const T* dout = static_cast<const T*>(p.dout) + batch * p.dout_strides[0] + head * p.dout_strides[2];
-    load_tile<Tr, BM>(sQ_ring + stage * Tr::kSmemStream, q, a.q_strides[1], m0, a.seqlen_q, a.head_dim);
-    load_tile<Tr, BM>(sdO_ring + stage * Tr::kSmemStream, dout, p.dout_strides[1], m0, a.seqlen_q, a.head_dim);
-    if (threadIdx.x < BM) {
-      const int row = m0 + threadIdx.x;
-      const bool valid = row < a.seqlen_q;
-      const float* lse = a.lse + batch * a.lse_strides[0] + head * a.lse_strides[1];
-      const float* delta = p.delta + (i64(batch) * a.heads_q + head) * a.seqlen_q;
-      cp_async_4(sLse_ring + stage * BM + threadIdx.x, valid ? lse + row : lse, valid);
-      cp_async_4(sDelta_ring + stage * BM + threadIdx.x, valid ? delta + row : delta, valid);
-    }
+    const int head = plan.head(kv_head, step), m0 = plan.m0(step);
+    load_tile<Tr, BM>(sQ_ring + stage * Tr::kSmemStream, head_rows<T>(a.q, a.q_strides, batch, head), a.q_strides[1], m0, a.seqlen_q, a.head_dim);
+    load_tile<Tr, BM>(sdO_ring + stage * Tr::kSmemStream, head_rows<T>(p.dout, p.dout_strides, batch, head), p.dout_strides[1], m0, a.seqlen_q, a.head_dim);
+    RowStats(p, batch, head).load<BM>(sLse_ring + stage * BM, sDelta_ring + stage * BM, m0, a.seqlen_q);
   };
 
   load_tile<Tr, BN>(sK, k, a.k_strides[1], n0, a.seqlen_k, a.head_dim);
   load_tile<Tr, BN>(sV, v, a.v_strides[1], n0, a.seqlen_k, a.head_dim);
-  if (steps > 0) load_step(0, 0);
+  if (plan.steps > 0) load_step(0, 0);
   cp_async_commit();
 
   float dk[Tr::kOutTiles][4], dv[Tr::kOutTiles][4];
@@ -82,14 +69,14 @@ __global__ void __launch_bounds__(128, 1) backward_dkdv_kernel(const __grid_cons
   const int warp_key_last = min(warp_key0 + 15, a.seqlen_k - 1);
   const float sc = a.exp2_scale;
 
-  for (int step = 0, stage = 0; step < steps; ++step, stage ^= 1) {
+  for (int step = 0, stage = 0; step < plan.steps; ++step, stage ^= 1) {
     cp_async_wait<0>();
     __syncthreads();  // this stage landed; every warp finished with the other one
-    if (step + 1 < steps) {
+    if (step + 1 < plan.steps) {
       load_step(step + 1, stage ^ 1);
       cp_async_commit();
     }
-    const int m0 = (m_first + step % m_count) * BM;
+    const int m0 = plan.m0(step);
     const int m_last = min(m0 + BM, a.seqlen_q) - 1;
     if (warp_key_last < warp_key0 || warp_key0 > band.last_key(m_last) || warp_key_last < band.first_key(m0)) continue;
     const bool masked = !band.all_visible(m0, m_last, warp_key0, warp_key0 + 15);
@@ -124,8 +111,8 @@ __global__ void __launch_bounds__(128, 1) backward_dkdv_kernel(const __grid_cons
     mma_frag_by_tile<T, Tr::kNTiles, Tr::kOutTiles, RS>(dk, dp, sQ + col0, lane);
   }
 
-  T* dk_out = static_cast<T*>(p.dk) + batch * p.dk_strides[0] + kv_head * p.dk_strides[2] + col0;
-  T* dv_out = static_cast<T*>(p.dv) + batch * p.dv_strides[0] + kv_head * p.dv_strides[2] + col0;
+  T* dk_out = head_rows<T>(p.dk, p.dk_strides, batch, kv_head) + col0;
+  T* dv_out = head_rows<T>(p.dv, p.dv_strides, batch, kv_head) + col0;
   store_acc_rows<T, Tr::kOutTiles>(dk, a.scale, dk_out, p.dk_strides[1], warp_key0, a.seqlen_k, a.head_dim - col0, lane);
   store_acc_rows<T, Tr::kOutTiles>(dv, 1.f, dv_out, p.dv_strides[1], warp_key0, a.seqlen_k, a.head_dim - col0, lane);
 }

@@ -4,6 +4,7 @@
 // keys; a lane takes one query of every tile, then dV row += sum_i P[i] dO[i] and
 // dK row += sum_i dS[i] Q[i] with lanes over head-dim columns.
 #include "backward/fp32_tiles.cuh"
+#include "backward/head_rows.cuh"
 #include "common/mask.cuh"
 #include "common/params.cuh"
 
@@ -22,8 +23,8 @@ __global__ void __launch_bounds__(kF32BwdWarps * 32, 1) backward_fp32_dkdv_kerne
   const int n0 = blockIdx.x * kF32BwdBlock;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int group = a.heads_q / a.heads_kv;
-  const float* k = static_cast<const float*>(a.k) + batch * a.k_strides[0] + kv_head * a.k_strides[2];
-  const float* v = static_cast<const float*>(a.v) + batch * a.v_strides[0] + kv_head * a.v_strides[2];
+  const float* k = head_rows<float>(a.k, a.k_strides, batch, kv_head);
+  const float* v = head_rows<float>(a.v, a.v_strides, batch, kv_head);
 
   const KeyBand band(a);
   const int row_first = band.first_row(n0);
@@ -37,10 +38,11 @@ __global__ void __launch_bounds__(kF32BwdWarps * 32, 1) backward_fp32_dkdv_kerne
 
   for (int h = 0; h < group; ++h) {
     const int head = kv_head * group + h;
-    const float* q = static_cast<const float*>(a.q) + batch * a.q_strides[0] + head * a.q_strides[2];
-    const float* dout = static_cast<const float*>(p.dout) + batch * p.dout_strides[0] + head * p.dout_strides[2];
-    const float* lse = a.lse + batch * a.lse_strides[0] + head * a.lse_strides[1];
-    const float* delta = p.delta + (i64(batch) * a.heads_q + head) * a.seqlen_q;
+    const float* q = head_rows<float>(a.q, a.q_strides, batch, head);
+    const float* dout = head_rows<float>(p.dout, p.dout_strides, batch, head);
+    const RowStats stats(p, batch, head);
+    const float* lse = stats.lse;
+    const float* delta = stats.delta;
     for (int m0 = row_last < row_first ? row_last + 1 : row_first / kF32BwdTile * kF32BwdTile; m0 <= row_last; m0 += kF32BwdTile) {
       __syncthreads();  // previous tiles fully consumed
       load_f32_tile<HEAD_DIM>(sQ, q, a.q_strides[1], m0, a.seqlen_q, a.head_dim);
@@ -71,8 +73,8 @@ __global__ void __launch_bounds__(kF32BwdWarps * 32, 1) backward_fp32_dkdv_kerne
     }
   }
 
-  float* dk_out = static_cast<float*>(p.dk) + batch * p.dk_strides[0] + kv_head * p.dk_strides[2];
-  float* dv_out = static_cast<float*>(p.dv) + batch * p.dv_strides[0] + kv_head * p.dv_strides[2];
+  float* dk_out = head_rows<float>(p.dk, p.dk_strides, batch, kv_head);
+  float* dv_out = head_rows<float>(p.dv, p.dv_strides, batch, kv_head);
 #pragma unroll
   for (int r = 0; r < kF32BwdRowsPerWarp; ++r) {
     const int key = n0 + warp * kF32BwdRowsPerWarp + r;

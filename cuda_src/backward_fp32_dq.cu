@@ -2,6 +2,7 @@
 // one CTA per 16 query rows of a (head, batch); each warp owns 4 rows and a lane scores one key
 // of every 32-key tile, then dQ row r += sum_j dS[r, j] K[j] with lanes over head-dim columns.
 #include "backward/fp32_tiles.cuh"
+#include "backward/head_rows.cuh"
 #include "common/mask.cuh"
 #include "common/params.cuh"
 
@@ -21,12 +22,13 @@ __global__ void __launch_bounds__(kF32BwdWarps * 32, 1) backward_fp32_dq_kernel(
   const int m_last = min(m0 + kF32BwdBlock, a.seqlen_q) - 1;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int kv_head = head / (a.heads_q / a.heads_kv);
-  const float* q = static_cast<const float*>(a.q) + batch * a.q_strides[0] + head * a.q_strides[2];
-  const float* dout = static_cast<const float*>(p.dout) + batch * p.dout_strides[0] + head * p.dout_strides[2];
-  const float* k = static_cast<const float*>(a.k) + batch * a.k_strides[0] + kv_head * a.k_strides[2];
-  const float* v = static_cast<const float*>(a.v) + batch * a.v_strides[0] + kv_head * a.v_strides[2];
-  const float* lse = a.lse + batch * a.lse_strides[0] + head * a.lse_strides[1];
-  const float* delta = p.delta + (i64(batch) * a.heads_q + head) * a.seqlen_q;
+  const float* q = head_rows<float>(a.q, a.q_strides, batch, head);
+  const float* dout = head_rows<float>(p.dout, p.dout_strides, batch, head);
+  const float* k = head_rows<float>(a.k, a.k_strides, batch, kv_head);
+  const float* v = head_rows<float>(a.v, a.v_strides, batch, kv_head);
+  const RowStats stats(p, batch, head);
+  const float* lse = stats.lse;
+  const float* delta = stats.delta;
 
   const KeyBand band(a);
   const int key_first = band.first_key(m0), key_last = band.last_key(m_last);
@@ -65,7 +67,7 @@ __global__ void __launch_bounds__(kF32BwdWarps * 32, 1) backward_fp32_dq_kernel(
     }
   }
 
-  float* dq_out = static_cast<float*>(p.dq) + batch * p.dq_strides[0] + head * p.dq_strides[2];
+  float* dq_out = head_rows<float>(p.dq, p.dq_strides, batch, head);
 #pragma unroll
   for (int r = 0; r < kF32BwdRowsPerWarp; ++r) {
     const int row = m0 + warp * kF32BwdRowsPerWarp + r;

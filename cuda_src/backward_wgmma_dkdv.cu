@@ -4,6 +4,7 @@
 // (GQA sums in registers; every gradient element written once, deterministic). Per query block
 // each warpgroup forms S^T = K Q^T and dP^T = V dO^T for its 64 keys, P^T from the saved lse,
 // dV += P^T dO, dS^T = P^T (dP^T - delta) and dK += dS^T Q.
+#include "backward/head_rows.cuh"
 #include "backward/score_grad.cuh"
 #include "backward/wgmma_traits.cuh"
 #include "common/mask.cuh"
@@ -31,36 +32,22 @@ __global__ void __launch_bounds__(WARPGROUPS * 128, CTAS_PER_SM) backward_wgmma_
   const int n0 = n_block * BN;
   const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
-  const int group = a.heads_q / a.heads_kv;
 
-  const T* k = static_cast<const T*>(a.k) + batch * a.k_strides[0] + kv_head * a.k_strides[2];
-  const T* v = static_cast<const T*>(a.v) + batch * a.v_strides[0] + kv_head * a.v_strides[2];
+  const T* k = head_rows<T>(a.k, a.k_strides, batch, kv_head);
+  const T* v = head_rows<T>(a.v, a.v_strides, batch, kv_head);
   const KeyBand band(a);
-  const int row_first = band.first_row(n0);
-  const int row_last = band.last_row(min(n0 + BN, a.seqlen_k) - 1, a.seqlen_q);
-  const int m_first = row_first / BLOCK_M;
-  const int m_count = row_last < row_first ? 0 : row_last / BLOCK_M - m_first + 1;
-  const int steps = group * m_count;  // (query head of the group, query block) pairs
+  const QuerySteps<BLOCK_M> plan(a, band, n0, BN);
 
   const auto load_step = [&](int step, int stage) {
-    const int head = kv_head * group + step / m_count, m0 = (m_first + step % m_count) * BLOCK_M;
-    const T* q = static_cast<const T*>(a.q) + batch * a.q_strides[0] + head * a.q_strides[2];
-    const T* dout = static_cast<const T*>(p.dout) + batch * p.dout_strides[0] + head * p.dout_strides[2];
-    load_tile_sw128<Tr, BLOCK_M>(sQ_ring + stage * Tr::kStreamBytes, q, a.q_strides[1], m0, a.seqlen_q, a.head_dim);
-    load_tile_sw128<Tr, BLOCK_M>(sdO_ring + stage * Tr::kStreamBytes, dout, p.dout_strides[1], m0, a.seqlen_q, a.head_dim);
-    if (threadIdx.x < BLOCK_M) {
-      const int row = m0 + threadIdx.x;
-      const bool valid = row < a.seqlen_q;
-      const float* lse = a.lse + batch * a.lse_strides[0] + head * a.lse_strides[1];
-      const float* delta = p.delta + (i64(batch) * a.heads_q + head) * a.seqlen_q;
-      cp_async_4(sLse_ring + stage * BLOCK_M + threadIdx.x, valid ? lse + row : lse, valid);
-      cp_async_4(sDelta_ring + stage * BLOCK_M + threadIdx.x, valid ? delta + row : delta, valid);
-    }
+    const int head = plan.head(kv_head, step), m0 = plan.m0(step);
+    load_tile_sw128<Tr, BLOCK_M>(sQ_ring + stage * Tr::kStreamBytes, head_rows<T>(a.q, a.q_strides, batch, head), a.q_strides[1], m0, a.seqlen_q, a.head_dim);
+    load_tile_sw128<Tr, BLOCK_M>(sdO_ring + stage * Tr::kStreamBytes, head_rows<T>(p.dout, p.dout_strides, batch, head), p.dout_strides[1], m0, a.seqlen_q, a.head_dim);
+    RowStats(p, batch, head).load<BLOCK_M>(sLse_ring + stage * BLOCK_M, sDelta_ring + stage * BLOCK_M, m0, a.seqlen_q);
   };
 
   load_tile_sw128<Tr, BN>(sK, k, a.k_strides[1], n0, a.seqlen_k, a.head_dim);
   load_tile_sw128<Tr, BN>(sV, v, a.v_strides[1], n0, a.seqlen_k, a.head_dim);
-  if (steps > 0) load_step(0, 0);
+  if (plan.steps > 0) load_step(0, 0);
   cp_async_commit();
 
   float dk[Tr::kDTiles][4], dv[Tr::kDTiles][4];
@@ -74,15 +61,15 @@ __global__ void __launch_bounds__(WARPGROUPS * 128, CTAS_PER_SM) backward_wgmma_
   const int warp_key0 = wg_key0 + warp * 16;
   const u32 k_addr = smem_addr(sK), v_addr = smem_addr(sV);
 
-  for (int step = 0, stage = 0; step < steps; ++step, stage ^= 1) {
+  for (int step = 0, stage = 0; step < plan.steps; ++step, stage ^= 1) {
     cp_async_wait<0>();
     fence_proxy_async();
     __syncthreads();  // this stage landed; every warpgroup finished with the other one
-    if (step + 1 < steps) {
+    if (step + 1 < plan.steps) {
       load_step(step + 1, stage ^ 1);
       cp_async_commit();
     }
-    const int m0 = (m_first + step % m_count) * BLOCK_M;
+    const int m0 = plan.m0(step);
     const int m_last = min(m0 + BLOCK_M, a.seqlen_q) - 1;
     if (wg_key_last < wg_key0 || wg_key0 > band.last_key(m_last) || wg_key_last < band.first_key(m0)) continue;
     const bool masked = !band.all_visible(m0, m_last, warp_key0, warp_key0 + 15);
@@ -118,8 +105,8 @@ __global__ void __launch_bounds__(WARPGROUPS * 128, CTAS_PER_SM) backward_wgmma_
     fence_registers(dk);
   }
 
-  T* dk_out = static_cast<T*>(p.dk) + batch * p.dk_strides[0] + kv_head * p.dk_strides[2];
-  T* dv_out = static_cast<T*>(p.dv) + batch * p.dv_strides[0] + kv_head * p.dv_strides[2];
+  T* dk_out = head_rows<T>(p.dk, p.dk_strides, batch, kv_head);
+  T* dv_out = head_rows<T>(p.dv, p.dv_strides, batch, kv_head);
   store_acc_rows<T, Tr::kDTiles>(dk, a.scale, dk_out, p.dk_strides[1], warp_key0, a.seqlen_k, a.head_dim, lane);
   store_acc_rows<T, Tr::kDTiles>(dv, 1.f, dv_out, p.dv_strides[1], warp_key0, a.seqlen_k, a.head_dim, lane);
 }

@@ -3,6 +3,7 @@
 // accumulator on chip and streams the visible key blocks. Per key block each warpgroup forms
 // S = Q K^T and dP = dO V^T for its 64 rows (shared-memory operands), P from the saved lse,
 // dS = P (dP - delta) and dQ += dS K (dS from registers). No atomics: deterministic.
+#include "backward/head_rows.cuh"
 #include "backward/score_grad.cuh"
 #include "backward/wgmma_traits.cuh"
 #include "common/mask.cuh"
@@ -32,10 +33,10 @@ __global__ void __launch_bounds__(WARPGROUPS * 128, CTAS_PER_SM) backward_wgmma_
   const int g = lane / 4;
   const int kv_head = head / (a.heads_q / a.heads_kv);
 
-  const T* q = static_cast<const T*>(a.q) + batch * a.q_strides[0] + head * a.q_strides[2];
-  const T* dout = static_cast<const T*>(p.dout) + batch * p.dout_strides[0] + head * p.dout_strides[2];
-  const T* k = static_cast<const T*>(a.k) + batch * a.k_strides[0] + kv_head * a.k_strides[2];
-  const T* v = static_cast<const T*>(a.v) + batch * a.v_strides[0] + kv_head * a.v_strides[2];
+  const T* q = head_rows<T>(a.q, a.q_strides, batch, head);
+  const T* dout = head_rows<T>(p.dout, p.dout_strides, batch, head);
+  const T* k = head_rows<T>(a.k, a.k_strides, batch, kv_head);
+  const T* v = head_rows<T>(a.v, a.v_strides, batch, kv_head);
   const KeyBand band(a);
   const int key_first = band.first_key(m0), key_last = band.last_key(m_last);
   const int n_first = key_first / BLOCK_N;
@@ -47,13 +48,9 @@ __global__ void __launch_bounds__(WARPGROUPS * 128, CTAS_PER_SM) backward_wgmma_
   const int warp_first_row = wg_first_row + warp * 16;
   const int warp_last_row = min(warp_first_row + 16, a.seqlen_q) - 1;
   float shift[2], delta[2];  // rows g and g + 8 of the warp
+  const RowStats stats(p, batch, head);
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int row = warp_first_row + g + h * 8;
-    const bool valid = row < a.seqlen_q;
-    shift[h] = valid ? lse_to_exp2_shift(a.lse[batch * a.lse_strides[0] + head * a.lse_strides[1] + row]) : -neg_inf();
-    delta[h] = valid ? p.delta[(i64(batch) * a.heads_q + head) * a.seqlen_q + row] : 0.f;
-  }
+  for (int h = 0; h < 2; ++h) stats.row(warp_first_row + g + h * 8, a.seqlen_q, shift[h], delta[h]);
 
   const auto load_kv = [&](int n_block, int stage) {
     load_tile_sw128<Tr, BLOCK_N>(sK_ring + stage * Tr::kStreamBytes, k, a.k_strides[1], n_block * BLOCK_N, a.seqlen_k, a.head_dim);
@@ -110,7 +107,7 @@ __global__ void __launch_bounds__(WARPGROUPS * 128, CTAS_PER_SM) backward_wgmma_
     fence_registers(dq);
   }
 
-  T* dq_out = static_cast<T*>(p.dq) + batch * p.dq_strides[0] + head * p.dq_strides[2];
+  T* dq_out = head_rows<T>(p.dq, p.dq_strides, batch, head);
   store_acc_rows<T, Tr::kDTiles>(dq, a.scale, dq_out, p.dq_strides[1], warp_first_row, a.seqlen_q, a.head_dim, lane);
 }
 

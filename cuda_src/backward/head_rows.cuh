@@ -1,0 +1,68 @@
+// What the backward kernels share around their products: one (batch, head)'s rows of each
+// tensor, the saved per-row statistics, and the (query head, query block) steps that a key
+// block streams.
+#pragma once
+#include "../common/mask.cuh"
+#include "../common/mma.cuh"
+#include "../common/params.cuh"
+#include "score_grad.cuh"
+
+namespace cuattn {
+
+// Row 0 of one (batch, head) of a (batch, seq, head, dim) tensor, read-only or written.
+template <typename T>
+__device__ __forceinline__ const T* head_rows(const void* base, const i64 (&strides)[3], int batch, int head) {
+  return static_cast<const T*>(base) + batch * strides[0] + head * strides[2];
+}
+template <typename T>
+__device__ __forceinline__ T* head_rows(void* base, const i64 (&strides)[3], int batch, int head) {
+  return static_cast<T*>(base) + batch * strides[0] + head * strides[2];
+}
+
+// The forward's lse and the backward's delta of one (batch, query head), indexed by query row.
+struct RowStats {
+  const float* lse;
+  const float* delta;
+
+  __device__ __forceinline__ RowStats(const BackwardParams& p, int batch, int head)
+      : lse(p.attn.lse + batch * p.attn.lse_strides[0] + head * p.attn.lse_strides[1]),
+        delta(p.delta + (i64(batch) * p.attn.heads_q + head) * p.attn.seqlen_q) {}
+
+  // Copies rows m0..m0 + ROWS - 1 (zeros past seqlen_q) into shared vectors: thread i < ROWS
+  // copies row m0 + i.
+  template <int ROWS>
+  __device__ __forceinline__ void load(float* sLse, float* sDelta, int m0, int seqlen_q) const {
+    if (threadIdx.x < ROWS) {
+      const int row = m0 + threadIdx.x;
+      const bool valid = row < seqlen_q;
+      cp_async_4(sLse + threadIdx.x, valid ? lse + row : lse, valid);
+      cp_async_4(sDelta + threadIdx.x, valid ? delta + row : delta, valid);
+    }
+  }
+
+  // The exp2 shift and delta of one row; past seqlen_q a shift of +inf (probabilities 0).
+  __device__ __forceinline__ void row(int r, int seqlen_q, float& shift, float& row_delta) const {
+    shift = r < seqlen_q ? lse_to_exp2_shift(lse[r]) : -neg_inf();
+    row_delta = r < seqlen_q ? delta[r] : 0.f;
+  }
+};
+
+// The steps a key block [n0, n0 + keys) streams: every query head of the KV head's group times
+// every block of BLOCK_M query rows that sees one of its keys.
+template <int BLOCK_M>
+struct QuerySteps {
+  int group, m_first, m_count, steps;
+
+  __device__ __forceinline__ QuerySteps(const AttnParams& a, const KeyBand& band, int n0, int keys) {
+    const int row_first = band.first_row(n0);
+    const int row_last = band.last_row(min(n0 + keys, a.seqlen_k) - 1, a.seqlen_q);
+    group = a.heads_q / a.heads_kv;
+    m_first = row_first / BLOCK_M;
+    m_count = row_last < row_first ? 0 : row_last / BLOCK_M - m_first + 1;
+    steps = group * m_count;
+  }
+  __device__ __forceinline__ int head(int kv_head, int step) const { return kv_head * group + step / m_count; }
+  __device__ __forceinline__ int m0(int step) const { return (m_first + step % m_count) * BLOCK_M; }
+};
+
+}  // namespace cuattn
