@@ -1,9 +1,9 @@
 // Attention backward, dK and dV (FlashAttention-2 scheme, transposed): one CTA per (key block,
-// KV head [x column half above head_dim 128], batch) keeps its K and V tiles and fp32 dK / dV accumulators on chip and streams the
-// query blocks of every query head of the KV head's group, so that GQA sums happen in registers
-// and every gradient element is written once (deterministic). Per query block, each warp forms
-// S^T = K Q^T for its 16 keys, P^T from the saved lse, dV += P^T dO, dP^T = V dO^T,
-// dS^T = P^T (dP^T - delta) and dK += dS^T Q.
+// KV head [x column half above head_dim 128], batch) keeps its K and V tiles and fp32 dK / dV
+// accumulators on chip and streams the query blocks of every query head of the KV head's group,
+// so that GQA sums happen in registers and every gradient element is written once
+// (deterministic). Per query block, each warp forms S^T = K Q^T for its 16 keys, P^T from the
+// saved lse, dV += P^T dO, dP^T = V dO^T, dS^T = P^T (dP^T - delta) and dK += dS^T Q.
 #include "backward/head_rows.cuh"
 #include "backward/score_grad.cuh"
 #include "backward/traits.cuh"
@@ -49,8 +49,10 @@ __global__ void __launch_bounds__(128, 1) backward_dkdv_kernel(const __grid_cons
 
   const auto load_step = [&](int step, int stage) {
     const int head = plan.head(kv_head, step), m0 = plan.m0(step);
-    load_tile<Tr, BM>(sQ_ring + stage * Tr::kSmemStream, head_rows<T>(a.q, a.q_strides, batch, head), a.q_strides[1], m0, a.seqlen_q, a.head_dim);
-    load_tile<Tr, BM>(sdO_ring + stage * Tr::kSmemStream, head_rows<T>(p.dout, p.dout_strides, batch, head), p.dout_strides[1], m0, a.seqlen_q, a.head_dim);
+    const T* q = head_rows<T>(a.q, a.q_strides, batch, head);
+    const T* dout = head_rows<T>(p.dout, p.dout_strides, batch, head);
+    load_tile<Tr, BM>(sQ_ring + stage * Tr::kSmemStream, q, a.q_strides[1], m0, a.seqlen_q, a.head_dim);
+    load_tile<Tr, BM>(sdO_ring + stage * Tr::kSmemStream, dout, p.dout_strides[1], m0, a.seqlen_q, a.head_dim);
     RowStats(p, batch, head).load<BM>(sLse_ring + stage * BM, sDelta_ring + stage * BM, m0, a.seqlen_q);
   };
 

@@ -1,9 +1,9 @@
 // Attention backward, dK and dV, for Hopper (sm_90a): backward_dkdv.cu's scheme on warpgroup
-// tensor cores. One CTA per (key block of 64 keys per warpgroup, KV head, batch) keeps K, V and the fp32 dK / dV
-// accumulators on chip and streams the query blocks of every query head of the KV head's group
-// (GQA sums in registers; every gradient element written once, deterministic). Per query block
-// each warpgroup forms S^T = K Q^T and dP^T = V dO^T for its 64 keys, P^T from the saved lse,
-// dV += P^T dO, dS^T = P^T (dP^T - delta) and dK += dS^T Q.
+// tensor cores. One CTA per (key block of 64 keys per warpgroup, KV head, batch) keeps K, V and
+// the fp32 dK / dV accumulators on chip and streams the query blocks of every query head of the
+// KV head's group (GQA sums in registers; every gradient element written once, deterministic).
+// Per query block each warpgroup forms S^T = K Q^T and dP^T = V dO^T for its 64 keys, P^T from
+// the saved lse, dS^T = P^T (dP^T - delta), dV += P^T dO and dK += dS^T Q.
 #include "backward/head_rows.cuh"
 #include "backward/score_grad.cuh"
 #include "backward/wgmma_traits.cuh"
@@ -40,8 +40,10 @@ __global__ void __launch_bounds__(WARPGROUPS * 128, CTAS_PER_SM) backward_wgmma_
 
   const auto load_step = [&](int step, int stage) {
     const int head = plan.head(kv_head, step), m0 = plan.m0(step);
-    load_tile_sw128<Tr, BLOCK_M>(sQ_ring + stage * Tr::kStreamBytes, head_rows<T>(a.q, a.q_strides, batch, head), a.q_strides[1], m0, a.seqlen_q, a.head_dim);
-    load_tile_sw128<Tr, BLOCK_M>(sdO_ring + stage * Tr::kStreamBytes, head_rows<T>(p.dout, p.dout_strides, batch, head), p.dout_strides[1], m0, a.seqlen_q, a.head_dim);
+    const T* q = head_rows<T>(a.q, a.q_strides, batch, head);
+    const T* dout = head_rows<T>(p.dout, p.dout_strides, batch, head);
+    load_tile_sw128<Tr, BLOCK_M>(sQ_ring + stage * Tr::kStreamBytes, q, a.q_strides[1], m0, a.seqlen_q, a.head_dim);
+    load_tile_sw128<Tr, BLOCK_M>(sdO_ring + stage * Tr::kStreamBytes, dout, p.dout_strides[1], m0, a.seqlen_q, a.head_dim);
     RowStats(p, batch, head).load<BLOCK_M>(sLse_ring + stage * BLOCK_M, sDelta_ring + stage * BLOCK_M, m0, a.seqlen_q);
   };
 

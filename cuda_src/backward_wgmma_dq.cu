@@ -1,8 +1,8 @@
 // Attention backward, dQ, for Hopper (sm_90a): backward_dq.cu's scheme on warpgroup tensor
-// cores. One CTA per (query block of 64 rows per warpgroup, query head, batch) keeps Q, dO and the fp32 dQ
-// accumulator on chip and streams the visible key blocks. Per key block each warpgroup forms
-// S = Q K^T and dP = dO V^T for its 64 rows (shared-memory operands), P from the saved lse,
-// dS = P (dP - delta) and dQ += dS K (dS from registers). No atomics: deterministic.
+// cores. One CTA per (query block of 64 rows per warpgroup, query head, batch) keeps Q, dO and
+// the fp32 dQ accumulator on chip and streams the visible key blocks. Per key block each
+// warpgroup forms S = Q K^T and dP = dO V^T for its 64 rows (shared-memory operands), P from the
+// saved lse, dS = P (dP - delta) and dQ += dS K (dS from registers). No atomics: deterministic.
 #include "backward/head_rows.cuh"
 #include "backward/score_grad.cuh"
 #include "backward/wgmma_traits.cuh"
