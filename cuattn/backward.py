@@ -6,8 +6,11 @@ import numpy as np
 
 from cuattn import boundary, params, plans, validation
 from cuattn.attention import _LAYOUT, attn_params, check_qkv, mask_options, score_options
-from cuattn.loader import device_arch, load_kernel, wgmma_enabled
-from cuattn.variants import BACKWARD_PREP_ROWS, backward_prep_variant, head_dim_bucket, select_backward_variant
+from cuattn.loader import load_kernel, wgmma_enabled
+from cuattn.variants import (
+    BACKWARD_PREP_ROWS, backward_dq_finish_variant, backward_prep_variant, head_dim_bucket, select_backward_variant,
+    select_fused_backward_variant,
+)
 
 _LSE_LAYOUT = "(batch, heads_q, seqlen_q)"
 
@@ -29,9 +32,12 @@ def attention_backward(
     causal, window, align, scale, softcap : exactly as given to the forward.
     dlse : optional ``(batch, heads_q, seqlen_q)`` float32, the gradient that flowed into
         ``lse`` (for example through :func:`cuattn.merge`); ``None`` means zero.
-    deterministic : bool. Both settings give bit-identical gradients across runs today: dK and
-        dV are summed over a GQA group in registers and dQ is computed by its own kernel, with
-        no atomics (float32 included).
+    deterministic : bool. ``True`` gives bit-identical gradients across runs: dK and dV are
+        summed over a GQA group in registers and dQ is computed by its own kernel, with no
+        atomics. ``False`` (default) may sum dQ with fp32 atomics in one pass over the scores
+        (on Hopper, float16 / bfloat16, head_dim 33-64 and 97-128: one fp32 value per element
+        of ``q`` of extra memory), so its last bits can differ between runs; elsewhere it is
+        the deterministic path.
 
     Returns
     -------
@@ -71,7 +77,7 @@ def attention_backward(
     delta = ctx.empty((batch, heads_q, seqlen_q), np.float32)
     if batch and heads_q and (seqlen_q or a["k"].shape[1]):
         p = _backward_params(a, grads, delta, attn_params(a["q"], a["k"], a["v"], a["out"], a["lse"], mask, scale, softcap))
-        _launch(ctx, c_type, p, a["q"].shape, a["k"].shape)
+        _launch(ctx, c_type, p, a["q"].shape, a["k"].shape, bool(deterministic))
     return tuple(ctx.export(g) for g in grads)
 
 
@@ -84,24 +90,38 @@ def _backward_params(a, grads, delta, attn: np.void) -> np.void:
         dlse=0 if dlse is None else dlse.ptr,
         dout_strides=a["dout"].strides[:3], dq_strides=dq.strides[:3], dk_strides=dk.strides[:3],
         dv_strides=dv.strides[:3], dlse_strides=(0, 0) if dlse is None else dlse.strides[:2],
+        dq_accum=0, dq_accum_cols=0,  # set by _launch when the fused kernel runs
     )
 
 
-def _launch(ctx, c_type: str, p: np.void, q_shape, k_shape) -> None:
+def _launch(ctx, c_type: str, p: np.void, q_shape, k_shape, deterministic: bool) -> None:
     batch, seqlen_q, heads_q, head_dim = q_shape
     seqlen_k, heads_kv = k_shape[1], k_shape[2]
     bucket, softcap = head_dim_bucket(head_dim), bool(p["attn"]["softcap"] > 0)
-    launches = []
     rows = batch * seqlen_q * heads_q
+    row_launch = ((-(-rows // BACKWARD_PREP_ROWS), 1, 1), (32 * BACKWARD_PREP_ROWS, 1, 1))
+    arch, wgmma = ctx.arch(), wgmma_enabled()
+    fused = None if deterministic else select_fused_backward_variant(c_type, bucket, softcap, arch, wgmma)
+    if fused is not None and rows:
+        # Tiles of 64 rows (cuda_src/backward/dq_accum.cuh), zeroed by backward_prep.
+        accum = ctx.empty((batch, heads_q, -(-seqlen_q // 64) * 64, bucket), np.float32)
+        p["dq_accum"], p["dq_accum_cols"] = accum.ptr, bucket
     with ctx.device, ctx.stream:
-        arch, wgmma = device_arch(ctx.device.id), wgmma_enabled()
+        launches = []
         if rows:
-            prep = backward_prep_variant(c_type)
-            launches.append((prep, (-(-rows // BACKWARD_PREP_ROWS), 1, 1), (32 * BACKWARD_PREP_ROWS, 1, 1)))
-            dq = select_backward_variant("backward_dq", c_type, bucket, softcap, arch, wgmma)
-            launches.append((dq, *plans.forward_launch(dq, seqlen_q, heads_q, batch)))
-        if seqlen_k:  # dK and dV are written (zeros included) even when no query sees a key
-            dkdv = select_backward_variant("backward_dkdv", c_type, bucket, softcap, arch, wgmma)
-            launches.append((dkdv, *plans.forward_launch(dkdv, seqlen_k, heads_kv * dkdv.column_splits, batch)))
+            launches.append((backward_prep_variant(c_type), *row_launch))
+        # dK and dV are written (zeros included) even when no query sees a key.
+        if fused is not None:
+            if seqlen_k:
+                launches.append((fused, *plans.forward_launch(fused, seqlen_k, heads_kv, batch)))
+            if rows:
+                launches.append((backward_dq_finish_variant(c_type), *row_launch))
+        else:
+            if rows:
+                dq = select_backward_variant("backward_dq", c_type, bucket, softcap, arch, wgmma)
+                launches.append((dq, *plans.forward_launch(dq, seqlen_q, heads_q, batch)))
+            if seqlen_k:
+                dkdv = select_backward_variant("backward_dkdv", c_type, bucket, softcap, arch, wgmma)
+                launches.append((dkdv, *plans.forward_launch(dkdv, seqlen_k, heads_kv * dkdv.column_splits, batch)))
         for variant, grid, block in launches:
             load_kernel(variant)(grid, block, (p,), shared_mem=variant.dynamic_smem)

@@ -124,6 +124,12 @@ class CallContext:
             )
         return self._stream
 
+    def arch(self) -> str:
+        """The compile target of this call's device (``sm_80``, ``sm_90a``, ...)."""
+        from cuattn.loader import device_arch
+
+        return device_arch(self.device.id)
+
     def stage(self, *arrays: DeviceArray | None) -> None:
         """Uploads host (NumPy) arguments; device arguments are already in place."""
         import cupy
@@ -307,6 +313,16 @@ class _ValidationContext(CallContext):
     @property
     def device(self):
         raise ValidationDone
+
+    def arch(self) -> str:
+        """The current device's target, where the real call is expected to run ("" without a GPU):
+        it decides which scratch arrays the op allocates."""
+        try:
+            from cuattn.loader import device_arch
+
+            return device_arch()
+        except (ImportError, RuntimeError):
+            return ""
 
 
 _SCOPE: contextvars.ContextVar[CallContext | None] = contextvars.ContextVar("cuattn_call_scope", default=None)

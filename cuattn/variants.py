@@ -153,7 +153,7 @@ def select_forward_variant(c_type: str, bucket: int, softcap: bool, arch: str, a
 # Tensor-core backward: its shared-memory contract (cuda_src/backward/traits.cuh). Every CTA
 # has 4 warps of 16 resident rows.
 BACKWARD_BLOCK = 64  # resident rows per CTA
-BACKWARD_PREP_ROWS = 8  # backward_prep: query rows (warps) per CTA
+BACKWARD_PREP_ROWS = 8  # backward_prep and backward_dq_finish: query rows (warps) per CTA
 FP32_BACKWARD_TILE = 32  # backward/fp32_tiles.cuh: streamed rows per step (two padded tiles)
 
 
@@ -230,6 +230,47 @@ def wgmma_backward_variant(family: str, c_type: str, bucket: int, softcap: bool)
     )
 
 
+# Hopper fused backward (backward_wgmma_fused.cu, sm_90a only): dK/dV plus dQ by fp32 atomics, the
+# non-deterministic default. Per head-dim bucket: (query rows per streamed block, WARPGROUPS,
+# CTAS_PER_SM). Mirrors WgmmaFusedTraits in cuda_src/backward/wgmma_traits.cuh.
+WGMMA_FUSED_TILES = {64: (64, 1, 3), 128: (64, 2, 1)}  # scripts/tune_wgmma.py
+
+
+def wgmma_fused_smem_bytes(bucket: int) -> int:
+    stream, warpgroups, _ = WGMMA_FUSED_TILES[bucket]
+    resident, stages, swizzle_alignment = 64 * warpgroups, 2, 1024
+    ds_tile = resident * stream * 2
+    dq_cols = bucket if stream // 64 >= warpgroups else bucket * (stream // 64) // warpgroups
+    dq_stages = warpgroups * 64 * dq_cols * 4
+    return (2 * resident + 2 * stages * stream) * bucket * 2 + 2 * stages * stream * 4 + ds_tile + dq_stages + swizzle_alignment
+
+
+@functools.cache
+def wgmma_fused_variant(c_type: str, bucket: int, softcap: bool) -> Variant:
+    stream, warpgroups, ctas = WGMMA_FUSED_TILES[bucket]
+    return _wgmma_variant(
+        "backward_wgmma_fused", f"{cxx_type(c_type)}, {bucket}, {stream}, {warpgroups}, {ctas}", softcap,
+        f"{c_type}/d{bucket}/s{stream}wg{warpgroups}c{ctas}", wgmma_fused_smem_bytes(bucket), warpgroups,
+    )
+
+
+def select_fused_backward_variant(c_type: str, bucket: int, softcap: bool, arch: str, allow_wgmma: bool = True) -> Variant | None:
+    """The one-pass backward (dQ by atomics) where it serves the problem on the target, else None."""
+    if allow_wgmma and arch == WGMMA_ARCH and c_type != "float" and bucket in WGMMA_FUSED_TILES:
+        return wgmma_fused_variant(c_type, bucket, softcap)
+    return None
+
+
+def backward_dq_finish_variant(c_type: str) -> Variant:
+    return Variant(
+        family="backward_dq_finish",
+        expression=f"cuattn::backward_dq_finish_kernel<{cxx_type(c_type)}>",
+        uri=f"backward_dq_finish/{c_type}",
+        hot=True,
+        block_m=BACKWARD_PREP_ROWS,
+    )
+
+
 def select_backward_variant(family: str, c_type: str, bucket: int, softcap: bool, arch: str, allow_wgmma: bool = True) -> Variant:
     """As :func:`select_forward_variant`, for backward_dq and backward_dkdv."""
     if allow_wgmma and arch == WGMMA_ARCH and c_type != "float" and bucket in WGMMA_BACKWARD_TILES[family]:
@@ -262,6 +303,10 @@ def all_variants() -> list[Variant]:
             for bucket in buckets:
                 for softcap in (False, True):
                     out.append(wgmma_backward_variant(family, c_type, bucket, softcap))
+        out.append(backward_dq_finish_variant(c_type))
+        for bucket in WGMMA_FUSED_TILES:
+            for softcap in (False, True):
+                out.append(wgmma_fused_variant(c_type, bucket, softcap))
     return out
 
 

@@ -1,8 +1,9 @@
 """Times candidate tilings of the Hopper kernels on the bench_forward / bench_backward grid, to
 choose variants.WGMMA_FORWARD_TILES and WGMMA_BACKWARD_TILES. A candidate is
 ``table:head_dim:tiles``: ``forward:64:64,2,2`` (BLOCK_N, WARPGROUPS, CTAS_PER_SM), or
-``backward_dq:128:64,2,1`` / ``backward_dkdv:128:64,1,2`` (stream rows, WARPGROUPS, CTAS_PER_SM).
-Each row prints TFLOP/s of the forward or of the whole backward, and SDPA flash.
+``backward_dq:128:64,2,1`` / ``backward_dkdv:128:64,1,2`` (stream rows, WARPGROUPS, CTAS_PER_SM;
+timed with deterministic=True) / ``backward_fused:128:64,1,2`` (the default backward's one-pass
+kernel). Each row prints TFLOP/s of the forward or of the whole backward, and SDPA flash.
 
     PYTHONPATH=. python scripts/tune_wgmma.py --candidates "backward_dkdv:128:64,1,2;backward_dkdv:128:64,2,1"
 """
@@ -20,12 +21,15 @@ from benchmarks.timing import grid_arguments, grid_configs, torch_tflops  # noqa
 
 
 def _table(name: str) -> dict:
-    return variants.WGMMA_FORWARD_TILES if name == "forward" else variants.WGMMA_BACKWARD_TILES[name]
+    if name == "forward":
+        return variants.WGMMA_FORWARD_TILES
+    return variants.WGMMA_FUSED_TILES if name == "backward_fused" else variants.WGMMA_BACKWARD_TILES[name]
 
 
 def _clear() -> None:
     variants.wgmma_forward_variant.cache_clear()
     variants.wgmma_backward_variant.cache_clear()
+    variants.wgmma_fused_variant.cache_clear()
 
 
 def main() -> None:
@@ -44,14 +48,15 @@ def main() -> None:
         q, k, v, do = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
         flops = (2.5 if backward else 1) * 4 * b * h * s * s * d / (2 if causal else 1)
         out, lse = cuattn.attention(q, k, v, causal=causal, return_lse=True)
-        if backward:
-            ours = lambda: cuattn.attention_backward(do, q, k, v, out, lse, causal=causal)  # noqa: E731
-        else:
-            ours = lambda: cuattn.attention(q, k, v, causal=causal)  # noqa: E731
         cells = []
         for name, cd, tiles in candidates:
             if cd != d:
                 continue
+            if name == "forward":
+                ours = lambda: cuattn.attention(q, k, v, causal=causal)  # noqa: E731
+            else:
+                deterministic = name != "backward_fused"
+                ours = lambda: cuattn.attention_backward(do, q, k, v, out, lse, causal=causal, deterministic=deterministic)  # noqa: E731
             saved = _table(name)[d]
             _table(name)[d] = tiles
             _clear()

@@ -101,3 +101,17 @@ def test_forward_kernel_selection():
     assert select("float", 128, False, "sm_90a").family == "forward_fp32"
     assert variants.wgmma_forward_variant("bf16", 128, False).builds_for("sm_90a")
     assert not variants.wgmma_forward_variant("bf16", 128, False).builds_for("sm_80")
+
+
+def test_backward_kernel_selection():
+    fused = variants.select_fused_backward_variant
+    assert fused("bf16", 128, False, "sm_90a").family == "backward_wgmma_fused"
+    assert fused("f16", 64, True, "sm_90a").uri.endswith("/softcap")
+    assert fused("bf16", 128, False, "sm_90a", allow_wgmma=False) is None
+    assert fused("bf16", 128, False, "sm_80") is None
+    assert fused("bf16", 96, False, "sm_90a") is None
+    assert fused("float", 64, False, "sm_90a") is None
+    select = variants.select_backward_variant
+    assert select("backward_dq", "bf16", 128, False, "sm_90a").family == "backward_wgmma_dq"
+    assert select("backward_dkdv", "bf16", 64, False, "sm_80").family == "backward_dkdv"
+    assert not variants.wgmma_fused_variant("bf16", 64, False).builds_for("sm_80")

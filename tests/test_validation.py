@@ -180,3 +180,19 @@ def test_validation_only_runs_report_allocations_and_errors_without_a_gpu():
     assert allocations == [((2, 5, 4, 64), np.float16), ((2, 7, 2, 64), np.float16), ((2, 7, 2, 64), np.float16), ((2, 4, 5), np.float32)]
     with pytest.raises(ValueError, match="multiple of heads_kv"):
         boundary.validate(ops.OPS["attention"].call, q, _Meta((2, 7, 3, 64), np.float16), _Meta((2, 7, 3, 64), np.float16), **options)
+
+
+def test_validation_reports_the_fused_backward_scratch_on_hopper(monkeypatch):
+    """On a Hopper device the default backward also allocates its fp32 dQ accumulator (batch,
+    heads_q, seqlen_q rounded up to 64, head-dim bucket), which XLA must then provide;
+    deterministic=True does not."""
+    from cuattn import boundary, ops
+
+    monkeypatch.setattr(boundary._ValidationContext, "arch", lambda self: "sm_90a")
+    monkeypatch.delenv("CUATTN_WGMMA", raising=False)
+    q, kv, lse = _Meta((2, 5, 4, 40), np.float16), _Meta((2, 7, 2, 40), np.float16), _Meta((2, 4, 5), np.float32)
+    options = ops.flat_mask_options(causal=True, head_dim=40)
+    run = lambda deterministic: boundary.validate(  # noqa: E731
+        ops.OPS["attention_backward"].call, q, q, kv, kv, q, lse, None, deterministic=deterministic, **options)
+    assert run(False)[4:] == [((2, 4, 64, 64), np.float32)]
+    assert len(run(True)) == 4

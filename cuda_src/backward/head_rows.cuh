@@ -5,6 +5,7 @@
 #include "../common/mask.cuh"
 #include "../common/mma.cuh"
 #include "../common/params.cuh"
+#include "dq_accum.cuh"
 #include "score_grad.cuh"
 
 namespace cuattn {
@@ -18,6 +19,27 @@ template <typename T>
 __device__ __forceinline__ T* head_rows(void* base, const i64 (&strides)[3], int batch, int head) {
   return static_cast<T*>(base) + batch * strides[0] + head * strides[2];
 }
+
+// The query row of the calling warp in the row-per-warp kernels (backward_prep, backward_dq_finish):
+// rows in (batch, row, head) order, WARPS_PER_CTA warps per CTA. False past the last row.
+template <int WARPS_PER_CTA>
+struct WarpQueryRow {
+  int batch, row, head;
+
+  __device__ __forceinline__ bool locate(const AttnParams& a) {
+    const i64 index = i64(blockIdx.x) * WARPS_PER_CTA + threadIdx.x / 32;
+    if (index >= i64(a.batch) * a.seqlen_q * a.heads_q) return false;
+    head = index % a.heads_q;
+    row = (index / a.heads_q) % a.seqlen_q;
+    batch = index / (i64(a.heads_q) * a.seqlen_q);
+    return true;
+  }
+  // The float pair at columns col, col + 1 (col even) of this row of the fused backward's dQ
+  // accumulator (backward/dq_accum.cuh).
+  __device__ __forceinline__ float* dq_accum_pair(const BackwardParams& p, int col) const {
+    return dq_accum_tile(p, batch, head, row / kDqTileRows, col / 64) + dq_tile_offset(row % kDqTileRows, col % 64);
+  }
+};
 
 // The forward's lse and the backward's delta of one (batch, query head), indexed by query row.
 struct RowStats {

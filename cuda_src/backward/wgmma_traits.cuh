@@ -28,4 +28,22 @@ struct WgmmaBackwardTraits {
   static_assert(BLOCK_STREAM == 64 || BLOCK_STREAM == 128, "wgmma N of the score products");
 };
 
+// The fused kernel (backward_wgmma_fused.cu) adds to the dK/dV tiles the step's dS^T in shared
+// memory (keys x streamed queries, column blocks of 64 queries) and splits the step's dQ tile
+// (BLOCK_STREAM x HEAD_DIM) into pieces of 64 rows x kDqCols columns, dealt round-robin to the
+// warpgroups; each warpgroup stages its piece in fp32 for the bulk reduction into dq_accum.
+template <int HEAD_DIM, int BLOCK_STREAM, int WARPGROUPS>
+struct WgmmaFusedTraits : WgmmaBackwardTraits<HEAD_DIM, BLOCK_STREAM, WARPGROUPS> {
+  using Base = WgmmaBackwardTraits<HEAD_DIM, BLOCK_STREAM, WARPGROUPS>;
+  static constexpr int kDsBytes = Base::kBlockResident * BLOCK_STREAM * 2;
+  static constexpr int kDqRowPieces = BLOCK_STREAM / 64;
+  static constexpr int kDqCols = kDqRowPieces >= WARPGROUPS ? HEAD_DIM : HEAD_DIM * kDqRowPieces / WARPGROUPS;
+  static constexpr int kDqColPieces = HEAD_DIM / kDqCols;
+  static constexpr int kDqPieces = kDqRowPieces * kDqColPieces;
+  static constexpr int kDqStageBytes = 64 * kDqCols * 4;  // per warpgroup
+  static constexpr int kSmemBytes = Base::kSmemBytes + kDsBytes + WARPGROUPS * kDqStageBytes;
+
+  static_assert(kDqCols == 64 || kDqCols == 128, "wgmma N of the dQ product");
+};
+
 }  // namespace cuattn

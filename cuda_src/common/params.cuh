@@ -63,12 +63,15 @@ struct BackwardParams {
   void* dk;
   void* dv;
   float* delta;                             // (batch, heads_q, seqlen_q), contiguous
+  float* dq_accum;                          // null, or unscaled fp32 dQ summed by atomics (backward_wgmma_fused)
+                                            // in 64 x 64 tiles: backward/dq_accum.cuh
   const float* dlse;                        // null: no gradient flows into lse
   i64 dout_strides[3];                      // batch, row, head
   i64 dq_strides[3];
   i64 dk_strides[3];
   i64 dv_strides[3];
   i64 dlse_strides[2];                      // batch, head; row stride 1
+  int dq_accum_cols;                        // the head-dim bucket of the dQ accumulator
 };
 
 }  // namespace cuattn

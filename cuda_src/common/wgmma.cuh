@@ -45,6 +45,14 @@ __device__ __forceinline__ void fence_registers(float (&d)[TILES][4]) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[i][e])::"memory");
 }
+// The same for register A operands: keeps them (and their registers) alive up to a wait.
+template <int TILES>
+__device__ __forceinline__ void fence_registers(u32 (&a)[TILES][4]) {
+#pragma unroll
+  for (int i = 0; i < TILES; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[i][e])::"memory");
+}
 
 #define CUATTN_ACC_TILE(i) "+f"(d[i][0]), "+f"(d[i][1]), "+f"(d[i][2]), "+f"(d[i][3])
 #define CUATTN_ACC_64 CUATTN_ACC_TILE(0), CUATTN_ACC_TILE(1), CUATTN_ACC_TILE(2), CUATTN_ACC_TILE(3), \
@@ -64,13 +72,17 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[N / 8][4], u64 desc_a, u64 d
 // d (64 x N) += A B, A (64 x 16) in registers, B (16 x N) MN-major in shared memory.
 template <typename T, int N>
 __device__ __forceinline__ void wgmma_rs_mn(float (&d)[N / 8][4], const u32 (&a)[4], u64 desc_b);
+// d (64 x N) = A B + (accumulate ? d : 0), A (64 x 16) and B (16 x N) both MN-major in shared memory.
+template <typename T, int N>
+__device__ __forceinline__ void wgmma_ss_mn(float (&d)[N / 8][4], u64 desc_a, u64 desc_b, bool accumulate);
 
-#define CUATTN_WGMMA_SS(TYPE, N, REGS, ACC, DESC_A, DESC_B, SCALE_D)                                          \
+// NAME: the function; TRANSPOSE: its two transpose flags ("0, 0": both operands K-major, "1, 1": both MN-major).
+#define CUATTN_WGMMA_SS(NAME, TRANSPOSE, TYPE, N, REGS, ACC, DESC_A, DESC_B, SCALE_D)                        \
   template <>                                                                                                   \
-  __device__ __forceinline__ void wgmma_ss<TYPE, N>(float (&d)[N / 8][4], u64 desc_a, u64 desc_b, bool accumulate) { \
+  __device__ __forceinline__ void NAME<TYPE, N>(float (&d)[N / 8][4], u64 desc_a, u64 desc_b, bool accumulate) { \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SCALE_D ", 0;\n"                                           \
                  "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." #TYPE "." #TYPE " " REGS ", " DESC_A ", " DESC_B \
-                 ", p, 1, 1, 0, 0;\n}\n"                                                                           \
+                 ", p, 1, 1, " TRANSPOSE ";\n}\n"                                                                  \
                  : ACC : "l"(desc_a), "l"(desc_b), "r"(int(accumulate)));                                         \
   }
 #define CUATTN_WGMMA_RS(TYPE, N, REGS, ACC, A_REGS, DESC_B, SCALE_D)                                           \
@@ -82,10 +94,14 @@ __device__ __forceinline__ void wgmma_rs_mn(float (&d)[N / 8][4], const u32 (&a)
                  : ACC : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));                        \
   }
 // The operands after the N / 2 accumulators are numbered from %32 (N = 64) or %64 (N = 128).
-CUATTN_WGMMA_SS(f16, 64, CUATTN_REGS_32, CUATTN_ACC_64, "%32", "%33", "%34")
-CUATTN_WGMMA_SS(bf16, 64, CUATTN_REGS_32, CUATTN_ACC_64, "%32", "%33", "%34")
-CUATTN_WGMMA_SS(f16, 128, CUATTN_REGS_64, CUATTN_ACC_128, "%64", "%65", "%66")
-CUATTN_WGMMA_SS(bf16, 128, CUATTN_REGS_64, CUATTN_ACC_128, "%64", "%65", "%66")
+CUATTN_WGMMA_SS(wgmma_ss, "0, 0", f16, 64, CUATTN_REGS_32, CUATTN_ACC_64, "%32", "%33", "%34")
+CUATTN_WGMMA_SS(wgmma_ss, "0, 0", bf16, 64, CUATTN_REGS_32, CUATTN_ACC_64, "%32", "%33", "%34")
+CUATTN_WGMMA_SS(wgmma_ss, "0, 0", f16, 128, CUATTN_REGS_64, CUATTN_ACC_128, "%64", "%65", "%66")
+CUATTN_WGMMA_SS(wgmma_ss, "0, 0", bf16, 128, CUATTN_REGS_64, CUATTN_ACC_128, "%64", "%65", "%66")
+CUATTN_WGMMA_SS(wgmma_ss_mn, "1, 1", f16, 64, CUATTN_REGS_32, CUATTN_ACC_64, "%32", "%33", "%34")
+CUATTN_WGMMA_SS(wgmma_ss_mn, "1, 1", bf16, 64, CUATTN_REGS_32, CUATTN_ACC_64, "%32", "%33", "%34")
+CUATTN_WGMMA_SS(wgmma_ss_mn, "1, 1", f16, 128, CUATTN_REGS_64, CUATTN_ACC_128, "%64", "%65", "%66")
+CUATTN_WGMMA_SS(wgmma_ss_mn, "1, 1", bf16, 128, CUATTN_REGS_64, CUATTN_ACC_128, "%64", "%65", "%66")
 CUATTN_WGMMA_RS(f16, 64, CUATTN_REGS_32, CUATTN_ACC_64, "{%32, %33, %34, %35}", "%36", "%37")
 CUATTN_WGMMA_RS(bf16, 64, CUATTN_REGS_32, CUATTN_ACC_64, "{%32, %33, %34, %35}", "%36", "%37")
 CUATTN_WGMMA_RS(f16, 128, CUATTN_REGS_64, CUATTN_ACC_128, "{%64, %65, %66, %67}", "%68", "%69")
