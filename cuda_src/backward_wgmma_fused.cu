@@ -86,8 +86,43 @@ __global__ void __launch_bounds__(WARPGROUPS * 128, CTAS_PER_SM) backward_wgmma_
   const int warp_key0 = n0 + warp_key_row;
   const u32 k_addr = smem_addr(sK), v_addr = smem_addr(sV), ds_addr = smem_addr(sdS);
 
+  // This warpgroup's piece of each step's dQ tile: rows 64 * row_piece.., columns col0.. .
+  static_assert(Tr::kDqPieces == WARPGROUPS, "one dQ piece per warpgroup");
+  const int row_piece = wg / Tr::kDqColPieces, col0 = (wg % Tr::kDqColPieces) * Tr::kDqCols;
+  const u32 ds_piece_addr = ds_addr + row_piece * BN * kSwizzleRowBytes, k_piece_addr = k_addr + col0 * BN * 2;
+  float* stage_dq = sDq_stage + wg * Tr::kDqStageBytes / 4;
+  const bool issuer = threadIdx.x % 128 == 0;
+  float dq[Tr::kDqCols / 8][4];  // the last step's piece (product in flight until the next step)
+  int dq_head = 0, dq_m0 = 0;    // and where it goes
+#pragma unroll
+  for (int i = 0; i < Tr::kDqCols / 8; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dq[i][e] = 0.f;
+
+  // Stages the last step's dQ piece in fp32 and hands it to one bulk reduction into dq_accum.
+  const auto reduce_dq = [&]() {
+    if (issuer) bulk_wait_read<0>();
+    named_barrier_sync(1 + wg, 128);  // the warpgroup's previous reduction has read the stage
+#pragma unroll
+    for (int i = 0; i < Tr::kDqCols / 8; ++i)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = warp * 16 + g + h * 8, col = i * 8 + 2 * t;
+        const float pair[2] = {dq[i][2 * h], dq[i][2 * h + 1]};
+        store_floats<float, 2>(stage_dq + (col / 64) * kDqTileFloats + dq_tile_offset(row, col % 64), pair);
+      }
+    fence_proxy_async();
+    named_barrier_sync(1 + wg, 128);  // the piece is staged
+    if (issuer && dq_m0 + row_piece * 64 < a.seqlen_q) {
+      bulk_reduce_add_f32(dq_accum_tile(p, batch, dq_head, dq_m0 / 64 + row_piece, col0 / 64), stage_dq, Tr::kDqStageBytes);
+      bulk_commit();
+    }
+  };
+
   for (int step = 0, stage = 0; step < plan.steps; ++step, stage ^= 1) {
     cp_async_wait<0>();
+    wgmma_wait<0>();  // the last step's dQ product, which read sdS
+    fence_registers(dq);
     fence_proxy_async();
     __syncthreads();  // this stage landed; every warpgroup finished with the other one and with sdS
     if (step + 1 < plan.steps) {
@@ -106,6 +141,7 @@ __global__ void __launch_bounds__(WARPGROUPS * 128, CTAS_PER_SM) backward_wgmma_
     wgmma_rows_by_rows<T, BLOCK_M, HEAD_DIM>(s, k_addr, BN, wg * 64, q_addr);
     wgmma_rows_by_rows<T, BLOCK_M, HEAD_DIM>(dp, v_addr, BN, wg * 64, do_addr);
     wgmma_commit();
+    if (step > 0) reduce_dq();  // under the score products
     wgmma_wait<0>();
     fence_registers(s);
     fence_registers(dp);
@@ -142,41 +178,22 @@ __global__ void __launch_bounds__(WARPGROUPS * 128, CTAS_PER_SM) backward_wgmma_
     fence_registers(dv);
     fence_registers(dk);
 
-    // dQ (rows m0.., unscaled) += dS K over the CTA's keys, piece by piece.
-    float* stage_dq = sDq_stage + wg * Tr::kDqStageBytes / 4;
-    const bool issuer = threadIdx.x % 128 == 0;
+    // This step's dQ piece (unscaled) = dS K over the CTA's keys; reduced during the next step.
+    wgmma_fence();
 #pragma unroll
-    for (int piece = wg; piece < Tr::kDqPieces; piece += WARPGROUPS) {
-      const int row_piece = piece / Tr::kDqColPieces, col0 = (piece % Tr::kDqColPieces) * Tr::kDqCols;
-      float dq[Tr::kDqCols / 8][4];
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk) {
-        wgmma_ss_mn<T, Tr::kDqCols>(dq, mn_major_desc(ds_addr + row_piece * BN * kSwizzleRowBytes, BN, kk),
-                                    mn_major_desc(k_addr + col0 * BN * 2, BN, kk), kk > 0);
-      }
-      wgmma_commit();
-      if (issuer) bulk_wait_read<0>();
-      named_barrier_sync(1 + wg, 128);  // the warpgroup's last reduction has read the stage
-      wgmma_wait<0>();
-      fence_registers(dq);
-#pragma unroll
-      for (int i = 0; i < Tr::kDqCols / 8; ++i)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int row = warp * 16 + g + h * 8, col = i * 8 + 2 * t;
-          const float pair[2] = {dq[i][2 * h], dq[i][2 * h + 1]};
-          store_floats<float, 2>(stage_dq + (col / 64) * kDqTileFloats + dq_tile_offset(row, col % 64), pair);
-        }
-      fence_proxy_async();
-      named_barrier_sync(1 + wg, 128);  // the piece is staged
-      if (issuer && m0 + row_piece * 64 < a.seqlen_q) {
-        bulk_reduce_add_f32(dq_accum_tile(p, batch, head, m0 / 64 + row_piece, col0 / 64), stage_dq, Tr::kDqStageBytes);
-        bulk_commit();
-      }
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      wgmma_ss_mn<T, Tr::kDqCols>(dq, mn_major_desc(ds_piece_addr, BN, kk), mn_major_desc(k_piece_addr, BN, kk), kk > 0);
     }
+    wgmma_commit();
+    dq_head = head;
+    dq_m0 = m0;
   }
-  if (threadIdx.x % 128 == 0) bulk_wait<0>();
+  if (plan.steps > 0) {
+    wgmma_wait<0>();
+    fence_registers(dq);
+    reduce_dq();
+  }
+  if (issuer) bulk_wait<0>();
 
   T* dk_out = head_rows<T>(p.dk, p.dk_strides, batch, kv_head);
   T* dv_out = head_rows<T>(p.dv, p.dv_strides, batch, kv_head);
