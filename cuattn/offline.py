@@ -27,6 +27,7 @@ class CompileReport:
     spill_loads: int = -1
     stack_bytes: int = -1
     static_smem: int = 0
+    wgmma_serialized: bool = False  # ptxas C7512: too few registers to keep wgmma asynchronous
     seconds: float = 0.0
     log: str = ""
 
@@ -36,8 +37,8 @@ class CompileReport:
 
     @property
     def failed(self) -> bool:
-        """A compile error, or a spill in a kernel marked hot."""
-        return not self.ok or (self.hot and self.spills)
+        """A compile error, or a spill or serialized wgmma in a kernel marked hot."""
+        return not self.ok or (self.hot and (self.spills or self.wgmma_serialized))
 
 
 def _parse(report: CompileReport, log: str) -> None:
@@ -47,6 +48,7 @@ def _parse(report: CompileReport, log: str) -> None:
         report.registers = int(m.group(1))
     if m := re.search(r"(\d+) bytes smem", log):
         report.static_smem = int(m.group(1))
+    report.wgmma_serialized = "C7512" in log
 
 
 def compile_variant(variant: Variant, arch: str) -> CompileReport:
@@ -88,7 +90,8 @@ def compile_all(archs=DEFAULT_ARCHS, variants=None, jobs: int = 2) -> list[Compi
 def format_table(reports: list[CompileReport]) -> str:
     rows = [f"{'variant':<48} {'arch':<7} {'regs':>4} {'spill':>6} {'stack':>5} {'smem':>6} {'s':>5}  status"]
     for r in reports:
-        status = "ERROR" if not r.ok else ("SPILL(hot)" if r.failed else ("spill" if r.spills else "ok"))
+        status = "ERROR" if not r.ok else ("SERIAL(hot)" if r.failed and r.wgmma_serialized else
+                                           "SPILL(hot)" if r.failed else ("spill" if r.spills else "ok"))
         rows.append(
             f"{r.uri:<48} {r.arch:<7} {r.registers:>4} {r.spill_stores + r.spill_loads:>6} "
             f"{r.stack_bytes:>5} {r.static_smem:>6} {r.seconds:>5.1f}  {status}"

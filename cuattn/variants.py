@@ -233,7 +233,7 @@ def wgmma_backward_variant(family: str, c_type: str, bucket: int, softcap: bool)
 # Hopper fused backward (backward_wgmma_fused.cu, sm_90a only): dK/dV plus dQ by fp32 atomics, the
 # non-deterministic default. Per head-dim bucket: (query rows per streamed block, WARPGROUPS,
 # CTAS_PER_SM). Mirrors WgmmaFusedTraits in cuda_src/backward/wgmma_traits.cuh.
-WGMMA_FUSED_TILES = {64: (64, 1, 2), 128: (64, 2, 1)}  # scripts/tune_wgmma.py
+WGMMA_FUSED_TILES = {64: (64, 1, 3), 128: (64, 2, 1)}  # scripts/tune_wgmma.py
 
 
 def wgmma_fused_smem_bytes(bucket: int) -> int:

@@ -92,7 +92,11 @@ __global__ void __launch_bounds__(WARPGROUPS * 128, CTAS_PER_SM) backward_wgmma_
   const u32 ds_piece_addr = ds_addr + row_piece * BN * kSwizzleRowBytes, k_piece_addr = k_addr + col0 * BN * 2;
   float* stage_dq = sDq_stage + wg * Tr::kDqStageBytes / 4;
   const bool issuer = threadIdx.x % 128 == 0;
-  float dq[Tr::kDqCols / 8][4];  // the last step's piece (product in flight until the next step)
+  // With one CTA per SM nothing else fills the tensor cores while a warpgroup stages its dQ
+  // piece, so that moves under the next step's score products (the piece's registers stay live
+  // across the step). With more CTAs per SM they overlap it instead, and registers are scarcer.
+  constexpr bool kDeferDq = CTAS_PER_SM == 1;
+  float dq[Tr::kDqCols / 8][4];  // the last step's piece (deferred: its product in flight)
   int dq_head = 0, dq_m0 = 0;    // and where it goes
 #pragma unroll
   for (int i = 0; i < Tr::kDqCols / 8; ++i)
@@ -121,8 +125,10 @@ __global__ void __launch_bounds__(WARPGROUPS * 128, CTAS_PER_SM) backward_wgmma_
 
   for (int step = 0, stage = 0; step < plan.steps; ++step, stage ^= 1) {
     cp_async_wait<0>();
-    wgmma_wait<0>();  // the last step's dQ product, which read sdS
-    fence_registers(dq);
+    if constexpr (kDeferDq) {
+      wgmma_wait<0>();  // the last step's dQ product, which read sdS
+      fence_registers(dq);
+    }
     fence_proxy_async();
     __syncthreads();  // this stage landed; every warpgroup finished with the other one and with sdS
     if (step + 1 < plan.steps) {
@@ -141,7 +147,7 @@ __global__ void __launch_bounds__(WARPGROUPS * 128, CTAS_PER_SM) backward_wgmma_
     wgmma_rows_by_rows<T, BLOCK_M, HEAD_DIM>(s, k_addr, BN, wg * 64, q_addr);
     wgmma_rows_by_rows<T, BLOCK_M, HEAD_DIM>(dp, v_addr, BN, wg * 64, do_addr);
     wgmma_commit();
-    if (step > 0) reduce_dq();  // under the score products
+    if (kDeferDq && step > 0) reduce_dq();  // under the score products
     wgmma_wait<0>();
     fence_registers(s);
     fence_registers(dp);
@@ -178,7 +184,7 @@ __global__ void __launch_bounds__(WARPGROUPS * 128, CTAS_PER_SM) backward_wgmma_
     fence_registers(dv);
     fence_registers(dk);
 
-    // This step's dQ piece (unscaled) = dS K over the CTA's keys; reduced during the next step.
+    // This step's dQ piece (unscaled) = dS K over the CTA's keys.
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
@@ -187,8 +193,13 @@ __global__ void __launch_bounds__(WARPGROUPS * 128, CTAS_PER_SM) backward_wgmma_
     wgmma_commit();
     dq_head = head;
     dq_m0 = m0;
+    if constexpr (!kDeferDq) {
+      wgmma_wait<0>();
+      fence_registers(dq);
+      reduce_dq();
+    }
   }
-  if (plan.steps > 0) {
+  if (kDeferDq && plan.steps > 0) {
     wgmma_wait<0>();
     fence_registers(dq);
     reduce_dq();

@@ -91,6 +91,17 @@ def test_compile_report_flags_errors_and_hot_spills(monkeypatch, tmp_path):
     assert spilly.ok and spilly.spills and spilly.failed, spilly.log
 
 
+def test_compile_report_flags_serialized_wgmma():
+    """ptxas serializes wgmma (C7512) when registers run short: a hot kernel fails the gate."""
+    log = "ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions are serialized\nUsed 168 registers"
+    report = offline.CompileReport("test/serial", "sm_90a", hot=True, ok=True)
+    offline._parse(report, log)
+    assert report.wgmma_serialized and report.failed and report.registers == 168
+    cold = offline.CompileReport("test/serial", "sm_90a", hot=False, ok=True)
+    offline._parse(cold, log)
+    assert not cold.failed
+
+
 def test_forward_kernel_selection():
     select = variants.select_forward_variant
     assert select("bf16", 128, False, "sm_90a").family == "forward_wgmma"
