@@ -142,35 +142,50 @@ __global__ void __launch_bounds__(WARPGROUPS * 128, CTAS_PER_SM) backward_wgmma_
     const float* sLse = sLse_ring + stage * BLOCK_M;
     const float* sDelta = sDelta_ring + stage * BLOCK_M;
 
-    float s[Tr::kNTiles][4], dp[Tr::kNTiles][4];  // S^T and dP^T: this warp's 16 keys x BLOCK_M queries
+    // S^T and dP^T (this warp's 16 keys x BLOCK_M queries) as two groups: P^T is formed and
+    // dV += P^T dO issued while dP^T is still in the tensor cores, and dS^T while dV runs.
+    float s[Tr::kNTiles][4], dp[Tr::kNTiles][4];
     wgmma_fence();
     wgmma_rows_by_rows<T, BLOCK_M, HEAD_DIM>(s, k_addr, BN, wg * 64, q_addr);
+    wgmma_commit();
     wgmma_rows_by_rows<T, BLOCK_M, HEAD_DIM>(dp, v_addr, BN, wg * 64, do_addr);
     wgmma_commit();
     if (kDeferDq && step > 0) reduce_dq();  // under the score products
-    wgmma_wait<0>();
+    wgmma_wait<1>();
     fence_registers(s);
-    fence_registers(dp);
 
     u32 p_frag[kSteps][4], ds_frag[kSteps][4];  // P^T and dS^T as 16-bit A operands
 #pragma unroll
-    for (int nt = 0; nt < Tr::kNTiles; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int col = nt * 8 + 2 * t + (e % 2);  // query m0 + col
-        const bool visible = !masked || band.visible(m0 + col, warp_key0 + g + (e / 2) * 8);
-        const ProbGrad pg = prob_and_grad<SOFTCAP>(s[nt][e], dp[nt][e], lse_to_exp2_shift(sLse[col]), sDelta[col], visible, a);
-        s[nt][e] = pg.prob;
-        dp[nt][e] = pg.grad;
-      }
-#pragma unroll
     for (int kk = 0; kk < kSteps; ++kk) {
+      float cap_grad[2][4];
+#pragma unroll
+      for (int nt = 2 * kk; nt < 2 * kk + 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int col = nt * 8 + 2 * t + (e % 2);  // query m0 + col
+          const bool visible = !masked || band.visible(m0 + col, warp_key0 + g + (e / 2) * 8);
+          s[nt][e] = prob_of_score<SOFTCAP>(s[nt][e], lse_to_exp2_shift(sLse[col]), visible, a, cap_grad[nt % 2][e]);
+        }
       c_tiles_to_a<T>(s, kk, p_frag[kk]);
-      c_tiles_to_a<T>(dp, kk, ds_frag[kk]);
+#pragma unroll
+      for (int nt = 2 * kk; nt < 2 * kk + 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[nt][e] *= cap_grad[nt % 2][e];  // dS^T = this * (dP^T - delta)
     }
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kSteps; ++kk) wgmma_rs_mn<T, HEAD_DIM>(dv, p_frag[kk], mn_major_desc(do_addr, BLOCK_M, kk));  // dV += P^T dO
+    wgmma_commit();
+    wgmma_wait<1>();  // dP^T (dV may still run)
+    fence_registers(dp);
+
+#pragma unroll
+    for (int nt = 0; nt < Tr::kNTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dp[nt][e] = s[nt][e] * (dp[nt][e] - sDelta[nt * 8 + 2 * t + (e % 2)]);
+#pragma unroll
+    for (int kk = 0; kk < kSteps; ++kk) c_tiles_to_a<T>(dp, kk, ds_frag[kk]);
+    wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kSteps; ++kk) wgmma_rs_mn<T, HEAD_DIM>(dk, ds_frag[kk], mn_major_desc(q_addr, BLOCK_M, kk));  // dK += dS^T Q
     wgmma_commit();

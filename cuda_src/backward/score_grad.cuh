@@ -35,15 +35,22 @@ struct ProbGrad {
   float prob;
   float grad;
 };
+// P alone (the first half of prob_and_grad, for kernels that form dS later): cap_grad gets
+// d(capped)/d(raw) / scale, 1 without softcap.
 template <bool SOFTCAP>
-__device__ __forceinline__ ProbGrad prob_and_grad(float x, float dp, float shift, float delta, bool visible, const AttnParams& a) {
-  float cap_grad = 1.f;
+__device__ __forceinline__ float prob_of_score(float x, float shift, bool visible, const AttnParams& a, float& cap_grad) {
+  cap_grad = 1.f;
   if constexpr (SOFTCAP) {
     const float th = tanhf(x * (a.scale / a.softcap));
     x = a.softcap * th;
     cap_grad = 1.f - th * th;
   }
-  const float prob = visible ? exp2f(fmaf(x, a.exp2_scale, -shift)) : 0.f;
+  return visible ? exp2f(fmaf(x, a.exp2_scale, -shift)) : 0.f;
+}
+template <bool SOFTCAP>
+__device__ __forceinline__ ProbGrad prob_and_grad(float x, float dp, float shift, float delta, bool visible, const AttnParams& a) {
+  float cap_grad;
+  const float prob = prob_of_score<SOFTCAP>(x, shift, visible, a, cap_grad);
   return {prob, prob * (dp - delta) * cap_grad};
 }
 
