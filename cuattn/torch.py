@@ -115,6 +115,8 @@ def _saved(ctx) -> tuple[list, list]:
 def _table_vjp(entry: ops.OpEntry, ctx, *grads):
     inputs, outputs = _saved(ctx)
     options = {**ctx.options, **dict(entry.vjp_options)}
+    if "deterministic" in options:  # torch.use_deterministic_algorithms(True) picks the atomic-free backward
+        options["deterministic"] = torch.are_deterministic_algorithms_enabled()
     grads_in = op(entry.vjp)(*entry.vjp_arrays(inputs, outputs, [_kernel_ready(g) for g in grads]), **options)
     return (*grads_in, *(None for _ in entry.options))
 

@@ -30,10 +30,13 @@ for dtype, wgmma in ((np.float16, "1"), (BFLOAT16, "1"), (np.float16, "0"), (BFL
         cuattn.attention_backward(do, q, k, v, out, lse, causal=True, window=(30, None), softcap=10.0, dlse=lse)
         out, lse = cuattn.attention(q, k, v, return_lse=True)
         cuattn.attention_backward(do, q, k, v, out, lse)
-    # Several key and query blocks: the K/V (Q/dO) rings turn over.
-    q, k, v, do = arr((1, 300, 2, 64), dtype), arr((1, 333, 1, 64), dtype), arr((1, 333, 1, 64), dtype), arr((1, 300, 2, 64), dtype)
-    out, lse = cuattn.attention(q, k, v, causal=True, return_lse=True)
-    cuattn.attention_backward(do, q, k, v, out, lse, causal=True)
+    # Several key and query blocks: the K/V (Q/dO) rings turn over; the default backward (on
+    # Hopper the fused kernel) and the deterministic one.
+    for d in (64, 128):
+        q, k, v, do = arr((1, 300, 2, d), dtype), arr((1, 333, 1, d), dtype), arr((1, 333, 1, d), dtype), arr((1, 300, 2, d), dtype)
+        out, lse = cuattn.attention(q, k, v, causal=True, return_lse=True)
+        for deterministic in (False, True):
+            cuattn.attention_backward(do, q, k, v, out, lse, causal=True, deterministic=deterministic)
     outs, lses = arr((3, 1, 33, 2, 64), dtype), arr((3, 1, 2, 33), np.float32)
     cuattn.merge(outs, lses)
     cuattn.merge_(outs[0], lses[0], outs[1], lses[1])

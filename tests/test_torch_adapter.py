@@ -146,6 +146,31 @@ def test_torch_compile_fullgraph_matches_eager():
         torch.testing.assert_close(comp, eager, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_deterministic_algorithms_pick_the_atomic_free_backward(monkeypatch, deterministic):
+    """torch.use_deterministic_algorithms(True) gives bit-identical gradients (no dQ atomics);
+    otherwise Hopper runs the one-pass backward."""
+    from cuattn import backward, loader
+
+    launched = []
+    load = backward.load_kernel
+    monkeypatch.setattr(backward, "load_kernel", lambda variant: launched.append(variant.family) or load(variant))
+    q, k, v = (torch.randn(1, 300, 4, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    dout = torch.randn(1, 300, 4, 128, device="cuda", dtype=torch.bfloat16)
+    saved = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        runs = [torch.autograd.grad(ct.attention(q, k, v, causal=True), (q, k, v), dout) for _ in range(3)]
+    finally:
+        torch.use_deterministic_algorithms(saved)
+    fused = loader.device_arch() == "sm_90a" and not deterministic
+    assert ("backward_wgmma_fused" in launched) == fused
+    if deterministic:
+        for later in runs[1:]:
+            for a, b in zip(runs[0], later):
+                assert torch.equal(a, b)
+
+
 def test_runs_on_the_current_non_default_stream():
     """Inputs finish on a side stream after a long sleep; cuattn must queue behind them there."""
     q0, k0, v0 = (torch.randn(1, 256, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))

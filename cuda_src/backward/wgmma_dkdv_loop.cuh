@@ -1,0 +1,238 @@
+// The dK/dV loop of the Hopper (sm_90a) backward kernels, FlashAttention-2's scheme on warpgroup
+// tensor cores. One CTA per (key block of 64 keys per warpgroup, KV head, batch) keeps K, V and
+// the fp32 dK / dV accumulators on chip and streams the query blocks of every query head of the
+// KV head's group (GQA sums in registers; dK and dV written once, deterministic). Per query
+// block each warpgroup forms S^T = K Q^T and dP^T = V dO^T for its keys, P^T and dS^T,
+// dV += P^T dO and dK += dS^T Q.
+//
+// FUSE_DQ (backward_wgmma_fused.cu) also forms dQ: dS^T goes through shared memory so that the
+// CTA's partial dQ = dS K over all its keys is one product per warpgroup piece, staged in fp32
+// and added into p.dq_accum by one bulk reduction (TMA) per piece, in an order that varies from
+// run to run. Without it (backward_wgmma_dkdv.cu) backward_wgmma_dq.cu forms dQ.
+#pragma once
+#include "../common/bulk_async.cuh"
+#include "../common/mask.cuh"
+#include "../common/params.cuh"
+#include "../common/tile_copy.cuh"
+#include "../common/vector_io.cuh"
+#include "../common/wgmma.cuh"
+#include "dq_accum.cuh"
+#include "head_rows.cuh"
+#include "score_grad.cuh"
+#include "wgmma_traits.cuh"
+
+namespace cuattn {
+
+// Stores a warp's dS^T rows (A fragments over BLOCK_M query columns) into the shared dS^T tile:
+// key rows of BN, query columns in 128-byte-swizzled column blocks of 64.
+template <int BN, int K_STEPS>
+__device__ __forceinline__ void store_ds_transposed(unsigned char* sdS, const u32 (&ds)[K_STEPS][4], int key_row, int lane) {
+  const int g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int kk = 0; kk < K_STEPS; ++kk)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int row = key_row + g + (e % 2) * 8, query = kk * 16 + (e / 2) * 8;
+      const int block = query / kSwizzleBlockElems, chunk = (query % kSwizzleBlockElems) / 8;
+      *reinterpret_cast<u32*>(sdS + block * (BN * kSwizzleRowBytes) + swizzled_chunk(row, chunk) + 4 * t) = ds[kk][e];
+    }
+}
+
+template <typename T, int HEAD_DIM, int BLOCK_M, int WARPGROUPS, int CTAS_PER_SM, bool SOFTCAP, bool FUSE_DQ>
+__device__ __forceinline__ void backward_wgmma_dkdv_body(const BackwardParams& p) {
+  using Tr = WgmmaFusedTraits<HEAD_DIM, BLOCK_M, WARPGROUPS>;
+  constexpr int BN = Tr::kBlockResident;  // keys per CTA
+  constexpr int kSteps = BLOCK_M / 16;     // k16 steps of the dV / dK products
+  constexpr int kDsBytes = FUSE_DQ ? Tr::kDsBytes : 0, kDqStageBytes = FUSE_DQ ? Tr::kDqStageBytes : 0;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  if (dynamic_smem_bytes() < (FUSE_DQ ? Tr::kSmemBytes : Tr::Base::kSmemBytes)) __trap();  // launch contract
+  unsigned char* sK = smem_raw + (kSwizzleAtomBytes - smem_addr(smem_raw) % kSwizzleAtomBytes) % kSwizzleAtomBytes;
+  unsigned char* sV = sK + Tr::kResidentBytes;
+  unsigned char* sQ_ring = sV + Tr::kResidentBytes;
+  unsigned char* sdO_ring = sQ_ring + Tr::kStages * Tr::kStreamBytes;
+  unsigned char* sdS = sdO_ring + Tr::kStages * Tr::kStreamBytes;
+  float* sDq_stage = reinterpret_cast<float*>(sdS + kDsBytes);  // per warpgroup, kDqCols / 64 tiles
+  float* sLse_ring = sDq_stage + WARPGROUPS * kDqStageBytes / 4;
+  float* sDelta_ring = sLse_ring + Tr::kStages * BLOCK_M;
+
+  const AttnParams& a = p.attn;
+  const int n_block = blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
+  const int n0 = n_block * BN;
+  const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+
+  const T* k = head_rows<T>(a.k, a.k_strides, batch, kv_head);
+  const T* v = head_rows<T>(a.v, a.v_strides, batch, kv_head);
+  const KeyBand band(a);
+  const QuerySteps<BLOCK_M> plan(a, band, n0, BN);
+
+  const auto load_step = [&](int step, int stage) {
+    const int head = plan.head(kv_head, step), m0 = plan.m0(step);
+    const T* q = head_rows<T>(a.q, a.q_strides, batch, head);
+    const T* dout = head_rows<T>(p.dout, p.dout_strides, batch, head);
+    load_tile_sw128<Tr, BLOCK_M>(sQ_ring + stage * Tr::kStreamBytes, q, a.q_strides[1], m0, a.seqlen_q, a.head_dim);
+    load_tile_sw128<Tr, BLOCK_M>(sdO_ring + stage * Tr::kStreamBytes, dout, p.dout_strides[1], m0, a.seqlen_q, a.head_dim);
+    RowStats(p, batch, head).load<BLOCK_M>(sLse_ring + stage * BLOCK_M, sDelta_ring + stage * BLOCK_M, m0, a.seqlen_q);
+  };
+
+  load_tile_sw128<Tr, BN>(sK, k, a.k_strides[1], n0, a.seqlen_k, a.head_dim);
+  load_tile_sw128<Tr, BN>(sV, v, a.v_strides[1], n0, a.seqlen_k, a.head_dim);
+  if (plan.steps > 0) load_step(0, 0);
+  cp_async_commit();
+
+  float dk[Tr::kDTiles][4], dv[Tr::kDTiles][4];
+#pragma unroll
+  for (int dt = 0; dt < Tr::kDTiles; ++dt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk[dt][e] = dv[dt][e] = 0.f;
+
+  const int warp_key_row = wg * 64 + warp * 16;  // in the CTA's key block
+  const int warp_key0 = n0 + warp_key_row;
+  const u32 k_addr = smem_addr(sK), v_addr = smem_addr(sV), ds_addr = smem_addr(sdS);
+
+  // This warpgroup's piece of each step's dQ tile: rows 64 * row_piece.., columns col0.. .
+  static_assert(Tr::kDqPieces == WARPGROUPS, "one dQ piece per warpgroup");
+  const int row_piece = wg / Tr::kDqColPieces, col0 = (wg % Tr::kDqColPieces) * Tr::kDqCols;
+  const u32 ds_piece_addr = ds_addr + row_piece * BN * kSwizzleRowBytes, k_piece_addr = k_addr + col0 * BN * 2;
+  float* stage_dq = sDq_stage + wg * Tr::kDqStageBytes / 4;
+  const bool issuer = threadIdx.x % 128 == 0;
+  // With one CTA per SM nothing else fills the tensor cores while a warpgroup stages its dQ
+  // piece, so that moves under the next step's score products (the piece's registers stay live
+  // across the step). With more CTAs per SM they overlap it instead, and registers are scarcer.
+  constexpr bool kDeferDq = FUSE_DQ && CTAS_PER_SM == 1;
+  float dq[Tr::kDqCols / 8][4];  // the last step's piece (deferred: its product in flight)
+  int dq_head = 0, dq_m0 = 0;    // and where it goes
+#pragma unroll
+  for (int i = 0; i < Tr::kDqCols / 8; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dq[i][e] = 0.f;
+
+  // Stages the last step's dQ piece in fp32 and hands it to one bulk reduction into dq_accum.
+  const auto reduce_dq = [&]() {
+    if (issuer) bulk_wait_read<0>();
+    named_barrier_sync(1 + wg, 128);  // the warpgroup's previous reduction has read the stage
+#pragma unroll
+    for (int i = 0; i < Tr::kDqCols / 8; ++i)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = warp * 16 + g + h * 8, col = i * 8 + 2 * t;
+        const float pair[2] = {dq[i][2 * h], dq[i][2 * h + 1]};
+        store_floats<float, 2>(stage_dq + (col / 64) * kDqTileFloats + dq_tile_offset(row, col % 64), pair);
+      }
+    fence_proxy_async();
+    named_barrier_sync(1 + wg, 128);  // the piece is staged
+    if (issuer && dq_m0 + row_piece * 64 < a.seqlen_q) {
+      bulk_reduce_add_f32(dq_accum_tile(p, batch, dq_head, dq_m0 / 64 + row_piece, col0 / 64), stage_dq, Tr::kDqStageBytes);
+      bulk_commit();
+    }
+  };
+
+  for (int step = 0, stage = 0; step < plan.steps; ++step, stage ^= 1) {
+    cp_async_wait<0>();
+    if constexpr (kDeferDq) {
+      wgmma_wait<0>();  // the last step's dQ product, which read sdS
+      fence_registers(dq);
+    }
+    fence_proxy_async();
+    __syncthreads();  // this stage landed; every warpgroup finished with the other one and with sdS
+    if (step + 1 < plan.steps) {
+      load_step(step + 1, stage ^ 1);
+      cp_async_commit();
+    }
+    const int head = plan.head(kv_head, step), m0 = plan.m0(step);
+    const int m_last = min(m0 + BLOCK_M, a.seqlen_q) - 1;
+    const bool masked = !band.all_visible(m0, m_last, warp_key0, warp_key0 + 15);
+    const u32 q_addr = smem_addr(sQ_ring + stage * Tr::kStreamBytes), do_addr = smem_addr(sdO_ring + stage * Tr::kStreamBytes);
+    const float* sLse = sLse_ring + stage * BLOCK_M;
+    const float* sDelta = sDelta_ring + stage * BLOCK_M;
+
+    // S^T and dP^T (this warp's 16 keys x BLOCK_M queries) as two groups: P^T is formed and
+    // dV += P^T dO issued while dP^T is still in the tensor cores, and dS^T while dV runs.
+    float s[Tr::kNTiles][4], dp[Tr::kNTiles][4];
+    wgmma_fence();
+    wgmma_rows_by_rows<T, BLOCK_M, HEAD_DIM>(s, k_addr, BN, wg * 64, q_addr);
+    wgmma_commit();
+    wgmma_rows_by_rows<T, BLOCK_M, HEAD_DIM>(dp, v_addr, BN, wg * 64, do_addr);
+    wgmma_commit();
+    if (kDeferDq && step > 0) reduce_dq();  // under the score products
+    wgmma_wait<1>();
+    fence_registers(s);
+
+    u32 p_frag[kSteps][4], ds_frag[kSteps][4];  // P^T and dS^T as 16-bit A operands
+#pragma unroll
+    for (int kk = 0; kk < kSteps; ++kk) {
+      float cap_grad[2][4];
+#pragma unroll
+      for (int nt = 2 * kk; nt < 2 * kk + 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int col = nt * 8 + 2 * t + (e % 2);  // query m0 + col
+          const bool visible = !masked || band.visible(m0 + col, warp_key0 + g + (e / 2) * 8);
+          s[nt][e] = prob_of_score<SOFTCAP>(s[nt][e], lse_to_exp2_shift(sLse[col]), visible, a, cap_grad[nt % 2][e]);
+        }
+      c_tiles_to_a<T>(s, kk, p_frag[kk]);
+#pragma unroll
+      for (int nt = 2 * kk; nt < 2 * kk + 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[nt][e] *= cap_grad[nt % 2][e];  // dS^T = this * (dP^T - delta)
+    }
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kSteps; ++kk) wgmma_rs_mn<T, HEAD_DIM>(dv, p_frag[kk], mn_major_desc(do_addr, BLOCK_M, kk));  // dV += P^T dO
+    wgmma_commit();
+    wgmma_wait<1>();  // dP^T (dV may still run)
+    fence_registers(dp);
+
+#pragma unroll
+    for (int nt = 0; nt < Tr::kNTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dp[nt][e] = s[nt][e] * (dp[nt][e] - sDelta[nt * 8 + 2 * t + (e % 2)]);
+#pragma unroll
+    for (int kk = 0; kk < kSteps; ++kk) c_tiles_to_a<T>(dp, kk, ds_frag[kk]);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kSteps; ++kk) wgmma_rs_mn<T, HEAD_DIM>(dk, ds_frag[kk], mn_major_desc(q_addr, BLOCK_M, kk));  // dK += dS^T Q
+    wgmma_commit();
+
+    if constexpr (FUSE_DQ) {
+      store_ds_transposed<BN>(sdS, ds_frag, warp_key_row, lane);
+      fence_proxy_async();
+      __syncthreads();  // the CTA's dS^T is in shared memory
+    }
+    wgmma_wait<0>();
+    fence_registers(p_frag);
+    fence_registers(ds_frag);
+    fence_registers(dv);
+    fence_registers(dk);
+
+    if constexpr (FUSE_DQ) {
+      // This step's dQ piece (unscaled) = dS K over the CTA's keys.
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) {
+        wgmma_ss_mn<T, Tr::kDqCols>(dq, mn_major_desc(ds_piece_addr, BN, kk), mn_major_desc(k_piece_addr, BN, kk), kk > 0);
+      }
+      wgmma_commit();
+      dq_head = head;
+      dq_m0 = m0;
+      if constexpr (!kDeferDq) {
+        wgmma_wait<0>();
+        fence_registers(dq);
+        reduce_dq();
+      }
+    }
+  }
+  if (kDeferDq && plan.steps > 0) {
+    wgmma_wait<0>();
+    fence_registers(dq);
+    reduce_dq();
+  }
+  if (FUSE_DQ && issuer) bulk_wait<0>();
+
+  T* dk_out = head_rows<T>(p.dk, p.dk_strides, batch, kv_head);
+  T* dv_out = head_rows<T>(p.dv, p.dv_strides, batch, kv_head);
+  store_acc_rows<T, Tr::kDTiles>(dk, a.scale, dk_out, p.dk_strides[1], warp_key0, a.seqlen_k, a.head_dim, lane);
+  store_acc_rows<T, Tr::kDTiles>(dv, 1.f, dv_out, p.dv_strides[1], warp_key0, a.seqlen_k, a.head_dim, lane);
+}
+
+}  // namespace cuattn
