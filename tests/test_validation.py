@@ -167,10 +167,13 @@ class _Meta:
         self.shape, self.dtype = shape, np.dtype(dtype)
 
 
-def test_validation_only_runs_report_allocations_and_errors_without_a_gpu():
+def test_validation_only_runs_report_allocations_and_errors_without_a_gpu(monkeypatch):
     """What the JAX adapter relies on: the op's checks run on shapes alone, and the arrays it
-    would allocate (outputs, then scratch) come back in order; nothing is launched."""
+    would allocate (outputs, then scratch) come back in order; nothing is launched. (A
+    pre-Hopper target: the next test covers the fused backward's extra scratch.)"""
     from cuattn import boundary, ops
+
+    monkeypatch.setattr(boundary._ValidationContext, "arch", lambda self: "sm_80")
 
     q, kv = _Meta((2, 5, 4, 64), np.float16), _Meta((2, 7, 2, 64), np.float16)
     options = ops.flat_mask_options(causal=True, head_dim=64)
