@@ -8,7 +8,7 @@ from cuattn import boundary, params, plans, validation
 from cuattn.attention import _LAYOUT, attn_params, check_qkv, mask_options, score_options
 from cuattn.loader import load_kernel, wgmma_enabled
 from cuattn.variants import (
-    BACKWARD_PREP_ROWS, backward_dq_finish_variant, backward_prep_variant, head_dim_bucket, select_backward_variant,
+    BACKWARD_PREP_ROWS, backward_row_variant, head_dim_bucket, select_backward_variant,
     select_fused_backward_variant,
 )
 
@@ -109,13 +109,13 @@ def _launch(ctx, c_type: str, p: np.void, q_shape, k_shape, deterministic: bool)
     with ctx.device, ctx.stream:
         launches = []
         if rows:
-            launches.append((backward_prep_variant(c_type), *row_launch))
+            launches.append((backward_row_variant("backward_prep", c_type), *row_launch))
         # dK and dV are written (zeros included) even when no query sees a key.
         if fused is not None:
             if seqlen_k:
                 launches.append((fused, *plans.forward_launch(fused, seqlen_k, heads_kv, batch)))
             if rows:
-                launches.append((backward_dq_finish_variant(c_type), *row_launch))
+                launches.append((backward_row_variant("backward_dq_finish", c_type), *row_launch))
         else:
             if rows:
                 dq = select_backward_variant("backward_dq", c_type, bucket, softcap, arch, wgmma)

@@ -168,11 +168,13 @@ def backward_smem_bytes(family: str, bucket: int) -> int:
     return (2 * BACKWARD_BLOCK * row + 2 * stages * stream * row) * 2 + 2 * stages * stream * 4
 
 
-def backward_prep_variant(c_type: str) -> Variant:
+def backward_row_variant(family: str, c_type: str) -> Variant:
+    """``backward_prep`` or ``backward_dq_finish``: one warp per query row, BACKWARD_PREP_ROWS
+    rows per CTA."""
     return Variant(
-        family="backward_prep",
-        expression=f"cuattn::backward_prep_kernel<{cxx_type(c_type)}>",
-        uri=f"backward_prep/{c_type}",
+        family=family,
+        expression=f"cuattn::{family}_kernel<{cxx_type(c_type)}>",
+        uri=f"{family}/{c_type}",
         hot=True,
         block_m=BACKWARD_PREP_ROWS,
     )
@@ -261,16 +263,6 @@ def select_fused_backward_variant(c_type: str, bucket: int, softcap: bool, arch:
     return None
 
 
-def backward_dq_finish_variant(c_type: str) -> Variant:
-    return Variant(
-        family="backward_dq_finish",
-        expression=f"cuattn::backward_dq_finish_kernel<{cxx_type(c_type)}>",
-        uri=f"backward_dq_finish/{c_type}",
-        hot=True,
-        block_m=BACKWARD_PREP_ROWS,
-    )
-
-
 def select_backward_variant(family: str, c_type: str, bucket: int, softcap: bool, arch: str, allow_wgmma: bool = True) -> Variant:
     """As :func:`select_forward_variant`, for backward_dq and backward_dkdv."""
     if allow_wgmma and arch == WGMMA_ARCH and c_type != "float" and bucket in WGMMA_BACKWARD_TILES[family]:
@@ -293,7 +285,7 @@ def all_variants() -> list[Variant]:
             for softcap in (False, True):
                 out.append(wgmma_forward_variant(c_type, bucket, softcap))
     for c_type in ("f16", "bf16", "float"):
-        out.append(backward_prep_variant(c_type))
+        out.append(backward_row_variant("backward_prep", c_type))
         for family in ("backward_dkdv", "backward_dq"):
             for bucket in HEAD_DIM_BUCKETS:
                 for softcap in (False, True):
@@ -303,7 +295,7 @@ def all_variants() -> list[Variant]:
             for bucket in buckets:
                 for softcap in (False, True):
                     out.append(wgmma_backward_variant(family, c_type, bucket, softcap))
-        out.append(backward_dq_finish_variant(c_type))
+        out.append(backward_row_variant("backward_dq_finish", c_type))
         for bucket in WGMMA_FUSED_TILES:
             for softcap in (False, True):
                 out.append(wgmma_fused_variant(c_type, bucket, softcap))
