@@ -2,8 +2,10 @@
 // probabilities from the saved lse, and dS = P * (dP - delta) through the optional softcap.
 #pragma once
 #include "../common/dtypes.cuh"
+#include "../common/mask.cuh"
 #include "../common/mma.cuh"
 #include "../common/params.cuh"
+#include "../common/vector_io.cuh"
 
 namespace cuattn {
 
@@ -52,6 +54,48 @@ __device__ __forceinline__ ProbGrad prob_and_grad(float x, float dp, float shift
   float cap_grad;
   const float prob = prob_of_score<SOFTCAP>(x, shift, visible, a, cap_grad);
   return {prob, prob * (dp - delta) * cap_grad};
+}
+
+// One k16 step of a warp's transposed scores (16 keys x queries, C fragments): n8 tiles 2kk and
+// 2kk + 1 become probabilities, packed into the A fragment p, and keep P * d(capped)/d(raw) for
+// dS^T. Columns are queries m0 + col with their lse in sLse[col]; rows are keys key0 + g (+ 8).
+// The row stats are read once per column pair, and without MASKED (every element visible) the
+// step has no per-element branch.
+template <typename T, bool SOFTCAP, bool MASKED, int N>
+__device__ __forceinline__ void transposed_probs_k_step(float (&s)[N][4], int kk, u32 (&p)[4], const float* sLse, const KeyBand& band,
+                                                        int m0, int key0, int lane, const AttnParams& a) {
+  const int g = lane / 4, t = lane % 4;
+  float cap_grad[2][4];
+#pragma unroll
+  for (int nt = 2 * kk; nt < 2 * kk + 2; ++nt) {
+    float lse[2];
+    load_floats<float, 2>(sLse + nt * 8 + 2 * t, lse);
+    const float shift[2] = {lse_to_exp2_shift(lse[0]), lse_to_exp2_shift(lse[1])};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const bool visible = !MASKED || band.visible(m0 + nt * 8 + 2 * t + (e % 2), key0 + g + (e / 2) * 8);
+      s[nt][e] = prob_of_score<SOFTCAP>(s[nt][e], shift[e % 2], visible, a, cap_grad[nt % 2][e]);
+    }
+  }
+  c_tiles_to_a<T>(s, kk, p);
+#pragma unroll
+  for (int nt = 2 * kk; nt < 2 * kk + 2; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[nt][e] *= cap_grad[nt % 2][e];
+}
+
+// dS^T = (P * cap_grad) (dP^T - delta) in place over a warp's transposed tile, delta of query
+// column col in sDelta[col].
+template <int N>
+__device__ __forceinline__ void transposed_score_grads(float (&dp)[N][4], const float (&prob)[N][4], const float* sDelta, int lane) {
+  const int t = lane % 4;
+#pragma unroll
+  for (int nt = 0; nt < N; ++nt) {
+    float delta[2];
+    load_floats<float, 2>(sDelta + nt * 8 + 2 * t, delta);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dp[nt][e] = prob[nt][e] * (dp[nt][e] - delta[e % 2]);
+  }
 }
 
 // acc (16 x 8*N) += A (16 rows of sA, k over HEAD_DIM) * B^T where B is 8*N rows of sB: both

@@ -159,22 +159,12 @@ __device__ __forceinline__ void backward_wgmma_dkdv_body(const BackwardParams& p
     fence_registers(s);
 
     u32 p_frag[kSteps][4], ds_frag[kSteps][4];  // P^T and dS^T as 16-bit A operands
+    if (SOFTCAP || masked) {  // softcap: one path, the two do not fit the registers at d64
 #pragma unroll
-    for (int kk = 0; kk < kSteps; ++kk) {
-      float cap_grad[2][4];
+      for (int kk = 0; kk < kSteps; ++kk) transposed_probs_k_step<T, SOFTCAP, true>(s, kk, p_frag[kk], sLse, band, m0, warp_key0, lane, a);
+    } else {
 #pragma unroll
-      for (int nt = 2 * kk; nt < 2 * kk + 2; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int col = nt * 8 + 2 * t + (e % 2);  // query m0 + col
-          const bool visible = !masked || band.visible(m0 + col, warp_key0 + g + (e / 2) * 8);
-          s[nt][e] = prob_of_score<SOFTCAP>(s[nt][e], lse_to_exp2_shift(sLse[col]), visible, a, cap_grad[nt % 2][e]);
-        }
-      c_tiles_to_a<T>(s, kk, p_frag[kk]);
-#pragma unroll
-      for (int nt = 2 * kk; nt < 2 * kk + 2; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[nt][e] *= cap_grad[nt % 2][e];  // dS^T = this * (dP^T - delta)
+      for (int kk = 0; kk < kSteps; ++kk) transposed_probs_k_step<T, SOFTCAP, false>(s, kk, p_frag[kk], sLse, band, m0, warp_key0, lane, a);
     }
     wgmma_fence();
 #pragma unroll
@@ -183,10 +173,7 @@ __device__ __forceinline__ void backward_wgmma_dkdv_body(const BackwardParams& p
     wgmma_wait<1>();  // dP^T (dV may still run)
     fence_registers(dp);
 
-#pragma unroll
-    for (int nt = 0; nt < Tr::kNTiles; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) dp[nt][e] = s[nt][e] * (dp[nt][e] - sDelta[nt * 8 + 2 * t + (e % 2)]);
+    transposed_score_grads(dp, s, sDelta, lane);
 #pragma unroll
     for (int kk = 0; kk < kSteps; ++kk) c_tiles_to_a<T>(dp, kk, ds_frag[kk]);
     wgmma_fence();
