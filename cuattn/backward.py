@@ -8,7 +8,7 @@ from cuattn import boundary, params, plans, validation
 from cuattn.attention import _LAYOUT, attn_params, check_qkv, mask_options, score_options
 from cuattn.loader import load_kernel, wgmma_enabled
 from cuattn.variants import (
-    BACKWARD_PREP_ROWS, backward_row_variant, head_dim_bucket, select_backward_variant,
+    BACKWARD_ROW_WARPS, BACKWARD_ROWS_PER_CTA, backward_row_variant, head_dim_bucket, select_backward_variant,
     select_fused_backward_variant,
 )
 
@@ -99,7 +99,7 @@ def _launch(ctx, c_type: str, p: np.void, q_shape, k_shape, deterministic: bool)
     seqlen_k, heads_kv = k_shape[1], k_shape[2]
     bucket, softcap = head_dim_bucket(head_dim), bool(p["attn"]["softcap"] > 0)
     rows = batch * seqlen_q * heads_q
-    row_launch = ((-(-rows // BACKWARD_PREP_ROWS), 1, 1), (32 * BACKWARD_PREP_ROWS, 1, 1))
+    row_launch = ((-(-rows // BACKWARD_ROWS_PER_CTA), 1, 1), (32 * BACKWARD_ROW_WARPS, 1, 1))
     arch, wgmma = ctx.arch(), wgmma_enabled()
     fused = None if deterministic else select_fused_backward_variant(c_type, bucket, softcap, arch, wgmma)
     if fused is not None and rows:
@@ -109,13 +109,13 @@ def _launch(ctx, c_type: str, p: np.void, q_shape, k_shape, deterministic: bool)
     with ctx.device, ctx.stream:
         launches = []
         if rows:
-            launches.append((backward_row_variant("backward_prep", c_type), *row_launch))
+            launches.append((backward_row_variant("backward_prep", c_type, bucket), *row_launch))
         # dK and dV are written (zeros included) even when no query sees a key.
         if fused is not None:
             if seqlen_k:
                 launches.append((fused, *plans.forward_launch(fused, seqlen_k, heads_kv, batch)))
             if rows:
-                launches.append((backward_row_variant("backward_dq_finish", c_type), *row_launch))
+                launches.append((backward_row_variant("backward_dq_finish", c_type, bucket), *row_launch))
         else:
             if rows:
                 dq = select_backward_variant("backward_dq", c_type, bucket, softcap, arch, wgmma)

@@ -153,7 +153,10 @@ def select_forward_variant(c_type: str, bucket: int, softcap: bool, arch: str, a
 # Tensor-core backward: its shared-memory contract (cuda_src/backward/traits.cuh). Every CTA
 # has 4 warps of 16 resident rows.
 BACKWARD_BLOCK = 64  # resident rows per CTA
-BACKWARD_PREP_ROWS = 8  # backward_prep and backward_dq_finish: query rows (warps) per CTA
+# backward_prep and backward_dq_finish: warps per CTA, and lanes per query row
+# (cuda_src/backward/head_rows.cuh kRowLanes), so 32 rows per CTA.
+BACKWARD_ROW_WARPS, BACKWARD_ROW_LANES = 8, 8
+BACKWARD_ROWS_PER_CTA = BACKWARD_ROW_WARPS * 32 // BACKWARD_ROW_LANES
 FP32_BACKWARD_TILE = 32  # backward/fp32_tiles.cuh: streamed rows per step (two padded tiles)
 
 
@@ -168,15 +171,15 @@ def backward_smem_bytes(family: str, bucket: int) -> int:
     return (2 * BACKWARD_BLOCK * row + 2 * stages * stream * row) * 2 + 2 * stages * stream * 4
 
 
-def backward_row_variant(family: str, c_type: str) -> Variant:
-    """``backward_prep`` or ``backward_dq_finish``: one warp per query row, BACKWARD_PREP_ROWS
-    rows per CTA."""
+def backward_row_variant(family: str, c_type: str, bucket: int) -> Variant:
+    """``backward_prep`` or ``backward_dq_finish``: BACKWARD_ROW_LANES lanes per query row,
+    BACKWARD_ROWS_PER_CTA rows per CTA, each lane's loads of a row issued at once."""
     return Variant(
         family=family,
-        expression=f"cuattn::{family}_kernel<{cxx_type(c_type)}>",
-        uri=f"{family}/{c_type}",
+        expression=f"cuattn::{family}_kernel<{cxx_type(c_type)}, {bucket}>",
+        uri=f"{family}/{c_type}/d{bucket}",
         hot=True,
-        block_m=BACKWARD_PREP_ROWS,
+        block_m=BACKWARD_ROWS_PER_CTA,
     )
 
 
@@ -285,7 +288,8 @@ def all_variants() -> list[Variant]:
             for softcap in (False, True):
                 out.append(wgmma_forward_variant(c_type, bucket, softcap))
     for c_type in ("f16", "bf16", "float"):
-        out.append(backward_row_variant("backward_prep", c_type))
+        for bucket in HEAD_DIM_BUCKETS:
+            out.append(backward_row_variant("backward_prep", c_type, bucket))
         for family in ("backward_dkdv", "backward_dq"):
             for bucket in HEAD_DIM_BUCKETS:
                 for softcap in (False, True):
@@ -295,8 +299,8 @@ def all_variants() -> list[Variant]:
             for bucket in buckets:
                 for softcap in (False, True):
                     out.append(wgmma_backward_variant(family, c_type, bucket, softcap))
-        out.append(backward_row_variant("backward_dq_finish", c_type))
         for bucket in WGMMA_FUSED_TILES:
+            out.append(backward_row_variant("backward_dq_finish", c_type, bucket))
             for softcap in (False, True):
                 out.append(wgmma_fused_variant(c_type, bucket, softcap))
     return out

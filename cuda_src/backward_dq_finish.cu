@@ -8,20 +8,34 @@ namespace cuattn {
 
 constexpr int kFinishWarps = 8;
 
-/// \brief One warp per query row (batch, row, head), rows in that order; 8 warps per CTA.
-template <typename T>
+/// \brief A group of kRowLanes lanes per query row (batch, row, head), rows in that order;
+/// HEAD_DIM is the head-dim bucket (head_dim <= HEAD_DIM).
+template <typename T, int HEAD_DIM>
 __global__ void __launch_bounds__(kFinishWarps * 32) backward_dq_finish_kernel(const __grid_constant__ BackwardParams p) {
-  constexpr int kVec = 2;  // the accumulator's float pairs (head_dim is even)
+  constexpr int kVec = 4;  // two of the accumulator's float pairs (head_dim is a multiple of 8)
   const AttnParams& a = p.attn;
-  WarpQueryRow<kFinishWarps> r;
-  if (!r.locate(a)) return;
+  const GroupQueryRow<kFinishWarps> r(a);
+  if (!r.valid) return;
   T* dq = static_cast<T*>(p.dq) + r.batch * p.dq_strides[0] + r.row * p.dq_strides[1] + r.head * p.dq_strides[2];
-  for (int c = (threadIdx.x % 32) * kVec; c < a.head_dim; c += 32 * kVec) {
-    float x[kVec];
-    load_floats<float, kVec>(r.dq_accum_pair(p, c), x);
+  constexpr int kSteps = (HEAD_DIM + kRowLanes * kVec - 1) / (kRowLanes * kVec);
+  float x[kSteps][kVec];  // every load issued before the first store
 #pragma unroll
-    for (int e = 0; e < kVec; ++e) x[e] *= a.scale;
-    store_floats<T, kVec>(dq + c, x);
+  for (int i = 0; i < kSteps; ++i) {
+    const int c = (i * kRowLanes + r.lane()) * kVec;
+    if (c < a.head_dim) load_floats<float, kVec>(r.dq_accum_quad(p, c), x[i]);
+  }
+#pragma unroll
+  for (int i = 0; i < kSteps; ++i) {
+    const int c = (i * kRowLanes + r.lane()) * kVec;
+    if (c >= a.head_dim) continue;
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) x[i][e] *= a.scale;
+    if constexpr (sizeof(T) == 4) {  // float32 dq carries no alignment contract beyond 4 bytes
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) dq[c + e] = x[i][e];
+    } else {
+      store_floats<T, kVec>(dq + c, x[i]);
+    }
   }
 }
 

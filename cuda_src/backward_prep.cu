@@ -10,31 +10,41 @@ namespace cuattn {
 
 constexpr int kPrepWarps = 8;
 
-/// \brief One warp per query row (batch, row, head), rows in that order; 8 warps per CTA.
-template <typename T>
+/// \brief A group of kRowLanes lanes per query row (batch, row, head), rows in that order;
+/// HEAD_DIM is the head-dim bucket (head_dim <= HEAD_DIM).
+template <typename T, int HEAD_DIM>
 __global__ void __launch_bounds__(kPrepWarps * 32) backward_prep_kernel(const __grid_constant__ BackwardParams p) {
   constexpr int kVec = sizeof(T) == 4 ? 1 : 16 / sizeof(T);  // float32 tensors carry no alignment contract
   const AttnParams& a = p.attn;
-  WarpQueryRow<kPrepWarps> r;
-  if (!r.locate(a)) return;
-  const int lane = threadIdx.x % 32;
-  const T* out = static_cast<const T*>(a.out) + r.batch * a.out_strides[0] + r.row * a.out_strides[1] + r.head * a.out_strides[2];
-  const T* dout = static_cast<const T*>(p.dout) + r.batch * p.dout_strides[0] + r.row * p.dout_strides[1] + r.head * p.dout_strides[2];
+  const GroupQueryRow<kPrepWarps> r(a);
+  const int lane = r.lane();
   float sum = 0.f;
-  for (int c = lane * kVec; c < a.head_dim; c += 32 * kVec) {
-    float o[kVec], d[kVec];
-    load_floats<T, kVec>(out + c, o);
-    load_floats<T, kVec>(dout + c, d);
+  if (r.valid) {
+    const T* out = static_cast<const T*>(a.out) + r.batch * a.out_strides[0] + r.row * a.out_strides[1] + r.head * a.out_strides[2];
+    const T* dout = static_cast<const T*>(p.dout) + r.batch * p.dout_strides[0] + r.row * p.dout_strides[1] + r.head * p.dout_strides[2];
+    constexpr int kSteps = (HEAD_DIM + kRowLanes * kVec - 1) / (kRowLanes * kVec);
+    float o[kSteps][kVec], d[kSteps][kVec];  // every load issued before the first use
 #pragma unroll
-    for (int e = 0; e < kVec; ++e) sum = fmaf(o[e], d[e], sum);
-  }
-  if (p.dq_accum != nullptr) {
-    const float zeros[2] = {0.f, 0.f};
-    for (int c = lane * 2; c < p.dq_accum_cols; c += 32 * 2) store_floats<float, 2>(r.dq_accum_pair(p, c), zeros);
+    for (int i = 0; i < kSteps; ++i) {
+      const int c = (i * kRowLanes + lane) * kVec;
+      if (c < a.head_dim) {
+        load_floats<T, kVec>(out + c, o[i]);
+        load_floats<T, kVec>(dout + c, d[i]);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kSteps; ++i)
+      if ((i * kRowLanes + lane) * kVec < a.head_dim)
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) sum = fmaf(o[i][e], d[i][e], sum);
+    if (p.dq_accum != nullptr) {
+      const float zeros[4] = {0.f, 0.f, 0.f, 0.f};
+      for (int c = lane * 4; c < p.dq_accum_cols; c += kRowLanes * 4) store_floats<float, 4>(r.dq_accum_quad(p, c), zeros);
+    }
   }
 #pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffff, sum, offset);
-  if (lane == 0) {
+  for (int offset = kRowLanes / 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffff, sum, offset);
+  if (r.valid && lane == 0) {
     if (p.dlse != nullptr) sum -= p.dlse[r.batch * p.dlse_strides[0] + r.head * p.dlse_strides[1] + r.row];
     p.delta[(i64(r.batch) * a.heads_q + r.head) * a.seqlen_q + r.row] = sum;
   }

@@ -11,7 +11,8 @@ namespace cuattn {
 constexpr int kDqTileRows = 64;
 constexpr int kDqTileFloats = kDqTileRows * 64;
 
-// Float offset of (row, col) inside a tile; col is even for the first float of a pair.
+// Float offset of (row, col) inside a tile; col is even for the first float of a pair. The
+// swizzle flips bits 2 and up of the slot index, so slots 2i and 2i + 1 stay adjacent (16 bytes).
 __device__ __forceinline__ int dq_tile_offset(int row, int col) {
   return row * 64 + (((col / 2) ^ ((row % 8) * 4)) * 2) + col % 2;
 }

@@ -20,23 +20,33 @@ __device__ __forceinline__ T* head_rows(void* base, const i64 (&strides)[3], int
   return static_cast<T*>(base) + batch * strides[0] + head * strides[2];
 }
 
-// The query row of the calling warp in the row-per-warp kernels (backward_prep, backward_dq_finish):
-// rows in (batch, row, head) order, WARPS_PER_CTA warps per CTA. False past the last row.
-template <int WARPS_PER_CTA>
-struct WarpQueryRow {
-  int batch, row, head;
+// The query row of the calling lane group in the row kernels (backward_prep, backward_dq_finish):
+// groups of kRowLanes lanes, one row each, rows in (batch, row, head) order, WARPS_PER_CTA warps
+// per CTA. Several rows per warp keep more loads in flight than a warp per row (a d64 row is
+// only 128 bytes of a 16-bit tensor). Past the last row, valid is false and the row is clamped to
+// it, so that whole warps still run their shuffles.
+constexpr int kRowLanes = 8;
 
-  __device__ __forceinline__ bool locate(const AttnParams& a) {
-    const i64 index = i64(blockIdx.x) * WARPS_PER_CTA + threadIdx.x / 32;
-    if (index >= i64(a.batch) * a.seqlen_q * a.heads_q) return false;
+template <int WARPS_PER_CTA>
+struct GroupQueryRow {
+  static constexpr int kRowsPerCta = WARPS_PER_CTA * 32 / kRowLanes;
+  int batch, row, head;
+  bool valid;
+
+  __device__ __forceinline__ explicit GroupQueryRow(const AttnParams& a) {
+    const i64 rows = i64(a.batch) * a.seqlen_q * a.heads_q;
+    i64 index = i64(blockIdx.x) * kRowsPerCta + threadIdx.x / kRowLanes;
+    valid = index < rows;
+    index = valid ? index : rows - 1;
     head = index % a.heads_q;
     row = (index / a.heads_q) % a.seqlen_q;
     batch = index / (i64(a.heads_q) * a.seqlen_q);
-    return true;
   }
-  // The float pair at columns col, col + 1 (col even) of this row of the fused backward's dQ
-  // accumulator (backward/dq_accum.cuh).
-  __device__ __forceinline__ float* dq_accum_pair(const BackwardParams& p, int col) const {
+  __device__ __forceinline__ static int lane() { return threadIdx.x % kRowLanes; }
+  // The 4 floats at columns col.. col + 3 (col a multiple of 4) of this row of the fused
+  // backward's dQ accumulator (backward/dq_accum.cuh): two float2 slots that the row swizzle
+  // keeps adjacent.
+  __device__ __forceinline__ float* dq_accum_quad(const BackwardParams& p, int col) const {
     return dq_accum_tile(p, batch, head, row / kDqTileRows, col / 64) + dq_tile_offset(row % kDqTileRows, col % 64);
   }
 };
