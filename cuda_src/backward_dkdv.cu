@@ -92,24 +92,30 @@ __global__ void __launch_bounds__(128, 1) backward_dkdv_kernel(const __grid_cons
     float cap_grad[SOFTCAP ? Tr::kNTiles : 1][4];
     if constexpr (SOFTCAP) apply_softcap(s, cap_grad, a.scale, a.softcap);
 #pragma unroll
-    for (int nt = 0; nt < Tr::kNTiles; ++nt)
+    for (int nt = 0; nt < Tr::kNTiles; ++nt) {
+      float lse[2];  // of queries m0 + nt * 8 + 2 * t (+ 1)
+      load_floats<float, 2>(sLse + nt * 8 + 2 * t, lse);
+      const float shift[2] = {lse_to_exp2_shift(lse[0]), lse_to_exp2_shift(lse[1])};
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int col = nt * 8 + 2 * t + (e % 2);  // query m0 + col
-        s[nt][e] = exp2f(fmaf(s[nt][e], sc, -lse_to_exp2_shift(sLse[col])));
-        if (masked && !band.visible(m0 + col, warp_key0 + g + (e / 2) * 8)) s[nt][e] = 0.f;
+        s[nt][e] = exp2f(fmaf(s[nt][e], sc, -shift[e % 2]));
+        if (masked && !band.visible(m0 + nt * 8 + 2 * t + (e % 2), warp_key0 + g + (e / 2) * 8)) s[nt][e] = 0.f;
       }
+    }
     mma_frag_by_tile<T, Tr::kNTiles, Tr::kOutTiles, RS>(dv, s, sdO + col0, lane);
 
     float dp[Tr::kNTiles][4] = {};
     mma_rows_by_rows<T, HEAD_DIM, Tr::kNTiles, RS>(dp, sV + warp * 16 * RS, sdO, lane);
 #pragma unroll
-    for (int nt = 0; nt < Tr::kNTiles; ++nt)
+    for (int nt = 0; nt < Tr::kNTiles; ++nt) {
+      float delta[2];
+      load_floats<float, 2>(sDelta + nt * 8 + 2 * t, delta);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        dp[nt][e] = s[nt][e] * (dp[nt][e] - sDelta[nt * 8 + 2 * t + (e % 2)]);
+        dp[nt][e] = s[nt][e] * (dp[nt][e] - delta[e % 2]);
         if constexpr (SOFTCAP) dp[nt][e] *= cap_grad[nt][e];
       }
+    }
     mma_frag_by_tile<T, Tr::kNTiles, Tr::kOutTiles, RS>(dk, dp, sQ + col0, lane);
   }
 

@@ -93,13 +93,20 @@ __global__ void __launch_bounds__(WARPGROUPS * 128, CTAS_PER_SM) backward_wgmma_
     fence_registers(dp);
 
     const int t = lane % 4;
+    if (SOFTCAP || masked) {
 #pragma unroll
-    for (int nt = 0; nt < Tr::kNTiles; ++nt)
+      for (int nt = 0; nt < Tr::kNTiles; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const bool visible = !masked || band.visible(warp_first_row + g + (e / 2) * 8, n0 + nt * 8 + 2 * t + (e % 2));
-        dp[nt][e] = prob_and_grad<SOFTCAP>(s[nt][e], dp[nt][e], shift[e / 2], delta[e / 2], visible, a).grad;  // dS
-      }
+        for (int e = 0; e < 4; ++e) {
+          const bool visible = !masked || band.visible(warp_first_row + g + (e / 2) * 8, n0 + nt * 8 + 2 * t + (e % 2));
+          dp[nt][e] = prob_and_grad<SOFTCAP>(s[nt][e], dp[nt][e], shift[e / 2], delta[e / 2], visible, a).grad;  // dS
+        }
+    } else {  // every element visible: no per-element branch
+#pragma unroll
+      for (int nt = 0; nt < Tr::kNTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dp[nt][e] = prob_and_grad<SOFTCAP>(s[nt][e], dp[nt][e], shift[e / 2], delta[e / 2], true, a).grad;
+    }
     wgmma_fence();
     wgmma_frag_by_tile<T, BLOCK_N, HEAD_DIM>(dq, dp, k_addr);  // dQ += dS K
     wgmma_commit();
