@@ -11,6 +11,7 @@ while tracing. Differentiation is ``jax.custom_vjp`` through the entry's ``vjp``
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -49,6 +50,18 @@ def call(name: str, *arrays, **options):
     return tuple(buffer_callback(callback, results)(*arrays)[: len(entry.returns)])
 
 
+def xla_deterministic_ops() -> bool:
+    """Whether ``XLA_FLAGS`` asks XLA for deterministic GPU ops (``--xla_gpu_deterministic_ops``,
+    or ``--xla_gpu_exclude_nondeterministic_ops``): then gradients take the atomic-free backward,
+    as JAX's own ops do. Read at trace time."""
+    enabled = False
+    for flag in os.environ.get("XLA_FLAGS", "").split():
+        name, _, value = flag.partition("=")
+        if name in ("--xla_gpu_deterministic_ops", "--xla_gpu_exclude_nondeterministic_ops"):
+            enabled = value.lower() in ("", "true", "1")  # the last occurrence wins, as in XLA
+    return enabled
+
+
 @functools.cache
 def _differentiable(name: str):
     entry = ops.OPS[name]
@@ -65,7 +78,10 @@ def _differentiable(name: str):
         inputs, outputs = saved
         if name in _CUSTOM_VJPS:
             return _CUSTOM_VJPS[name](inputs, outputs, grads)
-        return call(entry.vjp, *entry.vjp_arrays(inputs, outputs, grads), **dict(options), **dict(entry.vjp_options))
+        vjp_options = dict(entry.vjp_options)
+        if "deterministic" in vjp_options:  # XLA's determinism flag picks the atomic-free backward
+            vjp_options["deterministic"] = xla_deterministic_ops()
+        return call(entry.vjp, *entry.vjp_arrays(inputs, outputs, grads), **dict(options), **vjp_options)
 
     run.defvjp(forward, backward)
     return run

@@ -83,3 +83,29 @@ def test_no_host_transfer_inside_jit():
     with jax.transfer_guard_device_to_host("disallow"):
         g = loss(q)
     assert np.isfinite(np.asarray(g.astype(jnp.float32))).all()
+
+
+@pytest.mark.parametrize("flags", ["", "--xla_gpu_deterministic_ops=true", "--xla_gpu_exclude_nondeterministic_ops=true"])
+def test_xla_determinism_flag_picks_the_atomic_free_backward(monkeypatch, flags):
+    """XLA_FLAGS asking for deterministic ops gives bit-identical gradients (no dQ atomics);
+    otherwise Hopper runs the one-pass backward."""
+    from cuattn import backward, loader
+
+    launched = []
+    load = backward.load_kernel
+    monkeypatch.setattr(backward, "load_kernel", lambda variant: launched.append(variant.family) or load(variant))
+    monkeypatch.setenv("XLA_FLAGS", flags)
+    deterministic = bool(flags)
+    assert cj.xla_deterministic_ops() == deterministic
+    rng = np.random.default_rng(1)
+    q, k, v, w = (jnp.asarray(rng.standard_normal((1, 300, 4, 128)), jnp.bfloat16) for _ in range(4))
+    loss = lambda q, k, v: (cj.attention(q, k, v, causal=True).astype(jnp.float32) * w.astype(jnp.float32)).sum()  # noqa: E731
+    runs = [[np.asarray(g.astype(jnp.float32)) for g in jax.grad(loss, argnums=(0, 1, 2))(q, k, v)] for _ in range(3)]
+    assert ("backward_wgmma_fused" in launched) == (loader.device_arch() == "sm_90a" and not deterministic)
+    assert "backward_prep" in launched
+    if deterministic:
+        for later in runs[1:]:
+            for a, b in zip(runs[0], later):
+                np.testing.assert_array_equal(a, b)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops=true --xla_gpu_deterministic_ops=false")
+    assert not cj.xla_deterministic_ops()
