@@ -109,7 +109,7 @@ def forward_variant(c_type: str, bucket: int, softcap: bool) -> Variant:
 
 # Hopper forward (forward_wgmma.cu, sm_90a only) per head-dim bucket: (BLOCK_N, WARPGROUPS,
 # CTAS_PER_SM); every warpgroup owns 64 query rows. Mirrors cuda_src/forward/wgmma_traits.cuh.
-WGMMA_FORWARD_TILES = {64: (64, 2, 2), 128: (128, 2, 1)}  # scripts/tune_wgmma.py
+WGMMA_FORWARD_TILES = {64: (64, 2, 2), 128: (128, 2, 1), 256: (64, 2, 1)}  # scripts/tune_wgmma.py
 WGMMA_ARCH = "sm_90a"
 
 

@@ -59,7 +59,7 @@ def test_attention_matches_reference(batch, sq, sk, heads, d, dtype, causal, win
     sq=st.sampled_from([1, 17, 64, 113, 129, 300]),
     sk=st.sampled_from([1, 17, 113, 128, 256, 333]),
     heads=st.sampled_from([(1, 1), (4, 1), (6, 2)]),
-    d=st.sampled_from([40, 64, 104, 128]),
+    d=st.sampled_from([40, 64, 104, 128, 232, 256]),
     dtype=st.sampled_from(["float16", "bfloat16"]),
     causal=st.booleans(),
     window=st.sampled_from([None, None, (16, 0), (40, 8), (None, 5), (0, 0)]),
@@ -76,15 +76,16 @@ def test_hopper_devices_run_the_wgmma_kernel():
     from cuattn import loader, variants
 
     arch = loader.device_arch()
-    picked = variants.select_forward_variant("bf16", 128, False, arch, loader.wgmma_enabled())
-    assert (picked.family == "forward_wgmma") == (arch == "sm_90a")
+    for bucket in (64, 128, 256):
+        picked = variants.select_forward_variant("bf16", bucket, False, arch, loader.wgmma_enabled())
+        assert (picked.family == "forward_wgmma") == (arch == "sm_90a")
     with kernel_path("portable"):
         assert variants.select_forward_variant("bf16", 128, False, arch, loader.wgmma_enabled()).family == "forward"
 
 
 @pytest.mark.parametrize("path", KERNEL_PATHS)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 def test_long_awkward_sequences(dtype, d, causal, path):
     _run(np.random.default_rng(), 1, 1023, 1023, 2, 1, d, dtype, causal=causal, path=path)

@@ -129,13 +129,21 @@ __device__ __forceinline__ void wgmma_rows_by_rows(float (&d)[N / 8][4], u32 a_t
 // Issues acc (64 x D) += C B: C (64 x K, fp32 fragments) re-packed to 16 bits as the register
 // A operand, B the K x D tile at b_tile (K rows, head dim contiguous). The packed registers
 // are read asynchronously: commit and wait before they go out of scope.
+// D above 128 runs as products of 128 columns (two column blocks of B each).
 template <typename T, int K, int D>
 __device__ __forceinline__ void wgmma_frag_by_tile(float (&acc)[D / 8][4], const float (&c)[K / 8][4], u32 b_tile) {
+  constexpr int kN = D > 128 ? 128 : D;
+  static_assert(D % kN == 0, "D: 64, 128 or a multiple of 128");
   u32 a[K / 16][4];
 #pragma unroll
   for (int kk = 0; kk < K / 16; ++kk) c_tiles_to_a<T>(c, kk, a[kk]);
 #pragma unroll
-  for (int kk = 0; kk < K / 16; ++kk) wgmma_rs_mn<T, D>(acc, a[kk], mn_major_desc(b_tile, K, kk));
+  for (int kk = 0; kk < K / 16; ++kk)
+#pragma unroll
+    for (int part = 0; part < D / kN; ++part) {
+      float(&acc_part)[kN / 8][4] = *reinterpret_cast<float(*)[kN / 8][4]>(&acc[part * kN / 8]);
+      wgmma_rs_mn<T, kN>(acc_part, a[kk], mn_major_desc(b_tile + part * (kN / kSwizzleBlockElems) * K * kSwizzleRowBytes, K, kk));
+    }
 }
 
 }  // namespace cuattn

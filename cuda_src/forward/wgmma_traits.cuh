@@ -22,7 +22,7 @@ struct WgmmaForwardTraits {
   // +1024: the dynamic shared memory is realigned to the swizzle period inside the kernel.
   static constexpr int kSmemBytes = kQBytes + 2 * kStages * kKVBytes + kSwizzleAtomBytes;
 
-  static_assert(HEAD_DIM % kSwizzleBlockElems == 0 && (HEAD_DIM == 64 || HEAD_DIM == 128), "wgmma N of P V");
+  static_assert(HEAD_DIM % kSwizzleBlockElems == 0 && (HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256), "wgmma N of P V");
   static_assert(BLOCK_N == 64 || BLOCK_N == 128, "wgmma N of Q K^T");
 };
 
