@@ -32,6 +32,19 @@ def test_arch_selection():
         loader.arch_for(75)
 
 
+def test_row_kernel_geometry_matches_the_sources():
+    """The row kernels' launch (variants.BACKWARD_ROW_*) matches their constants in cuda_src: a
+    mismatch would leave query rows without delta or dQ."""
+    import re
+
+    src = loader.source_dir()
+    lanes = re.search(r"constexpr int kRowLanes = (\d+);", (src / "backward" / "head_rows.cuh").read_text())
+    assert lanes and int(lanes.group(1)) == variants.BACKWARD_ROW_LANES
+    for name, constant in (("backward_prep.cu", "kPrepWarps"), ("backward_dq_finish.cu", "kFinishWarps")):
+        warps = re.search(rf"constexpr int {constant} = (\d+);", (src / name).read_text())
+        assert warps and int(warps.group(1)) == variants.BACKWARD_ROW_WARPS
+
+
 def test_variant_uris_are_unique():
     all_v = variants.all_variants()
     assert len({v.uri for v in all_v}) == len(all_v)
