@@ -22,7 +22,7 @@ def arr(shape, dtype):
 # The 16-bit cases run twice on Hopper: the wgmma kernels (default), then the portable ones.
 for dtype, wgmma in ((np.float16, "1"), (BFLOAT16, "1"), (np.float16, "0"), (BFLOAT16, "0"), (np.float32, "1")):
     os.environ["CUATTN_WGMMA"] = wgmma
-    for d in (40, 128, 200):
+    for d in (40, 128, 200, 240):
         q, k, v = arr((1, 70, 4, d), dtype), arr((1, 90, 2, d), dtype), arr((1, 90, 2, d), dtype)
         out, lse = cuattn.attention(q, k, v, causal=True, window=(30, None), softcap=10.0, return_lse=True)
         cuattn.attention(q, k, v)
