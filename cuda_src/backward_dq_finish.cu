@@ -12,6 +12,7 @@ constexpr int kFinishWarps = 8;
 /// HEAD_DIM is the head-dim bucket (head_dim <= HEAD_DIM).
 template <typename T, int HEAD_DIM>
 __global__ void __launch_bounds__(kFinishWarps * 32) backward_dq_finish_kernel(const __grid_constant__ BackwardParams p) {
+  static_assert(sizeof(T) == 2, "the fused backward serves float16 / bfloat16 (8-byte dq stores)");
   constexpr int kVec = 4;  // two of the accumulator's float pairs (head_dim is a multiple of 8)
   const AttnParams& a = p.attn;
   const GroupQueryRow<kFinishWarps> r(a);
@@ -30,12 +31,7 @@ __global__ void __launch_bounds__(kFinishWarps * 32) backward_dq_finish_kernel(c
     if (c >= a.head_dim) continue;
 #pragma unroll
     for (int e = 0; e < kVec; ++e) x[i][e] *= a.scale;
-    if constexpr (sizeof(T) == 4) {  // float32 dq carries no alignment contract beyond 4 bytes
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) dq[c + e] = x[i][e];
-    } else {
-      store_floats<T, kVec>(dq + c, x[i]);
-    }
+    store_floats<T, kVec>(dq + c, x[i]);
   }
 }
 
