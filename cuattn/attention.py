@@ -59,10 +59,13 @@ def attention(q, k, v, *, causal=False, window=None, align="bottom_right", scale
     ``out`` shaped and typed like ``q`` (or ``(out, lse)``), as the caller's array type. Extra
     device memory is only ``out`` and ``lse``: O(seqlen), never O(seqlen^2).
     """
+    return_lse = check_bool("return_lse", return_lse)
     ctx, a = boundary.import_arrays(q=q, k=k, v=v, out=out)
     if out is not None and ctx.framework in (boundary.JAX, boundary.NUMPY):
         raise TypeError(f"out= is written in place, which {ctx.framework} arrays cannot be")
     c_type = check_qkv(a["q"], a["k"], a["v"], a["out"])
+    if out is not None:  # out=q is safe: each CTA reads its query rows before it writes them
+        validation.check_writable_output("out", a["out"], {"q": a["q"], "k": a["k"], "v": a["v"]}, same_as_ok="q")
     batch, seqlen_q, heads_q, head_dim = a["q"].shape
     mask = mask_options(causal, window, align, seqlen_q, a["k"].shape[1])
     scale, softcap = score_options(scale, softcap, head_dim)
@@ -108,34 +111,77 @@ def check_qkv(q, k, v, out) -> str:
 
 
 def mask_options(causal, window, align, seqlen_q: int, seqlen_k: int) -> tuple[int, int, int]:
-    """(window_left, window_right, diagonal_offset) of AttnParams from the public options."""
-    left, right = _mask_bounds(causal, window)
+    """(window_left, window_right, diagonal_offset) of AttnParams from the public options.
+
+    A bound that reaches past both sequences is unbounded (-1): the kernels add bounds to row
+    and column indices in int32, so nothing larger than ``seqlen_q + seqlen_k`` reaches them.
+    """
+    reach = seqlen_q + seqlen_k
+    left, right = (-1 if w > reach else w for w in _mask_bounds(causal, window))
     return left, right, reference.diagonal_offset(seqlen_q, seqlen_k, align)
 
 
 def score_options(scale, softcap, head_dim: int) -> tuple[float, float]:
-    """(scale, softcap) as the kernels take them: softcap 0 means none."""
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-    if not (scale > 0 and math.isfinite(scale)):
-        raise ValueError(f"scale must be positive and finite, got {scale}")
-    if softcap is not None and not (float(softcap) > 0):
-        raise ValueError(f"softcap must be positive or None, got {softcap}")
-    return scale, float(softcap) if softcap else 0.0
+    """(scale, softcap) as the kernels take them (float32; softcap 0 means none), checked in
+    that precision: each, and the factors the kernels form from them, must be a normal
+    positive float32 (the kernels flush denormals to zero)."""
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else _real("scale", scale)
+    _check_float32("scale", scale, scale)
+    _check_float32("scale", scale * LOG2E, scale)
+    if softcap is None:
+        return float(np.float32(scale)), 0.0
+    softcap = _real("softcap", softcap)
+    _check_float32("softcap", softcap, softcap)
+    _check_float32("scale / softcap", scale / softcap, (scale, softcap))
+    return float(np.float32(scale)), float(np.float32(softcap))
+
+
+_FLOAT32_NORMAL = (float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max))
+
+
+def _real(name: str, x) -> float:
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a real number, got {type(x).__name__} {x!r}")
+    return float(x)
+
+
+def _check_float32(name: str, value: float, given) -> None:
+    if not (_FLOAT32_NORMAL[0] <= value <= _FLOAT32_NORMAL[1]):
+        raise ValueError(
+            f"{name} must be positive, finite and a normal float32 (the kernels compute in float32), got {given!r}"
+        )
 
 
 def _mask_bounds(causal, window) -> tuple[int, int]:
-    if not isinstance(causal, (bool, np.bool_)):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    left = right = -1
-    if window is not None:
-        if not isinstance(window, (tuple, list)) or len(window) != 2:
-            raise ValueError(f"window must be (left, right), got {window!r}")
-        left, right = (-1 if w is None else int(w) for w in window)
-        if left < -1 or right < -1:
-            raise ValueError(f"window bounds must be >= 0, or -1 / None for unbounded; got {window!r}")
+    check_bool("causal", causal)
+    left, right = window_bounds(window)
     if causal:
         right = 0 if right < 0 else min(right, 0)
     return left, right
+
+
+def window_bounds(window) -> tuple[int, int]:
+    """``window`` checked, as (left, right) with -1 for an unbounded side."""
+    if window is None:
+        return -1, -1
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise ValueError(f"window must be (left, right), got {window!r}")
+    left, right = (-1 if w is None else _window_bound(w, window) for w in window)
+    if left < -1 or right < -1:
+        raise ValueError(f"window bounds must be >= 0, or -1 / None for unbounded; got {window!r}")
+    return left, right
+
+
+def _window_bound(w, window) -> int:
+    if isinstance(w, (bool, np.bool_)) or not isinstance(w, (int, np.integer)):
+        raise TypeError(f"window bounds must be integers (or None), got {window!r}")
+    return int(w)
+
+
+def check_bool(name: str, x) -> bool:
+    if not isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {type(x).__name__} {x!r}")
+    return bool(x)
 
 
 def attn_params(q, k, v, out, lse, mask, scale: float, softcap: float) -> np.void:
@@ -149,7 +195,7 @@ def attn_params(q, k, v, out, lse, mask, scale: float, softcap: float) -> np.voi
         out_strides=out.strides[:3], lse_strides=lse.strides[:2],
         batch=batch, seqlen_q=seqlen_q, seqlen_k=k.shape[1], heads_q=heads_q, heads_kv=k.shape[2], head_dim=head_dim,
         window_left=left, window_right=right, diagonal_offset=offset,
-        scale=scale, softcap=softcap, exp2_scale=LOG2E * (1.0 if softcap else scale),
+        scale=scale, softcap=softcap, exp2_scale=LOG2E * (1.0 if softcap else scale), batch_offset=0,
     )
 
 
@@ -157,5 +203,7 @@ def _launch(ctx, c_type, p, seqlen_q, heads_q, batch) -> None:
     with ctx.device, ctx.stream:
         arch = device_arch(ctx.device.id)
         variant = select_forward_variant(c_type, head_dim_bucket(int(p["head_dim"])), p["softcap"] > 0, arch, wgmma_enabled())
-        grid, block = plans.forward_launch(variant, seqlen_q, heads_q, batch)
-        load_kernel(variant)(grid, block, (p,), shared_mem=variant.dynamic_smem)
+        kernel = load_kernel(variant)
+        for grid, block, batch_offset in plans.tile_launches(variant, seqlen_q, heads_q, batch):
+            p["batch_offset"] = batch_offset
+            kernel(grid, block, (p,), shared_mem=variant.dynamic_smem)

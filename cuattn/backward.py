@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from cuattn import boundary, params, plans, validation
-from cuattn.attention import _LAYOUT, attn_params, check_qkv, mask_options, score_options
-from cuattn.loader import load_kernel, wgmma_enabled
+from cuattn.attention import _LAYOUT, attn_params, check_bool, check_qkv, mask_options, score_options
+from cuattn.loader import device_smem_limit, load_kernel, wgmma_enabled
 from cuattn.variants import (
     BACKWARD_ROW_WARPS, BACKWARD_ROWS_PER_CTA, backward_row_variant, head_dim_bucket, select_backward_variant,
     select_fused_backward_variant,
@@ -48,12 +48,12 @@ def attention_backward(
     128 the dK/dV columns are split over two CTAs, each recomputing the scores), float32 on
     the CUDA cores with fp32 accuracy (no tf32).
     """
+    for name, x in (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)):
+        if x is None:
+            raise TypeError(f"{name} is required, got None ({_REQUIRED[name]})")
+    deterministic = check_bool("deterministic", deterministic)
     ctx, a = boundary.import_arrays(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dlse=dlse)
     c_type = check_qkv(a["q"], a["k"], a["v"], a["out"])
-    if a["out"] is None:
-        raise TypeError("out is required (the forward's output)")
-    if not isinstance(deterministic, (bool, np.bool_)):
-        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     batch, seqlen_q, heads_q, head_dim = a["q"].shape
     validation.check_rank("dout", a["dout"], 4, _LAYOUT)
     validation.check_shape("dout", a["dout"], a["q"].shape, "(the shape of q)")
@@ -77,8 +77,16 @@ def attention_backward(
     delta = ctx.empty((batch, heads_q, seqlen_q), np.float32)
     if batch and heads_q and (seqlen_q or a["k"].shape[1]):
         p = _backward_params(a, grads, delta, attn_params(a["q"], a["k"], a["v"], a["out"], a["lse"], mask, scale, softcap))
-        _launch(ctx, c_type, p, a["q"].shape, a["k"].shape, bool(deterministic))
+        _launch(ctx, c_type, p, a["q"].shape, a["k"].shape, deterministic)
+    elif grads[1].size:  # no query head (heads_q = 0): K and V had no influence
+        ctx.zero(grads[1], grads[2])
     return tuple(ctx.export(g) for g in grads)
+
+
+_REQUIRED = {
+    "dout": "the gradient of the loss with respect to out", "q": "the forward's query", "k": "the forward's keys",
+    "v": "the forward's values", "out": "the forward's output", "lse": "the forward's lse, from return_lse=True",
+}
 
 
 def _backward_params(a, grads, delta, attn: np.void) -> np.void:
@@ -100,28 +108,42 @@ def _launch(ctx, c_type: str, p: np.void, q_shape, k_shape, deterministic: bool)
     bucket, softcap = head_dim_bucket(head_dim), bool(p["attn"]["softcap"] > 0)
     rows = batch * seqlen_q * heads_q
     row_launch = ((-(-rows // BACKWARD_ROWS_PER_CTA), 1, 1), (32 * BACKWARD_ROW_WARPS, 1, 1))
+    # Whether dQ goes through an fp32 accumulator is decided once (a traced JAX call replays
+    # the decision that sized its buffers); a device that cannot run the fused kernel then
+    # takes the deterministic kernels and leaves the accumulator unused.
+    use_accum = ctx.decide(
+        "dq_accumulator",
+        lambda: not deterministic and select_fused_backward_variant(c_type, bucket, softcap, ctx.arch(), wgmma_enabled()) is not None,
+    )
     arch, wgmma = ctx.arch(), wgmma_enabled()
-    fused = None if deterministic else select_fused_backward_variant(c_type, bucket, softcap, arch, wgmma)
-    if fused is not None and rows:
+    fused = select_fused_backward_variant(c_type, bucket, softcap, arch) if use_accum else None
+    if use_accum and rows:
         # Tiles of 64 rows (cuda_src/backward/dq_accum.cuh), zeroed by backward_prep.
         accum = ctx.empty((batch, heads_q, -(-seqlen_q // 64) * 64, bucket), np.float32)
-        p["dq_accum"], p["dq_accum_cols"] = accum.ptr, bucket
+        if fused is not None:
+            p["dq_accum"], p["dq_accum_cols"] = accum.ptr, bucket
     with ctx.device, ctx.stream:
+        rows_launch = [(*row_launch, None)]
         launches = []
         if rows:
-            launches.append((backward_row_variant("backward_prep", c_type, bucket), *row_launch))
+            launches.append((backward_row_variant("backward_prep", c_type, bucket), rows_launch))
         # dK and dV are written (zeros included) even when no query sees a key.
         if fused is not None:
             if seqlen_k:
-                launches.append((fused, *plans.forward_launch(fused, seqlen_k, heads_kv, batch)))
+                launches.append((fused, plans.tile_launches(fused, seqlen_k, heads_kv, batch)))
             if rows:
-                launches.append((backward_row_variant("backward_dq_finish", c_type, bucket), *row_launch))
+                launches.append((backward_row_variant("backward_dq_finish", c_type, bucket), rows_launch))
         else:
+            smem_limit = device_smem_limit(ctx.device.id)
             if rows:
-                dq = select_backward_variant("backward_dq", c_type, bucket, softcap, arch, wgmma)
-                launches.append((dq, *plans.forward_launch(dq, seqlen_q, heads_q, batch)))
+                dq = select_backward_variant("backward_dq", c_type, bucket, softcap, arch, wgmma, smem_limit)
+                launches.append((dq, plans.tile_launches(dq, seqlen_q, heads_q, batch)))
             if seqlen_k:
-                dkdv = select_backward_variant("backward_dkdv", c_type, bucket, softcap, arch, wgmma)
-                launches.append((dkdv, *plans.forward_launch(dkdv, seqlen_k, heads_kv * dkdv.column_splits, batch)))
-        for variant, grid, block in launches:
-            load_kernel(variant)(grid, block, (p,), shared_mem=variant.dynamic_smem)
+                dkdv = select_backward_variant("backward_dkdv", c_type, bucket, softcap, arch, wgmma, smem_limit)
+                launches.append((dkdv, plans.tile_launches(dkdv, seqlen_k, heads_kv * dkdv.column_splits, batch)))
+        for variant, variant_launches in launches:
+            kernel = load_kernel(variant)
+            for grid, block, batch_offset in variant_launches:
+                if batch_offset is not None:
+                    p["attn"]["batch_offset"] = batch_offset
+                kernel(grid, block, (p,), shared_mem=variant.dynamic_smem)

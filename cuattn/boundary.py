@@ -47,7 +47,7 @@ class DeviceArray:
         return math.prod(self.shape)
 
 
-def framework_of(x) -> str:
+def framework_of(x, name: str = "array argument") -> str:
     if isinstance(x, np.ndarray):
         return NUMPY
     module = type(x).__module__
@@ -59,7 +59,7 @@ def framework_of(x) -> str:
         return JAX
     if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
         return DLPACK
-    raise TypeError(f"expected a CuPy, NumPy, PyTorch or JAX array (or any __dlpack__ object), got {type(x).__name__}")
+    raise TypeError(f"{name} must be a CuPy, NumPy, PyTorch or JAX array (or any __dlpack__ object), got {type(x).__name__}")
 
 
 @functools.cache
@@ -105,9 +105,13 @@ class CallContext:
     @property
     def device(self):
         if self._device is None:
+            from cuattn import requirements
+
+            requirements.check_cupy()
             import cupy
 
-            if self.device_id is None:
+            if self.device_id is None:  # host (NumPy) arguments: the only path that may find no GPU
+                requirements.require_gpu()
                 self.device_id = cupy.cuda.runtime.getDevice()
             self._device = cupy.cuda.Device(self.device_id)
         return self._device
@@ -130,6 +134,12 @@ class CallContext:
 
         return device_arch(self.device.id)
 
+    def decide(self, name: str, choose) -> bool:
+        """A choice that shapes what the op allocates (``choose()``). A traced call records it
+        and the run-time call of the same trace replays it (see :func:`trace`), so the
+        buffers XLA allocated always match, whatever the device or environment then says."""
+        return bool(choose())
+
     def stage(self, *arrays: DeviceArray | None) -> None:
         """Uploads host (NumPy) arguments; device arguments are already in place."""
         import cupy
@@ -150,6 +160,14 @@ class CallContext:
 
         with self.device, self.stream:
             return _from_cupy(cupy.empty(shape, dtype=dtype))
+
+    def zero(self, *arrays: DeviceArray) -> None:
+        """Fills arrays this call allocated (contiguous) with zeros, on the call's stream."""
+        import cupy
+
+        with self.device, self.stream:
+            for a in arrays:
+                cupy.cuda.runtime.memsetAsync(a.ptr, 0, a.size * a.dtype.itemsize, self.stream.ptr)
 
     def export(self, array: DeviceArray):
         """The caller's array type for a result."""
@@ -212,7 +230,7 @@ def import_arrays(**arrays) -> tuple[CallContext, dict[str, DeviceArray | None]]
     scope = _SCOPE.get()
     if scope is not None:
         return scope, {k: None if v is None else scope.wrap(v) for k, v in arrays.items()}
-    frameworks = {k: framework_of(v) for k, v in present.items()}
+    frameworks = {k: framework_of(v, k) for k, v in present.items()}
     first = next(iter(present))
     framework = frameworks[first]
     for k, f in frameworks.items():
@@ -260,7 +278,7 @@ class PreallocatedContext(CallContext):
     """A call whose outputs were allocated by the caller (XLA, in a JAX buffer callback):
     ``empty`` hands them out in the order the op allocates, checking shape and dtype."""
 
-    def __init__(self, device_id: int, stream_handle: int, outputs):
+    def __init__(self, device_id: int, stream_handle: int, outputs, decisions=None):
         import cupy
 
         super().__init__(DLPACK, device_id, None)
@@ -268,6 +286,10 @@ class PreallocatedContext(CallContext):
             self._stream = cupy.cuda.Stream.from_external(_StreamHandle(stream_handle))
         self._outputs = [_from_cuda_array_interface(o) for o in outputs]
         self._next = 0
+        self._decisions = dict(decisions or {})
+
+    def decide(self, name: str, choose) -> bool:
+        return self._decisions[name] if name in self._decisions else bool(choose())
 
     wrap = staticmethod(lambda x: _from_cuda_array_interface(x))
 
@@ -301,6 +323,11 @@ class _ValidationContext(CallContext):
     def __init__(self):
         super().__init__(DLPACK, None, None)
         self.allocations: list[tuple[tuple[int, ...], np.dtype]] = []
+        self.decisions: dict[str, bool] = {}
+
+    def decide(self, name: str, choose) -> bool:
+        self.decisions[name] = bool(choose())
+        return self.decisions[name]
 
     def stage(self, *arrays) -> None:
         pass
@@ -329,10 +356,11 @@ _SCOPE: contextvars.ContextVar[CallContext | None] = contextvars.ContextVar("cua
 
 
 @contextlib.contextmanager
-def preallocated_outputs(device_id: int, stream_handle: int, outputs):
+def preallocated_outputs(device_id: int, stream_handle: int, outputs, decisions=None):
     """Runs cuattn ops on ``stream_handle`` with inputs and outputs that are raw device buffers
-    (``__cuda_array_interface__``), the outputs handed out in allocation order."""
-    ctx = PreallocatedContext(device_id, stream_handle, outputs)
+    (``__cuda_array_interface__``), the outputs handed out in allocation order; ``decisions``
+    (from :func:`trace`) replays the choices made when they were sized."""
+    ctx = PreallocatedContext(device_id, stream_handle, outputs, decisions)
     token = _SCOPE.set(ctx)
     try:
         yield ctx
@@ -341,10 +369,16 @@ def preallocated_outputs(device_id: int, stream_handle: int, outputs):
         _SCOPE.reset(token)
 
 
-def validate(call, *args, **kwargs) -> list[tuple[tuple[int, ...], np.dtype]]:
+@dataclasses.dataclass(frozen=True)
+class Trace:
+    allocations: list[tuple[tuple[int, ...], np.dtype]]  # (shape, dtype) of each, outputs first
+    decisions: dict[str, bool]  # the choices that sized them (CallContext.decide)
+
+
+def trace(call, *args, **kwargs) -> Trace:
     """Runs ``call`` (a cuattn op) on arguments that have only ``shape`` and ``dtype`` up to its
-    first launch: its TypeError / ValueError come out, nothing is launched. Returns the
-    (shape, dtype) of every array the op allocates, in order: outputs, then scratch."""
+    first launch: its TypeError / ValueError come out, nothing is launched. Returns every array
+    the op allocates, in order (outputs, then scratch), and the choices that decided them."""
     ctx = _ValidationContext()
     token = _SCOPE.set(ctx)
     try:
@@ -353,7 +387,12 @@ def validate(call, *args, **kwargs) -> list[tuple[tuple[int, ...], np.dtype]]:
         pass
     finally:
         _SCOPE.reset(token)
-    return ctx.allocations
+    return Trace(ctx.allocations, ctx.decisions)
+
+
+def validate(call, *args, **kwargs) -> list[tuple[tuple[int, ...], np.dtype]]:
+    """:func:`trace`'s allocations."""
+    return trace(call, *args, **kwargs).allocations
 
 
 def _contiguous_strides(shape) -> tuple[int, ...]:

@@ -15,9 +15,12 @@ import os
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.buffer_callback import buffer_callback
 
-from cuattn import boundary, ops
+from cuattn import boundary, ops, requirements
+
+requirements.require("jax", "cupy", by="cuattn.jax")  # before importing what older releases lack
+
+from jax.experimental.buffer_callback import buffer_callback  # noqa: E402
 
 __all__ = ["attention", "merge", "call"]
 
@@ -38,13 +41,14 @@ def merge(outs, lses):
 def call(name: str, *arrays, **options):
     """Runs op ``name`` of :data:`cuattn.ops.OPS` (not differentiated); returns its outputs."""
     entry = ops.OPS[name]
-    # XLA allocates every buffer the op allocates: its outputs, then its scratch (delta, ...).
-    allocations = boundary.validate(entry.call, *arrays, **options)
-    results = [jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)) for shape, dtype in allocations]
+    # XLA allocates every buffer the op allocates: its outputs, then its scratch (delta, ...);
+    # the run replays the choices that sized them.
+    traced = boundary.trace(entry.call, *arrays, **options)
+    results = [jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)) for shape, dtype in traced.allocations]
 
     def callback(ctx, outs, *buffers):
         device = _device_of(buffers)
-        with boundary.preallocated_outputs(device, ctx.stream, outs):
+        with boundary.preallocated_outputs(device, ctx.stream, outs, traced.decisions):
             entry.call(*buffers, **options)
 
     return tuple(buffer_callback(callback, results)(*arrays)[: len(entry.returns)])

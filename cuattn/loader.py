@@ -72,6 +72,14 @@ def _arch_of(device_id: int) -> str:
     return arch_for(cupy.cuda.Device(device_id).compute_capability)
 
 
+@functools.cache
+def device_smem_limit(device_id: int) -> int:
+    """Shared memory one block of this device may opt in to, in bytes."""
+    import cupy
+
+    return int(cupy.cuda.Device(device_id).attributes["MaxSharedMemoryPerBlockOptin"])
+
+
 def wgmma_enabled() -> bool:
     """Whether Hopper devices run the wgmma kernels; ``CUATTN_WGMMA=0`` keeps them on the
     portable mma.sync kernels (to compare the two, or to rule one out)."""

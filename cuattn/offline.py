@@ -1,7 +1,8 @@
 """Compile kernel variants without a GPU and report their resources.
 
 Uses the same NVRTC and options as the run-time loader, asks ptxas for its report
-(``-Xptxas=-v``) and parses registers, spills, stack frame and static shared memory.
+(``-Xptxas=-v``) and parses registers, spills, stack frame and static shared memory; each
+variant's static plus dynamic shared memory is checked against the target's per-block limit.
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ import dataclasses
 import re
 
 from cuattn import loader
-from cuattn.variants import Variant, all_variants
+from cuattn.variants import Variant, all_variants, arch_smem_limit
 
-DEFAULT_ARCHS = ("sm_80", "sm_90a")
+# sm_86 stands for the 99 KB shared-memory parts (sm_86 / sm_89 / sm_120), which get their own
+# backward tiles.
+DEFAULT_ARCHS = ("sm_80", "sm_86", "sm_90a")
 
 
 @dataclasses.dataclass
@@ -27,6 +30,8 @@ class CompileReport:
     spill_loads: int = -1
     stack_bytes: int = -1
     static_smem: int = 0
+    dynamic_smem: int = 0  # what every launch passes
+    smem_limit: int = 0  # the target's opt-in shared memory per block
     wgmma_serialized: bool = False  # ptxas C7512: too few registers to keep wgmma asynchronous
     seconds: float = 0.0
     log: str = ""
@@ -36,9 +41,14 @@ class CompileReport:
         return self.spill_stores > 0 or self.spill_loads > 0
 
     @property
+    def over_smem(self) -> bool:
+        return self.static_smem + self.dynamic_smem > self.smem_limit
+
+    @property
     def failed(self) -> bool:
-        """A compile error, or a spill or serialized wgmma in a kernel marked hot."""
-        return not self.ok or (self.hot and (self.spills or self.wgmma_serialized))
+        """A compile error, more shared memory than the target has per block, or a spill or
+        serialized wgmma in a kernel marked hot."""
+        return not self.ok or self.over_smem or (self.hot and (self.spills or self.wgmma_serialized))
 
 
 def _parse(report: CompileReport, log: str) -> None:
@@ -57,7 +67,7 @@ def compile_variant(variant: Variant, arch: str) -> CompileReport:
 
     from cupy.cuda import nvrtc
 
-    report = CompileReport(variant.uri, arch, variant.hot, ok=False)
+    report = CompileReport(variant.uri, arch, variant.hot, ok=False, dynamic_smem=variant.dynamic_smem, smem_limit=arch_smem_limit(arch))
     start = time.perf_counter()
     prog = nvrtc.createProgram(loader.translation_unit(variant.family), f"cuattn_{variant.family}_unit.cu", [], [])
     try:
@@ -76,8 +86,10 @@ def compile_variant(variant: Variant, arch: str) -> CompileReport:
 
 
 def compile_all(archs=DEFAULT_ARCHS, variants=None, jobs: int = 2) -> list[CompileReport]:
-    variants = all_variants() if variants is None else variants
-    tasks = [(v, a) for a in archs for v in variants if v.builds_for(a)]
+    """``variants``: None for every variant as tiled for each target, a function of the target
+    giving the list, or one list for all targets."""
+    pick = all_variants if variants is None else variants if callable(variants) else (lambda arch: variants)
+    tasks = [(v, a) for a in archs for v in pick(a) if v.builds_for(a)]
     if not tasks:
         return []
     # The first compile runs alone: NVRTC loads its builtins library lazily, and concurrent
@@ -88,12 +100,13 @@ def compile_all(archs=DEFAULT_ARCHS, variants=None, jobs: int = 2) -> list[Compi
 
 
 def format_table(reports: list[CompileReport]) -> str:
-    rows = [f"{'variant':<48} {'arch':<7} {'regs':>4} {'spill':>6} {'stack':>5} {'smem':>6} {'s':>5}  status"]
+    rows = [f"{'variant':<48} {'arch':<7} {'regs':>4} {'spill':>6} {'stack':>5} {'smem':>6} {'dsmem':>6} {'s':>5}  status"]
     for r in reports:
-        status = "ERROR" if not r.ok else ("SERIAL(hot)" if r.failed and r.wgmma_serialized else
-                                           "SPILL(hot)" if r.failed else ("spill" if r.spills else "ok"))
+        status = ("ERROR" if not r.ok else "SMEM>LIMIT" if r.over_smem else
+                  "SERIAL(hot)" if r.failed and r.wgmma_serialized else
+                  "SPILL(hot)" if r.failed else ("spill" if r.spills else "ok"))
         rows.append(
             f"{r.uri:<48} {r.arch:<7} {r.registers:>4} {r.spill_stores + r.spill_loads:>6} "
-            f"{r.stack_bytes:>5} {r.static_smem:>6} {r.seconds:>5.1f}  {status}"
+            f"{r.stack_bytes:>5} {r.static_smem:>6} {r.dynamic_smem:>6} {r.seconds:>5.1f}  {status}"
         )
     return "\n".join(rows)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from cuattn.attention import attention
+from cuattn.attention import attention, check_bool, score_options, window_bounds
 from cuattn.backward import attention_backward
 from cuattn.merge import merge
 
@@ -49,11 +49,15 @@ def core_mask_options(causal, window_left, window_right, align, scale, softcap) 
 
 
 def flat_mask_options(causal=False, window=None, align="bottom_right", scale=None, softcap=None, head_dim=None) -> dict:
-    """The core API's keywords as the op table's flat options (scale resolved, -1 / 0 for none)."""
-    left, right = (-1, -1) if window is None else (-1 if w is None else int(w) for w in window)
+    """The core API's keywords as the op table's flat options (scale resolved, -1 / 0 for none),
+    checked as the core API checks them."""
+    left, right = window_bounds(window)
+    if not isinstance(align, str):
+        raise TypeError(f"align must be a str, got {type(align).__name__} {align!r}")
+    scale, softcap = score_options(scale, softcap, head_dim)
     return dict(
-        causal=bool(causal), window_left=left, window_right=right, align=str(align),
-        scale=float(head_dim ** -0.5 if scale is None else scale), softcap=float(softcap or 0.0),
+        causal=check_bool("causal", causal), window_left=left, window_right=right, align=align,
+        scale=scale, softcap=softcap,
     )
 
 

@@ -54,6 +54,7 @@ ATTN_PARAMS = np.dtype(
         ("scale", np.float32),
         ("softcap", np.float32),
         ("exp2_scale", np.float32),
+        ("batch_offset", np.int32),
     ],
     align=True,
 )

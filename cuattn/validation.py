@@ -57,3 +57,42 @@ def aligned(ptrs, strides, itemsize: int, vec: int, inner: int) -> bool:
         and all(p % (itemsize * vec) == 0 for p in ptrs)
         and all(s % vec == 0 for s in strides)
     )
+
+
+class _AddressView:
+    """``__array_interface__`` of a device buffer's address range, for NumPy's overlap solver
+    (which reads addresses and strides only, never the memory)."""
+
+    def __init__(self, a):
+        item = a.dtype.itemsize
+        self.__array_interface__ = {
+            "data": (a.ptr, False), "shape": a.shape, "strides": tuple(s * item for s in a.strides),
+            "typestr": f"|V{item}", "version": 3,
+        }
+
+
+def _may_overlap(a, b) -> bool:
+    if not (a.size and b.size) or a.ptr is None or b.ptr is None:
+        return False
+    try:
+        return bool(np.shares_memory(np.asarray(_AddressView(a)), np.asarray(_AddressView(b)), max_work=10**6))
+    except np.exceptions.TooHardError:
+        return True
+
+
+def check_writable_output(name: str, out, inputs: dict, same_as_ok: str | None = None) -> None:
+    """``out`` must not overlap itself (no zero strides or interleaved dimensions) nor any
+    input, except that it may be exactly the input named ``same_as_ok`` (same address, shape
+    and strides: a kernel that reads those elements only before it writes them)."""
+    dims = sorted((abs(s), n) for s, n in zip(out.strides, out.shape) if n > 1)
+    span = 1
+    for stride, extent in dims:
+        if stride < span:
+            raise ValueError(f"{name} has overlapping elements (strides {tuple(out.strides)} for shape {tuple(out.shape)}); pass an array with distinct elements")
+        span = stride * extent
+    for in_name, x in inputs.items():
+        if x is None or not _may_overlap(out, x):
+            continue
+        if in_name == same_as_ok and (x.ptr, x.shape, x.strides) == (out.ptr, out.shape, out.strides):
+            continue
+        raise ValueError(f"{name} overlaps {in_name} in memory; the kernel would overwrite {in_name} while reading it")

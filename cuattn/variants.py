@@ -57,6 +57,21 @@ def merge_variant(c_type: str, vec: int) -> Variant:
 MERGE_VEC_WIDTHS = {"f16": (8, 1), "bf16": (8, 1), "float": (4, 1)}
 
 
+# Opt-in shared memory per block (bytes) of each target cuattn builds for; at run time the
+# device's own attribute decides. The 99 KB parts (sm_86 / sm_89 / sm_120: RTX 30xx / 40xx / 50xx,
+# A10, L4, L40S) get smaller backward tiles.
+ARCH_SMEM_OPTIN = {
+    "sm_80": 166912, "sm_86": 101376, "sm_87": 166912, "sm_89": 101376, "sm_90a": 232448,
+    "sm_100": 232448, "sm_120": 101376,
+}
+MAX_SMEM_OPTIN = max(ARCH_SMEM_OPTIN.values())
+
+
+def arch_smem_limit(arch: str) -> int:
+    """The opt-in shared memory per block of a target (the smallest known for an unknown one)."""
+    return ARCH_SMEM_OPTIN.get(arch, min(ARCH_SMEM_OPTIN.values()))
+
+
 # Tensor-core forward tiles per head-dim bucket: (BLOCK_M, BLOCK_N, WARPS). Mirrors the
 # contract of cuda_src/forward/traits.cuh (the kernel traps if launched with less shared memory).
 FORWARD_STAGES = 2  # K/V tiles in flight (ForwardTraits::kStages)
@@ -161,14 +176,30 @@ FP32_BACKWARD_TILE = 32  # backward/fp32_tiles.cuh: streamed rows per step (two 
 
 
 def backward_stream_rows(family: str, bucket: int) -> int:
-    """Rows per streamed block: queries in backward_dkdv (32 above d64), keys in backward_dq
-    (32 above d128)."""
+    """Rows per streamed block where shared memory allows: queries in backward_dkdv (32 above
+    d64, where dK and dV take head_dim registers), keys in backward_dq (32 above d128, where the
+    dQ accumulator alone takes 128 registers)."""
     return 32 if bucket > (64 if family == "backward_dkdv" else 128) else 64
 
 
-def backward_smem_bytes(family: str, bucket: int) -> int:
-    stream, stages, row = backward_stream_rows(family, bucket), 2, bucket + 8
-    return (2 * BACKWARD_BLOCK * row + 2 * stages * stream * row) * 2 + 2 * stages * stream * 4
+def backward_smem_bytes(family: str, bucket: int, stream: int, stats_in_smem: bool) -> int:
+    stages, row = 2, bucket + 8
+    stats = 2 * stages * stream * 4 if stats_in_smem else 0
+    return (2 * BACKWARD_BLOCK * row + 2 * stages * stream * row) * 2 + stats
+
+
+def backward_tile(family: str, bucket: int, smem_limit: int) -> tuple[int, bool]:
+    """(rows per streamed block, lse / delta staged in shared memory) of a tensor-core backward
+    kernel under a per-block shared-memory limit: the preferred tile, else halved down to 16
+    rows, else (backward_dkdv, head_dim 256 on a 99 KB device) the row stats left in global
+    memory. backward_dq reads its rows' statistics once, never through shared memory."""
+    for stats in (True, False) if family == "backward_dkdv" else (False,):
+        stream = backward_stream_rows(family, bucket)
+        while stream >= 16:
+            if backward_smem_bytes(family, bucket, stream, stats) <= smem_limit:
+                return stream, stats
+            stream //= 2
+    raise ValueError(f"{family} at head_dim bucket {bucket} needs more than {smem_limit} bytes of shared memory per block")
 
 
 def backward_row_variant(family: str, c_type: str, bucket: int) -> Variant:
@@ -184,9 +215,9 @@ def backward_row_variant(family: str, c_type: str, bucket: int) -> Variant:
 
 
 @functools.cache
-def backward_variant(family: str, c_type: str, bucket: int, softcap: bool) -> Variant:
-    """``family`` is backward_dkdv or backward_dq; float32 runs their CUDA-core twins
-    (backward_fp32_dkdv, backward_fp32_dq)."""
+def backward_variant(family: str, c_type: str, bucket: int, softcap: bool, smem_limit: int = MAX_SMEM_OPTIN) -> Variant:
+    """``family`` is backward_dkdv or backward_dq, tiled for ``smem_limit`` bytes of shared
+    memory per block; float32 runs their CUDA-core twins (backward_fp32_dkdv, backward_fp32_dq)."""
     cap = "true" if softcap else "false"
     if c_type == "float":
         fp32_family = family.replace("backward_", "backward_fp32_")
@@ -198,12 +229,14 @@ def backward_variant(family: str, c_type: str, bucket: int, softcap: bool) -> Va
             threads=128,
             block_m=FP32_BLOCK_M,
         )
+    stream, stats = backward_tile(family, bucket, smem_limit)
+    tile = f"{stream}, {'true' if stats else 'false'}" if family == "backward_dkdv" else f"{stream}"
     return Variant(
         family=family,
-        expression=f"cuattn::{family}_kernel<{cxx_type(c_type)}, {bucket}, {cap}>",
-        uri=f"{family}/{c_type}/d{bucket}" + ("/softcap" if softcap else ""),
+        expression=f"cuattn::{family}_kernel<{cxx_type(c_type)}, {bucket}, {tile}, {cap}>",
+        uri=f"{family}/{c_type}/d{bucket}/s{stream}" + ("" if stats or family == "backward_dq" else "g") + ("/softcap" if softcap else ""),
         hot=True,
-        dynamic_smem=backward_smem_bytes(family, bucket),
+        dynamic_smem=backward_smem_bytes(family, bucket, stream, stats),
         threads=128,
         block_m=BACKWARD_BLOCK,
         column_splits=2 if family == "backward_dkdv" and bucket > 128 else 1,  # kDkdvSplits
@@ -266,15 +299,20 @@ def select_fused_backward_variant(c_type: str, bucket: int, softcap: bool, arch:
     return None
 
 
-def select_backward_variant(family: str, c_type: str, bucket: int, softcap: bool, arch: str, allow_wgmma: bool = True) -> Variant:
-    """As :func:`select_forward_variant`, for backward_dq and backward_dkdv."""
+def select_backward_variant(
+    family: str, c_type: str, bucket: int, softcap: bool, arch: str, allow_wgmma: bool = True, smem_limit: int | None = None,
+) -> Variant:
+    """As :func:`select_forward_variant`, for backward_dq and backward_dkdv; portable tiles fit
+    ``smem_limit`` (default: the target's, :data:`ARCH_SMEM_OPTIN`)."""
     if allow_wgmma and arch == WGMMA_ARCH and c_type != "float" and bucket in WGMMA_BACKWARD_TILES[family]:
         return wgmma_backward_variant(family, c_type, bucket, softcap)
-    return backward_variant(family, c_type, bucket, softcap)
+    return backward_variant(family, c_type, bucket, softcap, arch_smem_limit(arch) if smem_limit is None else smem_limit)
 
 
-def all_variants() -> list[Variant]:
-    """Every variant, in a stable order; the offline compile and ``warmup --all`` use it."""
+def all_variants(arch: str | None = None) -> list[Variant]:
+    """Every variant, in a stable order; the offline compile and ``warmup --all`` use it. With
+    ``arch``, the backward tiles are those chosen under that target's shared-memory limit."""
+    smem_limit = MAX_SMEM_OPTIN if arch is None else arch_smem_limit(arch)
     out = []
     for c_type, vecs in MERGE_VEC_WIDTHS.items():
         for vec in vecs:
@@ -293,7 +331,7 @@ def all_variants() -> list[Variant]:
         for family in ("backward_dkdv", "backward_dq"):
             for bucket in HEAD_DIM_BUCKETS:
                 for softcap in (False, True):
-                    out.append(backward_variant(family, c_type, bucket, softcap))
+                    out.append(backward_variant(family, c_type, bucket, softcap, smem_limit))
     for c_type in ("f16", "bf16"):
         for family, buckets in WGMMA_BACKWARD_TILES.items():
             for bucket in buckets:

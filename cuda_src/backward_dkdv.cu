@@ -4,6 +4,7 @@
 // so that GQA sums happen in registers and every gradient element is written once
 // (deterministic). Per query block, each warp forms S^T = K Q^T for its 16 keys, P^T from the
 // saved lse, dV += P^T dO, dP^T = V dO^T, dS^T = P^T (dP^T - delta) and dK += dS^T Q.
+#include "common/grid.cuh"
 #include "backward/head_rows.cuh"
 #include "backward/score_grad.cuh"
 #include "backward/traits.cuh"
@@ -13,16 +14,17 @@
 
 namespace cuattn {
 
-// Queries per step: 32 at large head dims, where dK and dV take 2 * head_dim / 2 registers.
-template <int HEAD_DIM>
-constexpr int kDkdvBlockQ = HEAD_DIM > 64 ? 32 : 64;
 // CTAs that share a key block above head_dim 128, each with half of the dK / dV columns.
 template <int HEAD_DIM>
 constexpr int kDkdvSplits = HEAD_DIM > 128 ? 2 : 1;
 
-template <typename T, int HEAD_DIM, bool SOFTCAP>
+/// \brief dK and dV of one (key block, KV head x column split, batch) (common/grid.cuh), BLOCK_Q
+/// queries per step. STATS_IN_SMEM stages each step's lse and delta in shared memory with its
+/// tiles; without it (a device whose shared memory fits only the tiles) they are read from
+/// global memory where they are used.
+template <typename T, int HEAD_DIM, int BLOCK_Q, bool STATS_IN_SMEM, bool SOFTCAP>
 __global__ void __launch_bounds__(128, 1) backward_dkdv_kernel(const __grid_constant__ BackwardParams p) {
-  using Tr = BackwardTraits<HEAD_DIM, kDkdvBlockQ<HEAD_DIM>, kDkdvSplits<HEAD_DIM>>;
+  using Tr = BackwardTraits<HEAD_DIM, BLOCK_Q, kDkdvSplits<HEAD_DIM>, STATS_IN_SMEM>;
   constexpr int BM = Tr::kBlockStream;    // queries per step
   constexpr int BN = Tr::kBlockResident;  // keys per CTA
   constexpr int RS = Tr::kRowStride;
@@ -36,7 +38,7 @@ __global__ void __launch_bounds__(128, 1) backward_dkdv_kernel(const __grid_cons
   float* sDelta_ring = sLse_ring + Tr::kStages * BM;
 
   const AttnParams& a = p.attn;
-  const int n_block = blockIdx.x, kv_head = blockIdx.y / Tr::kSplits, batch = blockIdx.z;
+  const int n_block = blockIdx.x, kv_head = blockIdx.y / Tr::kSplits, batch = cta_batch(a);
   const int col0 = blockIdx.y % Tr::kSplits * Tr::kOutCols;  // first gradient column of this CTA
   const int n0 = n_block * BN;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -53,7 +55,7 @@ __global__ void __launch_bounds__(128, 1) backward_dkdv_kernel(const __grid_cons
     const T* dout = head_rows<T>(p.dout, p.dout_strides, batch, head);
     load_tile<Tr, BM>(sQ_ring + stage * Tr::kSmemStream, q, a.q_strides[1], m0, a.seqlen_q, a.head_dim);
     load_tile<Tr, BM>(sdO_ring + stage * Tr::kSmemStream, dout, p.dout_strides[1], m0, a.seqlen_q, a.head_dim);
-    RowStats(p, batch, head).load<BM>(sLse_ring + stage * BM, sDelta_ring + stage * BM, m0, a.seqlen_q);
+    if constexpr (STATS_IN_SMEM) RowStats(p, batch, head).load<BM>(sLse_ring + stage * BM, sDelta_ring + stage * BM, m0, a.seqlen_q);
   };
 
   load_tile<Tr, BN>(sK, k, a.k_strides[1], n0, a.seqlen_k, a.head_dim);
@@ -86,6 +88,7 @@ __global__ void __launch_bounds__(128, 1) backward_dkdv_kernel(const __grid_cons
     const T* sdO = sdO_ring + stage * Tr::kSmemStream;
     const float* sLse = sLse_ring + stage * BM;
     const float* sDelta = sDelta_ring + stage * BM;
+    const RowStats stats(p, batch, plan.head(kv_head, step));
 
     float s[Tr::kNTiles][4] = {};
     mma_rows_by_rows<T, HEAD_DIM, Tr::kNTiles, RS>(s, sK + warp * 16 * RS, sQ, lane);
@@ -93,9 +96,15 @@ __global__ void __launch_bounds__(128, 1) backward_dkdv_kernel(const __grid_cons
     if constexpr (SOFTCAP) apply_softcap(s, cap_grad, a.scale, a.softcap);
 #pragma unroll
     for (int nt = 0; nt < Tr::kNTiles; ++nt) {
-      float lse[2];  // of queries m0 + nt * 8 + 2 * t (+ 1)
-      load_floats<float, 2>(sLse + nt * 8 + 2 * t, lse);
-      const float shift[2] = {lse_to_exp2_shift(lse[0]), lse_to_exp2_shift(lse[1])};
+      float shift[2];  // of queries m0 + nt * 8 + 2 * t (+ 1)
+      if constexpr (STATS_IN_SMEM) {
+        float lse[2];
+        load_floats<float, 2>(sLse + nt * 8 + 2 * t, lse);
+        shift[0] = lse_to_exp2_shift(lse[0]), shift[1] = lse_to_exp2_shift(lse[1]);
+      } else {
+        float unused;
+        for (int i = 0; i < 2; ++i) stats.row(m0 + nt * 8 + 2 * t + i, a.seqlen_q, shift[i], unused);
+      }
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         s[nt][e] = exp2f(fmaf(s[nt][e], sc, -shift[e % 2]));
@@ -109,7 +118,12 @@ __global__ void __launch_bounds__(128, 1) backward_dkdv_kernel(const __grid_cons
 #pragma unroll
     for (int nt = 0; nt < Tr::kNTiles; ++nt) {
       float delta[2];
-      load_floats<float, 2>(sDelta + nt * 8 + 2 * t, delta);
+      if constexpr (STATS_IN_SMEM) {
+        load_floats<float, 2>(sDelta + nt * 8 + 2 * t, delta);
+      } else {
+        float unused;
+        for (int i = 0; i < 2; ++i) stats.row(m0 + nt * 8 + 2 * t + i, a.seqlen_q, unused, delta[i]);
+      }
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         dp[nt][e] = s[nt][e] * (dp[nt][e] - delta[e % 2]);

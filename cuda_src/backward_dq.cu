@@ -2,6 +2,7 @@
 // fp32 dQ accumulator on chip and streams the visible key blocks (two-stage ring). Per key
 // block each warp forms S = Q K^T for its 16 rows, P from the saved lse, dP = dO V^T,
 // dS = P (dP - delta) and dQ += dS K. No atomics: the result is deterministic.
+#include "common/grid.cuh"
 #include "backward/head_rows.cuh"
 #include "backward/score_grad.cuh"
 #include "backward/traits.cuh"
@@ -11,13 +12,10 @@
 
 namespace cuattn {
 
-// Keys per step: 32 above head_dim 128, where the dQ accumulator alone takes 128 registers.
-template <int HEAD_DIM>
-constexpr int kDqBlockK = HEAD_DIM > 128 ? 32 : 64;
-
-template <typename T, int HEAD_DIM, bool SOFTCAP>
+/// \brief dQ of one (query block, query head, batch) (common/grid.cuh), BLOCK_K keys per step.
+template <typename T, int HEAD_DIM, int BLOCK_K, bool SOFTCAP>
 __global__ void __launch_bounds__(128, 1) backward_dq_kernel(const __grid_constant__ BackwardParams p) {
-  using Tr = BackwardTraits<HEAD_DIM, kDqBlockK<HEAD_DIM>>;
+  using Tr = BackwardTraits<HEAD_DIM, BLOCK_K>;
   constexpr int BM = Tr::kBlockResident;  // query rows per CTA
   constexpr int BN = Tr::kBlockStream;    // keys per step
   constexpr int RS = Tr::kRowStride;
@@ -30,7 +28,7 @@ __global__ void __launch_bounds__(128, 1) backward_dq_kernel(const __grid_consta
 
   const AttnParams& a = p.attn;
   const int m_block = gridDim.x - 1 - blockIdx.x;  // heaviest first under a causal mask
-  const int head = blockIdx.y, batch = blockIdx.z;
+  const int head = blockIdx.y, batch = cta_batch(a);
   const int m0 = m_block * BM;
   const int m_last = min(m0 + BM, a.seqlen_q) - 1;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;

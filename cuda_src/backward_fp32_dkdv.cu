@@ -3,6 +3,7 @@
 // query head of the group, so that GQA sums stay in registers (deterministic). Each warp owns 4
 // keys; a lane takes one query of every tile, then dV row += sum_i P[i] dO[i] and
 // dK row += sum_i dS[i] Q[i] with lanes over head-dim columns.
+#include "common/grid.cuh"
 #include "backward/fp32_tiles.cuh"
 #include "backward/head_rows.cuh"
 #include "common/mask.cuh"
@@ -19,7 +20,7 @@ __global__ void __launch_bounds__(kF32BwdWarps * 32, 1) backward_fp32_dkdv_kerne
   float* sdO = sQ + kF32BwdTile * RS;
 
   const AttnParams& a = p.attn;
-  const int kv_head = blockIdx.y, batch = blockIdx.z;
+  const int kv_head = blockIdx.y, batch = cta_batch(a);
   const int n0 = blockIdx.x * kF32BwdBlock;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int group = a.heads_q / a.heads_kv;
@@ -29,11 +30,11 @@ __global__ void __launch_bounds__(kF32BwdWarps * 32, 1) backward_fp32_dkdv_kerne
   const KeyBand band(a);
   const int row_first = band.first_row(n0);
   const int row_last = band.last_row(min(n0 + kF32BwdBlock, a.seqlen_k) - 1, a.seqlen_q);
-  float dk[kF32BwdRowsPerWarp][kCols], dv[kF32BwdRowsPerWarp][kCols];
+  double dk[kF32BwdRowsPerWarp][kCols], dv[kF32BwdRowsPerWarp][kCols];  // fp64 sums, as the forward's output
 #pragma unroll
   for (int r = 0; r < kF32BwdRowsPerWarp; ++r)
 #pragma unroll
-    for (int c = 0; c < kCols; ++c) dk[r][c] = dv[r][c] = 0.f;
+    for (int c = 0; c < kCols; ++c) dk[r][c] = dv[r][c] = 0.0;
   const float sc = a.exp2_scale;
 
   for (int h = 0; h < group; ++h) {
@@ -65,8 +66,8 @@ __global__ void __launch_bounds__(kF32BwdWarps * 32, 1) backward_fp32_dkdv_kerne
           const float p_i = __shfl_sync(0xffffffff, prob, i), ds_i = __shfl_sync(0xffffffff, ds, i);
 #pragma unroll
           for (int c = 0; c < kCols; ++c) {
-            dv[r][c] = fmaf(p_i, sdO[i * RS + lane + 32 * c], dv[r][c]);
-            dk[r][c] = fmaf(ds_i, sQ[i * RS + lane + 32 * c], dk[r][c]);
+            dv[r][c] = fma(double(p_i), double(sdO[i * RS + lane + 32 * c]), dv[r][c]);
+            dk[r][c] = fma(double(ds_i), double(sQ[i * RS + lane + 32 * c]), dk[r][c]);
           }
         }
       }
@@ -83,8 +84,8 @@ __global__ void __launch_bounds__(kF32BwdWarps * 32, 1) backward_fp32_dkdv_kerne
     for (int c = 0; c < kCols; ++c) {
       const int col = lane + 32 * c;
       if (col < a.head_dim) {
-        dk_out[key * p.dk_strides[1] + col] = dk[r][c] * a.scale;
-        dv_out[key * p.dv_strides[1] + col] = dv[r][c];
+        dk_out[key * p.dk_strides[1] + col] = float(dk[r][c] * a.scale);
+        dv_out[key * p.dv_strides[1] + col] = float(dv[r][c]);
       }
     }
   }

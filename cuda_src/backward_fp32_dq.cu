@@ -1,6 +1,7 @@
 // Float32 attention backward, dQ, on the CUDA cores (fp32 products, fp64 dot products, no tf32):
 // one CTA per 16 query rows of a (head, batch); each warp owns 4 rows and a lane scores one key
 // of every 32-key tile, then dQ row r += sum_j dS[r, j] K[j] with lanes over head-dim columns.
+#include "common/grid.cuh"
 #include "backward/fp32_tiles.cuh"
 #include "backward/head_rows.cuh"
 #include "common/mask.cuh"
@@ -17,7 +18,7 @@ __global__ void __launch_bounds__(kF32BwdWarps * 32, 1) backward_fp32_dq_kernel(
   float* sV = sK + kF32BwdTile * RS;
 
   const AttnParams& a = p.attn;
-  const int head = blockIdx.y, batch = blockIdx.z;
+  const int head = blockIdx.y, batch = cta_batch(a);
   const int m0 = blockIdx.x * kF32BwdBlock;
   const int m_last = min(m0 + kF32BwdBlock, a.seqlen_q) - 1;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -32,7 +33,8 @@ __global__ void __launch_bounds__(kF32BwdWarps * 32, 1) backward_fp32_dq_kernel(
 
   const KeyBand band(a);
   const int key_first = band.first_key(m0), key_last = band.last_key(m_last);
-  float dq[kF32BwdRowsPerWarp][kCols], row_delta[kF32BwdRowsPerWarp];
+  double dq[kF32BwdRowsPerWarp][kCols];  // fp64 sums, as the forward's output
+  float row_delta[kF32BwdRowsPerWarp];
   double shift[kF32BwdRowsPerWarp];
 #pragma unroll
   for (int r = 0; r < kF32BwdRowsPerWarp; ++r) {
@@ -40,7 +42,7 @@ __global__ void __launch_bounds__(kF32BwdWarps * 32, 1) backward_fp32_dq_kernel(
     shift[r] = lse_to_exp2_shift_f64(row < a.seqlen_q ? lse[row] : neg_inf());
     row_delta[r] = row < a.seqlen_q ? delta[row] : 0.f;
 #pragma unroll
-    for (int c = 0; c < kCols; ++c) dq[r][c] = 0.f;
+    for (int c = 0; c < kCols; ++c) dq[r][c] = 0.0;
   }
   const float sc = a.exp2_scale;
 
@@ -62,7 +64,7 @@ __global__ void __launch_bounds__(kF32BwdWarps * 32, 1) backward_fp32_dq_kernel(
       for (int j = 0; j < kF32BwdTile; ++j) {
         const float ds_j = __shfl_sync(0xffffffff, ds, j);
 #pragma unroll
-        for (int c = 0; c < kCols; ++c) dq[r][c] = fmaf(ds_j, sK[j * RS + lane + 32 * c], dq[r][c]);
+        for (int c = 0; c < kCols; ++c) dq[r][c] = fma(double(ds_j), double(sK[j * RS + lane + 32 * c]), dq[r][c]);
       }
     }
   }
@@ -74,7 +76,7 @@ __global__ void __launch_bounds__(kF32BwdWarps * 32, 1) backward_fp32_dq_kernel(
     if (row >= a.seqlen_q) continue;
 #pragma unroll
     for (int c = 0; c < kCols; ++c) {
-      if (lane + 32 * c < a.head_dim) dq_out[row * p.dq_strides[1] + lane + 32 * c] = dq[r][c] * a.scale;
+      if (lane + 32 * c < a.head_dim) dq_out[row * p.dq_strides[1] + lane + 32 * c] = float(dq[r][c] * a.scale);
     }
   }
 }

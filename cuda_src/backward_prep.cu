@@ -10,6 +10,10 @@ namespace cuattn {
 
 constexpr int kPrepWarps = 8;
 
+// delta's sum: fp64 for float32 tensors, whose kernels keep fp32 accuracy by summing in fp64.
+template <typename T> struct RowSum { using type = float; };
+template <> struct RowSum<float> { using type = double; };
+
 /// \brief A group of kRowLanes lanes per query row (batch, row, head), rows in that order;
 /// HEAD_DIM is the head-dim bucket (head_dim <= HEAD_DIM).
 template <typename T, int HEAD_DIM>
@@ -18,7 +22,8 @@ __global__ void __launch_bounds__(kPrepWarps * 32) backward_prep_kernel(const __
   const AttnParams& a = p.attn;
   const GroupQueryRow<kPrepWarps> r(a);
   const int lane = r.lane();
-  float sum = 0.f;
+  using Sum = typename RowSum<T>::type;
+  Sum sum = 0;
   if (r.valid) {
     const T* out = static_cast<const T*>(a.out) + r.batch * a.out_strides[0] + r.row * a.out_strides[1] + r.head * a.out_strides[2];
     const T* dout = static_cast<const T*>(p.dout) + r.batch * p.dout_strides[0] + r.row * p.dout_strides[1] + r.head * p.dout_strides[2];
@@ -36,7 +41,7 @@ __global__ void __launch_bounds__(kPrepWarps * 32) backward_prep_kernel(const __
     for (int i = 0; i < kSteps; ++i)
       if ((i * kRowLanes + lane) * kVec < a.head_dim)
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) sum = fmaf(o[i][e], d[i][e], sum);
+        for (int e = 0; e < kVec; ++e) sum = fma(Sum(o[i][e]), Sum(d[i][e]), sum);
     if (p.dq_accum != nullptr) {
       const float zeros[4] = {0.f, 0.f, 0.f, 0.f};
       for (int c = lane * 4; c < p.dq_accum_cols; c += kRowLanes * 4) store_floats<float, 4>(r.dq_accum_quad(p, c), zeros);
@@ -46,7 +51,7 @@ __global__ void __launch_bounds__(kPrepWarps * 32) backward_prep_kernel(const __
   for (int offset = kRowLanes / 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffff, sum, offset);
   if (r.valid && lane == 0) {
     if (p.dlse != nullptr) sum -= p.dlse[r.batch * p.dlse_strides[0] + r.head * p.dlse_strides[1] + r.row];
-    p.delta[(i64(r.batch) * a.heads_q + r.head) * a.seqlen_q + r.row] = sum;
+    p.delta[(i64(r.batch) * a.heads_q + r.head) * a.seqlen_q + r.row] = float(sum);
   }
 }
 

@@ -3,6 +3,7 @@
 // the fp32 dQ accumulator on chip and streams the visible key blocks. Per key block each
 // warpgroup forms S = Q K^T and dP = dO V^T for its 64 rows (shared-memory operands), P from the
 // saved lse, dS = P (dP - delta) and dQ += dS K (dS from registers). No atomics: deterministic.
+#include "common/grid.cuh"
 #include "backward/head_rows.cuh"
 #include "backward/score_grad.cuh"
 #include "backward/wgmma_traits.cuh"
@@ -26,7 +27,7 @@ __global__ void __launch_bounds__(WARPGROUPS * 128, CTAS_PER_SM) backward_wgmma_
 
   const AttnParams& a = p.attn;
   const int m_block = gridDim.x - 1 - blockIdx.x;  // heaviest first under a causal mask
-  const int head = blockIdx.y, batch = blockIdx.z;
+  const int head = blockIdx.y, batch = cta_batch(a);
   const int m0 = m_block * BM;
   const int m_last = min(m0 + BM, a.seqlen_q) - 1;
   const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;

@@ -1,6 +1,7 @@
 // Tensor-core attention forward (FlashAttention-2 scheme): one CTA per (query block, head,
 // batch), K/V blocks streamed through shared memory with cp.async, S = Q K^T and O += P V on
 // mma.sync, online softmax in registers, lse written per row.
+#include "common/grid.cuh"
 #include "common/head_view.cuh"
 #include "common/mask.cuh"
 #include "common/mma.cuh"
@@ -11,8 +12,8 @@
 
 namespace cuattn {
 
-/// \brief Attention forward for one (query block, head, batch) = (blockIdx.x, blockIdx.y,
-/// blockIdx.z); query blocks run heaviest-first. Writes out and lse.
+/// \brief Attention forward for one (query block, head, batch) (common/grid.cuh); query
+/// blocks run heaviest-first. Writes out and lse.
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, bool SOFTCAP>
 __global__ void __launch_bounds__(WARPS * 32) forward_kernel(const __grid_constant__ AttnParams p) {
   using Tr = ForwardTraits<HEAD_DIM, BLOCK_M, BLOCK_N, WARPS>;
@@ -23,7 +24,7 @@ __global__ void __launch_bounds__(WARPS * 32) forward_kernel(const __grid_consta
   T* sV_ring = sK_ring + Tr::kStages * Tr::kSmemKV;
 
   const int m_block = gridDim.x - 1 - blockIdx.x;
-  const int head = blockIdx.y, batch = blockIdx.z;
+  const int head = blockIdx.y, batch = cta_batch(p);
   const int m0 = m_block * BLOCK_M;
   const int m_last = min(m0 + BLOCK_M, p.seqlen_q) - 1;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;

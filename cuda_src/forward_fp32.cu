@@ -1,5 +1,6 @@
 // Float32 attention forward on the CUDA cores: fp32 products and sums throughout (no tf32).
 // The slower exact path for float32 inputs.
+#include "common/grid.cuh"
 #include "common/dtypes.cuh"
 #include "common/fp64_exponent.cuh"
 #include "common/head_view.cuh"
@@ -13,8 +14,8 @@ constexpr int kF32Warps = 4;
 constexpr int kF32BlockM = kF32RowsPerWarp * kF32Warps;
 constexpr int kF32BlockN = 32;
 
-/// \brief fp32 attention forward for 16 query rows of one (head, batch) = (blockIdx.y,
-/// blockIdx.z); each warp owns 4 rows, a lane scores one key of each 32-key tile and owns
+/// \brief fp32 attention forward for 16 query rows of one (head, batch) (common/grid.cuh);
+/// each warp owns 4 rows, a lane scores one key of each 32-key tile and owns
 /// head-dim columns lane, lane + 32, ... of the output. K tiles go through shared memory; Q
 /// (read by all lanes of a warp at once) and V (read across lanes, contiguous) come through L1.
 template <int HEAD_DIM, bool SOFTCAP>
@@ -22,7 +23,7 @@ __global__ void __launch_bounds__(kF32Warps * 32, 1) forward_fp32_kernel(const _
   constexpr int kCols = HEAD_DIM / 32;
   __shared__ float sK[kF32BlockN][HEAD_DIM + 1];  // +1: lanes reading different keys hit different banks
 
-  const int head = blockIdx.y, batch = blockIdx.z;
+  const int head = blockIdx.y, batch = cta_batch(p);
   const int m0 = blockIdx.x * kF32BlockM;
   const int m_last = min(m0 + kF32BlockM, p.seqlen_q) - 1;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -31,13 +32,16 @@ __global__ void __launch_bounds__(kF32Warps * 32, 1) forward_fp32_kernel(const _
 
   const KeyBand band(p);
   const int key_first = band.first_key(m0), key_last = band.last_key(m_last);
-  float acc[kF32RowsPerWarp][kCols], row_max[kF32RowsPerWarp], row_sum[kF32RowsPerWarp];
+  // The output and the denominator accumulate in fp64: over tens of thousands of keys an fp32
+  // running sum loses more than the inputs' precision.
+  double acc[kF32RowsPerWarp][kCols], row_sum[kF32RowsPerWarp];
+  float row_max[kF32RowsPerWarp];
 #pragma unroll
   for (int r = 0; r < kF32RowsPerWarp; ++r) {
     row_max[r] = neg_inf();
-    row_sum[r] = 0.f;
+    row_sum[r] = 0.0;
 #pragma unroll
-    for (int c = 0; c < kCols; ++c) acc[r][c] = 0.f;
+    for (int c = 0; c < kCols; ++c) acc[r][c] = 0.0;
   }
   const float sc = p.exp2_scale;
 
@@ -69,13 +73,13 @@ __global__ void __launch_bounds__(kF32Warps * 32, 1) forward_fp32_kernel(const _
       for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, o));
       mx = fmaxf(mx, row_max[r]);
       const float shift = exp2_shift(mx, sc);
-      const float alpha = row_max[r] == neg_inf() ? 0.f : exp2f(exp2_shift(row_max[r], sc) - shift);
+      const double alpha = row_max[r] == neg_inf() ? 0.0 : exp2(double(exp2_shift(row_max[r], sc)) - double(shift));
       row_max[r] = mx;
       const float prob = visible ? exp2_minus_shift(dot, sc, shift) : 0.f;
       float sum = prob;
 #pragma unroll
       for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffff, sum, o);
-      row_sum[r] = row_sum[r] * alpha + sum;
+      row_sum[r] = row_sum[r] * alpha + double(sum);
 #pragma unroll
       for (int c = 0; c < kCols; ++c) acc[r][c] *= alpha;
       for (int j = 0; j < kF32BlockN && n0 + j < p.seqlen_k; ++j) {
@@ -83,7 +87,7 @@ __global__ void __launch_bounds__(kF32Warps * 32, 1) forward_fp32_kernel(const _
         const float* v_row = v + (n0 + j) * p.v_strides[1];
 #pragma unroll
         for (int c = 0; c < kCols; ++c) {
-          if (lane + 32 * c < p.head_dim) acc[r][c] = fmaf(pj, v_row[lane + 32 * c], acc[r][c]);
+          if (lane + 32 * c < p.head_dim) acc[r][c] = fma(double(pj), double(v_row[lane + 32 * c]), acc[r][c]);
         }
       }
     }
@@ -93,14 +97,14 @@ __global__ void __launch_bounds__(kF32Warps * 32, 1) forward_fp32_kernel(const _
   for (int r = 0; r < kF32RowsPerWarp; ++r) {
     const int row = m0 + warp * kF32RowsPerWarp + r;
     if (row >= p.seqlen_q) continue;
-    const float inv = row_sum[r] > 0.f ? 1.f / row_sum[r] : 0.f;
+    const double inv = row_sum[r] > 0.0 ? 1.0 / row_sum[r] : 0.0;
 #pragma unroll
     for (int c = 0; c < kCols; ++c) {
       const int col = lane + 32 * c;
-      if (col < p.head_dim) out[row * p.out_strides[1] + col] = acc[r][c] * inv;
+      if (col < p.head_dim) out[row * p.out_strides[1] + col] = float(acc[r][c] * inv);
     }
     if (lane == 0) {
-      lse[row] = lse_from_shift(exp2_shift(row_max[r], sc), row_sum[r]);
+      lse[row] = lse_from_shift(exp2_shift(row_max[r], sc), float(row_sum[r]));
     }
   }
 }

@@ -3,6 +3,7 @@
 // 128-byte-swizzled shared memory, O += P V takes P from registers and V from shared memory.
 // K/V blocks stream through a two-stage cp.async ring shared by the CTA; the warpgroups'
 // matmuls and softmax interleave on the SM's tensor cores and ALUs.
+#include "common/grid.cuh"
 #include "common/head_view.cuh"
 #include "common/mask.cuh"
 #include "common/params.cuh"
@@ -13,8 +14,8 @@
 
 namespace cuattn {
 
-/// \brief Attention forward for one (query block, head, batch) = (blockIdx.x, blockIdx.y,
-/// blockIdx.z); query blocks run heaviest-first. Writes out and lse. CTAS_PER_SM bounds the
+/// \brief Attention forward for one (query block, head, batch) (common/grid.cuh); query
+/// blocks run heaviest-first. Writes out and lse. CTAS_PER_SM bounds the
 /// registers (65536 / (threads * CTAS_PER_SM)).
 template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int CTAS_PER_SM, bool SOFTCAP>
 __global__ void __launch_bounds__(WARPGROUPS * 128, CTAS_PER_SM) forward_wgmma_kernel(const __grid_constant__ AttnParams p) {
@@ -26,7 +27,7 @@ __global__ void __launch_bounds__(WARPGROUPS * 128, CTAS_PER_SM) forward_wgmma_k
   unsigned char* sV_ring = sK_ring + Tr::kStages * Tr::kKVBytes;
 
   const int m_block = gridDim.x - 1 - blockIdx.x;
-  const int head = blockIdx.y, batch = blockIdx.z;
+  const int head = blockIdx.y, batch = cta_batch(p);
   const int m0 = m_block * Tr::kBlockM;
   const int m_last = min(m0 + Tr::kBlockM, p.seqlen_q) - 1;
   const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;

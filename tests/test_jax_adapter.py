@@ -109,3 +109,22 @@ def test_xla_determinism_flag_picks_the_atomic_free_backward(monkeypatch, flags)
                 np.testing.assert_array_equal(a, b)
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops=true --xla_gpu_deterministic_ops=false")
     assert not cj.xla_deterministic_ops()
+
+
+def test_a_traced_backward_replays_its_allocation_decision(monkeypatch):
+    """Whether the backward has an fp32 dQ accumulator is decided once, when XLA sizes the
+    buffers; changing CUATTN_WGMMA afterwards (or running on another kind of GPU) must not
+    make the compiled callback disagree with them (it raised a shape mismatch)."""
+    rng = np.random.default_rng()
+    inputs = _inputs(rng, (1, 100, 4, 64), (1, 100, 2, 64))
+    xs = [jnp.asarray(x, jnp.bfloat16) for x in inputs]
+    loss = jax.jit(jax.grad(lambda q, k, v: cj.attention(q, k, v, causal=True).astype(jnp.float32).sum(), argnums=(0, 1, 2)))
+    monkeypatch.setenv("CUATTN_WGMMA", "1")
+    first = [np.asarray(g.astype(jnp.float32)) for g in loss(*xs)]
+    monkeypatch.setenv("CUATTN_WGMMA", "0")  # the compiled function is not traced again
+    second = [np.asarray(g.astype(jnp.float32)) for g in loss(*xs)]
+    ref_out, ref_lse = reference.attention(*inputs, causal=True, return_lse=True)
+    ref = reference.attention_backward(np.ones_like(ref_out), *inputs, ref_out, ref_lse, causal=True)
+    for a, b, r in zip(first, second, ref):
+        scale = np.abs(r).max()
+        assert max_err(a, r) <= 2e-2 * scale and max_err(b, r) <= 2e-2 * scale

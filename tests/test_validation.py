@@ -72,7 +72,7 @@ def test_merge_in_place_rejects_numpy():
 
 
 def test_unknown_array_types_are_refused():
-    with pytest.raises(TypeError, match="expected a CuPy, NumPy, PyTorch or JAX array"):
+    with pytest.raises(TypeError, match="must be a CuPy, NumPy, PyTorch or JAX array"):
         cuattn.merge([[1.0]], [[0.0]])
 
 
@@ -199,3 +199,197 @@ def test_validation_reports_the_fused_backward_scratch_on_hopper(monkeypatch):
         ops.OPS["attention_backward"].call, q, q, kv, kv, q, lse, None, deterministic=deterministic, **options)
     assert run(False)[4:] == [((2, 4, 64, 64), np.float32)]
     assert len(run(True)) == 4
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        ({"window": (1.5, 2)}, TypeError, "window bounds must be integers"),
+        ({"window": (3, 2.0)}, TypeError, "window bounds must be integers"),
+        ({"window": (True, None)}, TypeError, "window bounds must be integers"),
+        ({"softcap": float("inf")}, ValueError, "softcap must be positive, finite"),
+        ({"softcap": 1e39}, ValueError, "softcap must be positive, finite"),
+        ({"softcap": 1e3, "scale": 1e-36}, ValueError, "scale / softcap"),
+        ({"scale": 1e-50}, ValueError, "scale must be positive, finite"),
+        ({"scale": 1e39}, ValueError, "scale must be positive, finite"),
+        ({"scale": "a"}, TypeError, "scale must be a real number"),
+        ({"softcap": "a"}, TypeError, "softcap must be a real number"),
+        ({"return_lse": "x"}, TypeError, "return_lse must be a bool"),
+        ({"return_lse": 1}, TypeError, "return_lse must be a bool"),
+    ],
+)
+def test_attention_options_are_checked_as_the_kernels_use_them(kwargs, exc, match):
+    """Window bounds are integers; scale and softcap are float32 in the kernels, so they are
+    checked in float32 (a value that rounds to 0 or inf there is refused)."""
+    with pytest.raises(exc, match=match):
+        cuattn.attention(*_qkv(), **kwargs)
+
+
+def test_float32_options_reach_the_kernels_unchanged():
+    from cuattn.attention import score_options
+
+    assert score_options(None, None, 64) == (0.125, 0.0)
+    assert score_options(2.0, 30.0, 64) == (2.0, 30.0)
+    assert score_options(np.float32(0.5), None, 64) == (0.5, 0.0)
+
+
+@pytest.mark.parametrize(
+    "window, causal, expected",
+    [
+        ((None, 2**31 - 1), False, (-1, -1)),  # past both sequences: unbounded
+        ((2**31 - 1, None), False, (-1, -1)),
+        ((2**40, 2**40), True, (-1, 0)),
+        ((9, 9), False, (9, 9)),  # seqlen_q + seqlen_k = 9: still a bound
+        ((10, 3), False, (-1, 3)),
+    ],
+)
+def test_window_bounds_are_clamped_to_the_sequences(window, causal, expected):
+    """What reaches the kernels' int32 index arithmetic is at most seqlen_q + seqlen_k."""
+    from cuattn.attention import mask_options
+
+    assert mask_options(causal, window, "bottom_right", 4, 5)[:2] == expected
+
+
+def test_backward_names_missing_arguments():
+    args = _backward_args()
+    for i, name in enumerate(("dout", "q", "k", "v", "out", "lse")):
+        with pytest.raises(TypeError, match=f"{name} is required"):
+            cuattn.attention_backward(*args[:i], None, *args[i + 1:])
+
+
+def test_launch_plans_slice_large_batches():
+    """gridDim.z holds at most 65535: larger batches launch in slices with a batch offset."""
+    from cuattn import plans, variants
+
+    v = variants.forward_variant("f16", 64, False)
+    launches = plans.tile_launches(v, 16, 1, 70000)
+    assert [(grid, offset) for grid, _, offset in launches] == [((1, 1, 65535), 0), ((1, 1, 4465), 65535)]
+    assert all(grid[1] <= 65535 and grid[2] <= 65535 for grid, _, _ in plans.tile_launches(v, 1000, 40, 200000))
+    assert sum(grid[2] for grid, _, _ in plans.tile_launches(v, 1000, 40, 200000)) == 200000
+
+
+class _Dev:
+    """A device array's metadata (no memory), as the boundary describes one."""
+
+    def __init__(self, ptr, shape, strides, dtype=np.float16):
+        from cuattn.boundary import DeviceArray
+
+        self.array = DeviceArray(ptr, shape, strides, np.dtype(dtype), None)
+
+
+def test_out_may_not_overlap_k_v_or_itself():
+    from cuattn import validation
+
+    base, shape = 1 << 40, (2, 16, 4, 64)
+    packed = (16 * 3 * 4 * 64, 3 * 4 * 64, 64, 1)  # q, k, v interleaved in one (b, s, 3, h, d) buffer
+    q, k, v = (_Dev(base + i * 4 * 64 * 2, shape, packed).array for i in range(3))
+    inputs = {"q": q, "k": k, "v": v}
+    separate = _Dev(base + (1 << 30), shape, (16 * 256, 256, 64, 1)).array
+    validation.check_writable_output("out", separate, inputs, same_as_ok="q")
+    validation.check_writable_output("out", q, inputs, same_as_ok="q")  # out=q: each CTA reads its rows first
+    for bad, match in [
+        (k, "out overlaps k"), (v, "out overlaps v"),
+        (_Dev(base + 2, shape, packed).array, "out overlaps q"),  # q shifted by one element
+        (_Dev(base + (1 << 30), shape, (0, 256, 64, 1)).array, "overlapping elements"),
+        (_Dev(base + (1 << 30), shape, (16 * 256, 128, 64, 1)).array, "overlapping elements"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            validation.check_writable_output("out", bad, inputs, same_as_ok="q")
+
+
+def test_adapter_options_are_checked_not_coerced():
+    """The torch / JAX adapters flatten options through ops.flat_mask_options: bad values are
+    refused there as in the core API, never truncated or cast."""
+    from cuattn import ops
+
+    with pytest.raises(TypeError, match="window bounds must be integers"):
+        ops.flat_mask_options(window=(1.5, 2), head_dim=64)
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        ops.flat_mask_options(causal="yes", head_dim=64)
+    with pytest.raises(ValueError, match="softcap"):
+        ops.flat_mask_options(softcap=float("inf"), head_dim=64)
+    with pytest.raises(TypeError, match="align must be a str"):
+        ops.flat_mask_options(align=None, head_dim=64)
+
+
+# Drawn edge cases, all checked without a GPU: big batches, extreme bounds and scales, aliasing.
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=st.integers(1, 10**6), heads=st.integers(1, 2000), batch=st.integers(0, 10**6), block_m=st.sampled_from([16, 64, 128]))
+def test_drawn_launch_plans_cover_every_batch_once(rows, heads, batch, block_m):
+    from cuattn import plans, variants
+
+    v = variants.Variant("forward", "k", "test/k", block_m=block_m, threads=128)
+    launches = plans.tile_launches(v, rows, heads, batch)
+    offsets = [offset for _, _, offset in launches]
+    assert offsets == list(range(0, batch, plans.MAX_GRID_YZ))
+    assert sum(grid[2] for grid, _, _ in launches) == batch
+    assert all(grid == (-(-rows // block_m), heads, grid[2]) and 1 <= grid[2] <= plans.MAX_GRID_YZ for grid, _, _ in launches)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    left=st.one_of(st.none(), st.integers(-1, 2**62)), right=st.one_of(st.none(), st.integers(-1, 2**62)),
+    causal=st.booleans(), sq=st.integers(0, 10**6), sk=st.integers(0, 10**6),
+)
+def test_drawn_window_bounds_fit_int32_and_keep_their_meaning(left, right, causal, sq, sk):
+    """Whatever integers are given, the kernels get bounds in [-1, seqlen_q + seqlen_k] that see
+    the same keys as the reference's unclamped ones."""
+    from cuattn import reference
+    from cuattn.attention import mask_options
+
+    l, r, offset = mask_options(causal, (left, right), "bottom_right", sq, sk)
+    assert -1 <= l <= sq + sk and -1 <= r <= sq + sk
+    ref_l, ref_r = reference.window_bounds(causal, (left, right))
+    rows, cols = np.array([0, sq // 2, max(sq - 1, 0)]), np.array([0, sk // 3, sk // 2, max(sk - 1, 0)])
+    np.testing.assert_array_equal(reference.visible(rows, cols, offset, l, r), reference.visible(rows, cols, offset, ref_l, ref_r))
+
+
+@settings(max_examples=200, deadline=None)
+@given(value=st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-10, 10**40)), which=st.sampled_from(["scale", "softcap"]))
+def test_drawn_scales_are_accepted_only_where_float32_holds_them(value, which):
+    from cuattn.attention import score_options
+
+    kwargs = {"scale": None, "softcap": None, which: value}
+    fits = float(np.finfo(np.float32).tiny) <= float(value) <= float(np.finfo(np.float32).max)
+    try:
+        scale, softcap = score_options(kwargs["scale"], kwargs["softcap"], 64)
+    except ValueError:
+        assert not fits or (which == "softcap" and not 1.4e-38 < 0.125 / float(value))
+        return
+    assert fits and np.isfinite(np.float32(scale)) and np.float32(scale) > 0 and np.isfinite(np.float32(softcap))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    shape=st.tuples(st.integers(1, 3), st.integers(1, 5), st.integers(1, 3), st.sampled_from([1, 2, 8])),
+    out_strides=st.tuples(st.integers(0, 200), st.integers(0, 60), st.integers(0, 20)),
+    offset=st.integers(-300, 300),
+)
+def test_drawn_output_overlap_matches_brute_force(shape, out_strides, offset):
+    """check_writable_output refuses exactly the outputs whose element addresses collide with
+    an input's or with each other (a nested layout check: it may also refuse some exotic
+    non-overlapping interleavings, never accept an overlap)."""
+    import itertools
+
+    from cuattn import validation
+    from cuattn.boundary import DeviceArray
+
+    base = 1 << 20
+    k_strides = (shape[1] * shape[2] * shape[3], shape[2] * shape[3], shape[3], 1)
+    k = DeviceArray(base * 2, shape, k_strides, np.dtype(np.float16), None)
+    out = DeviceArray(base * 2 + 2 * offset, shape, (*out_strides, 1), np.dtype(np.float16), None)
+
+    def addresses(a):
+        return [a.ptr + 2 * sum(i * s for i, s in zip(idx, a.strides)) for idx in itertools.product(*(range(n) for n in a.shape))]
+
+    out_addr = addresses(out)
+    overlapping = len(set(out_addr)) < len(out_addr) or bool(set(out_addr) & set(addresses(k)))
+    try:
+        validation.check_writable_output("out", out, {"k": k})
+    except ValueError:
+        return
+    assert not overlapping

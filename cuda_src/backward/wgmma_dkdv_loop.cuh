@@ -10,6 +10,7 @@
 // and added into p.dq_accum by one bulk reduction (TMA) per piece, in an order that varies from
 // run to run. Without it (backward_wgmma_dkdv.cu) backward_wgmma_dq.cu forms dQ.
 #pragma once
+#include "../common/grid.cuh"
 #include "../common/bulk_async.cuh"
 #include "../common/mask.cuh"
 #include "../common/params.cuh"
@@ -56,7 +57,7 @@ __device__ __forceinline__ void backward_wgmma_dkdv_body(const BackwardParams& p
   float* sDelta_ring = sLse_ring + Tr::kStages * BLOCK_M;
 
   const AttnParams& a = p.attn;
-  const int n_block = blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
+  const int n_block = blockIdx.x, kv_head = blockIdx.y, batch = cta_batch(a);
   const int n0 = n_block * BN;
   const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;

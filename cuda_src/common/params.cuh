@@ -52,6 +52,7 @@ struct AttnParams {
   float scale;                              // applied to q.k before softcap
   float softcap;                            // 0: none; else softcap * tanh(s / softcap)
   float exp2_scale;                         // log2(e) * (softcap ? 1 : scale), for exp2f
+  int batch_offset;                         // batch index of blockIdx.z == 0 (common/grid.cuh)
 };
 
 // Backward of AttnParams' attention: dout, gradients, and delta = rowsum(dout * out) - dlse per

@@ -11,9 +11,9 @@ namespace cuattn {
 template <typename Tr, int ROWS, typename T>
 __device__ __forceinline__ void load_tile(T* smem, const T* gmem, i64 row_stride, int row0, int row_end, int head_dim) {
   constexpr int kChunks = ROWS * Tr::kChunksPerRow;
-  static_assert(kChunks % Tr::kThreads == 0, "whole copy rounds");
-  constexpr int kRounds = kChunks / Tr::kThreads;
+  constexpr int kRounds = (kChunks + Tr::kThreads - 1) / Tr::kThreads;
   if constexpr (Tr::kThreads % Tr::kChunksPerRow == 0) {
+    static_assert(kChunks % Tr::kThreads == 0, "whole copy rounds");
     // Each thread copies the same column of rows r, r + kRowsPerRound, ...: one address
     // computation per tile, and no predicates when the tile is whole.
     constexpr int kRowsPerRound = Tr::kThreads / Tr::kChunksPerRow;
@@ -34,6 +34,7 @@ __device__ __forceinline__ void load_tile(T* smem, const T* gmem, i64 row_stride
 #pragma unroll
     for (int i = 0; i < kRounds; ++i) {
       const int chunk = i * Tr::kThreads + threadIdx.x;
+      if (kChunks % Tr::kThreads != 0 && chunk >= kChunks) break;  // the last round is partial
       const int r = chunk / Tr::kChunksPerRow, c = (chunk % Tr::kChunksPerRow) * 8;
       const bool valid = row0 + r < row_end && c < head_dim;
       cp_async_16(smem + r * Tr::kRowStride + c, valid ? gmem + (row0 + r) * row_stride + c : gmem, valid);
