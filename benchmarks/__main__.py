@@ -1,6 +1,7 @@
 """``python -m benchmarks [suite]``: the benchmark suite (benchmarks/run.py); ``paper``: the
-Rabe & Staats memory tables; ``accuracy``: the accuracy table; ``readme``: the README's
-performance section from the latest results."""
+Rabe & Staats memory tables; ``accuracy``: the accuracy table; ``readme``: README.md's
+performance summary and language-model paragraph, and docs/performance.md, from the result
+files (benchmarks/readme.py)."""
 
 import importlib
 import sys

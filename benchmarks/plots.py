@@ -10,7 +10,8 @@ def _caption(env: dict) -> str:
     return f"{env['gpu']}, {env['date']}, cuattn {env['cuattn_version']}, torch {env.get('torch', '-')}, jax {env.get('jax', '-')}, cupy {env['cupy']}"
 
 
-def plot_suite(rows, impl_names, env: dict, out_dir: pathlib.Path) -> list[pathlib.Path]:
+def plot_suite(rows, impl_names, env: dict, out_dir: pathlib.Path, stem: str = "suite") -> list[pathlib.Path]:
+    """One PNG per mode, ``out_dir/<stem>_<mode>.png``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -43,7 +44,7 @@ def plot_suite(rows, impl_names, env: dict, out_dir: pathlib.Path) -> list[pathl
         axes.flat[0].legend(fontsize=7)
         fig.suptitle(_caption(env), fontsize=8)
         fig.tight_layout()
-        path = out_dir / f"suite_{mode}.png"
+        path = out_dir / f"{stem}_{mode}.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
         paths.append(path)

@@ -6,7 +6,9 @@ Peers: PyTorch SDPA (flash, cuDNN, efficient, math), JAX ``dot_product_attention
 xla), naive CuPy attention (materialized scores). Method: CUDA events on the stream each runs
 on (GPU work only, a sleep queued ahead so that host overhead does not count; JAX by wall time
 of back-to-back dispatches), warm-up, median of samples, input sets rotated when they would fit
-in L2, random normal data. Writes ``<out>/suite.csv``, ``suite.json`` and one PNG per mode.
+in L2, random normal data. Writes ``<out>/suite.csv``, ``suite.json`` and one PNG per mode
+(``suite_quick.*`` with ``--quick``, so that a quick run leaves the full results alone); the JSON's
+``environment`` records the GPU, the versions and the run's wall time in ``seconds``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import json
 import os
 import pathlib
 import statistics
+import sys
 import time
 
 # JAX shares the GPU with torch: no preallocated pool, and memory returned after each case.
@@ -120,23 +123,25 @@ def main(argv=None) -> None:
     parser.add_argument("--impls", default=",".join(IMPLEMENTATIONS))
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"))
     args = parser.parse_args(argv)
+    stem = "suite_quick" if args.quick else "suite"
     modes, impl_names = args.modes.split(","), [n for n in args.impls.split(",") if _available(n)]
     cases = [c for c in default_grid(args.quick) if c.mode in modes]
     start = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
-    base_env = {**versions(), "quick": args.quick}
+    options = " ".join(sys.argv[1:] if argv is None else argv)  # what the time below is the time of
+    base_env = {**versions(), "quick": args.quick, "options": options}
 
     def save(rows, complete=False):
         env = {**base_env, "seconds": round(time.perf_counter() - start, 1), "complete": complete}
-        write_csv(args.out / "suite.csv", [{**r, **env} for r in rows])
-        (args.out / "suite.json").write_text(json.dumps({"environment": env, "rows": rows}, indent=1))
+        write_csv(args.out / f"{stem}.csv", [{**r, **env} for r in rows])
+        (args.out / f"{stem}.json").write_text(json.dumps({"environment": env, "rows": rows}, indent=1))
         return env
 
     rows = run(cases, impl_names, checkpoint=save)
     env = save(rows, complete=True)
     from benchmarks.plots import plot_suite
 
-    for path in plot_suite(rows, impl_names, env, args.out):
+    for path in plot_suite(rows, impl_names, env, args.out, stem):
         print(f"wrote {path}")
     print_table(rows, impl_names)
     print(f"\n{env['gpu']}, {env['date']}, cuattn {env['cuattn_version']}, torch {env.get('torch')}, jax {env.get('jax')}, cupy {env['cupy']}; {env['seconds']} s")

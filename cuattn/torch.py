@@ -12,7 +12,9 @@ import functools
 
 import torch
 
-from cuattn import ops
+from cuattn import ops, requirements
+
+requirements.require("torch", "cupy", by="cuattn.torch")  # before any torch.library API is touched
 
 __all__ = ["attention", "merge", "scaled_dot_product_attention", "op"]
 

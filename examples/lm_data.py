@@ -36,9 +36,10 @@ def batches(tokens: np.ndarray, batch: int, seqlen: int, steps: int, seed: int =
         yield window[:, :-1], window[:, 1:]
 
 
-def compare(doc: str, attentions: dict, train, stem: str, title: str) -> None:
+def compare(doc: str, attentions: dict, train, stem: str, title: str, gpu: str, versions: dict) -> None:
     """The examples' command line: trains the model once per attention implementation (same
-    initialization, same batches) and reports the curves."""
+    initialization, same batches) and reports the curves. ``train`` returns the losses, the
+    run's wall time and the first step's (compilation included)."""
     import argparse
     import pathlib
 
@@ -51,23 +52,45 @@ def compare(doc: str, attentions: dict, train, stem: str, title: str) -> None:
     tokens, vocab = encode(corpus())
     curves, seconds = {}, {}
     for label, attend in attentions.items():
-        curves[label], seconds[label] = train(attend, tokens, vocab, args.steps, args.batch, args.seqlen)
-    report(curves, seconds, args.out, stem, title)
+        losses, total, first = train(attend, tokens, vocab, args.steps, args.batch, args.seqlen)
+        curves[label], seconds[label] = losses, (total, first)
+    setup = {"steps": args.steps, "batch": args.batch, "seqlen": args.seqlen}
+    report(curves, seconds, args.out, stem, title, gpu, {**setup, "versions": versions})
 
 
-def report(curves: dict, seconds: dict, out_dir, stem: str, title: str) -> None:
-    """Prints the two loss curves at a few steps and how far apart they are; writes them as CSV
-    and PNG (``out_dir/stem.csv``, ``.png``)."""
+def report(curves: dict, seconds: dict, out_dir, stem: str, title: str, gpu: str, setup: dict) -> None:
+    """Prints the two loss curves at a few steps and how far apart they are; writes the summary
+    (GPU, wall times, last-50-step mean losses) as ``out_dir/stem.json``, which the README quotes
+    (``python -m benchmarks readme``), and the curves as ``stem_losses.csv`` and ``.png``."""
+    import datetime
+    import json
+    import shlex
+    import sys
+
     (name_a, a), (name_b, b) = curves.items()
     for step in sorted({0, 49, 99, 199, len(a) - 1}):
         if step < len(a):
             print(f"step {step + 1:4d}  {name_a} {a[step]:.4f}  {name_b} {b[step]:.4f}")
     print(f"mean loss over the last 50 steps: {name_a} {a[-50:].mean():.4f}, {name_b} {b[-50:].mean():.4f}; "
           f"max |difference| of the curves {np.abs(a - b).max():.4f}")
-    print("wall time per run: " + ", ".join(f"{k} {v:.1f} s" for k, v in seconds.items()))
+    print(f"wall time per run on the {gpu}: " + ", ".join(f"{k} {total:.1f} s (first step {first:.1f} s)" for k, (total, first) in seconds.items()))
     out_dir.mkdir(parents=True, exist_ok=True)
-    np.savetxt(out_dir / f"{stem}.csv", np.stack([a, b], 1), delimiter=",", header=f"{name_a},{name_b}", comments="")
-    plot_curves(curves, title, str(out_dir / f"{stem}.png"))
+    summary = {
+        "gpu": gpu,
+        "date": datetime.date.today().isoformat(),
+        "command": shlex.join(["python", *sys.argv]),
+        **setup,
+        "runs": {
+            label: {"seconds": round(seconds[label][0], 2), "first_step_seconds": round(seconds[label][1], 2),
+                    "last50_mean_loss": round(float(losses[-50:].mean()), 6)}
+            for label, losses in curves.items()
+        },
+        "max_abs_difference": round(float(np.abs(a - b).max()), 6),
+    }
+    (out_dir / f"{stem}.json").write_text(json.dumps(summary, indent=1) + "\n")
+    np.savetxt(out_dir / f"{stem}_losses.csv", np.stack([a, b], 1), delimiter=",", header=f"{name_a},{name_b}", comments="")
+    plot_curves(curves, f"{title}, {gpu}", str(out_dir / f"{stem}_losses.png"))
+    print(f"wrote {out_dir / stem}.json, {stem}_losses.csv and {stem}_losses.png")
 
 
 def plot_curves(curves: dict, title: str, path: str) -> None:

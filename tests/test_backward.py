@@ -292,7 +292,7 @@ def test_backward_tiles_fit_a_99kb_device(monkeypatch, d):
     """RTX 30xx / 40xx, A10, L4, L40S opt in to 99 KB of shared memory per block: the portable
     backward picks smaller streamed blocks there (and, at head_dim 256, reads dK/dV's row
     statistics from global memory). Run here under that limit and checked like any other."""
-    from cuattn import backward
+    from cuattn import backward, variants
     from cuattn.variants import head_dim_bucket
 
     monkeypatch.setattr(backward, "device_smem_limit", lambda device_id: 101376)
@@ -304,5 +304,5 @@ def test_backward_tiles_fit_a_99kb_device(monkeypatch, d):
     tiled = [v for v in launched if v.family in ("backward_dq", "backward_dkdv")]
     assert tiled and all(v.dynamic_smem <= 101376 for v in tiled)
     bucket = head_dim_bucket(d)
-    defaults = [backward.backward_variant(f, "bf16", bucket, False) for f in ("backward_dq", "backward_dkdv")]
+    defaults = [variants.backward_variant(f, "bf16", bucket, False) for f in ("backward_dq", "backward_dkdv")]
     assert any(v.dynamic_smem > 101376 for v in defaults) == (d != 160)  # the limit changed the tiles
