@@ -72,7 +72,7 @@ def _run_drawn(batch, sq, sk, heads, d, dtype, causal, window, align, softcap, w
          causal=causal, window=window, align=align, softcap=softcap, path=path)
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(
     batch=st.integers(1, 2),
     sq=st.sampled_from([1, 17, 113, 128, 300]),
@@ -248,16 +248,15 @@ def _check_backward_batches(grads, dout, q, k, v, out, lse, batches, **kw):
                 raise AssertionError(f"batch {b} {name}: {exc}") from None
 
 
-@pytest.mark.parametrize("path", BACKWARD_PATHS)
-@pytest.mark.parametrize("dtype, d", [("bfloat16", 64), ("float16", 128), ("bfloat16", 256), ("float32", 64)])
+@pytest.mark.parametrize("dtype, d, path", [("bfloat16", 64, "default"), ("float16", 128, "deterministic"), ("bfloat16", 256, "portable"), ("float32", 64, "default")])
 def test_backward_batches_past_the_grid_limit(dtype, d, path):
     """batch > 65535: every backward kernel launches in slices of gridDim.z."""
     import cupy
 
     rng = np.random.default_rng()
     batch = 70000
-    q, dout = (cupy.asarray(randn(rng, (batch, 16, 2, d), dtype)) for _ in range(2))
-    k, v = (cupy.asarray(randn(rng, (batch, 16, 1, d), dtype)) for _ in range(2))
+    q, dout = (cupy.asarray(randn(rng, (batch, 8, 2, d), dtype)) for _ in range(2))
+    k, v = (cupy.asarray(randn(rng, (batch, 8, 1, d), dtype)) for _ in range(2))
     with kernel_path(path):
         out, lse = cuattn.attention(q, k, v, causal=True, return_lse=True)
         poison_cupy_pool()

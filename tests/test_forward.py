@@ -34,7 +34,7 @@ def _run(rng, batch, sq, sk, hq, hk, d, dtype, scale_inputs=1.0, path="default",
     return out, lse
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=75, deadline=None)
 @given(
     batch=st.integers(1, 2),
     sq=st.sampled_from([1, 17, 113, 128, 300]),
@@ -183,8 +183,7 @@ def _check_batches(out, lse, q, k, v, batches, **kw):
         np.testing.assert_allclose(lse[b:b + 1].get(), ref_lse, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("path", KERNEL_PATHS)
-@pytest.mark.parametrize("dtype, d", [("bfloat16", 64), ("float16", 128), ("bfloat16", 256), ("float32", 64)])
+@pytest.mark.parametrize("dtype, d, path", [("bfloat16", 64, "default"), ("float16", 128, "portable"), ("float32", 64, "default")])
 def test_batches_past_the_grid_limit(dtype, d, path):
     """batch > 65535 (gridDim.z's limit): launched in slices; rows on both sides of the seam
     are right (they were a launch error)."""
@@ -254,6 +253,7 @@ def test_float32_long_sequence_error_is_that_of_fp32_rounding(inputs):
     s, d = 2**14, 64
     draw = (lambda shape: rng.random(shape)) if inputs == "uniform" else (lambda shape: rng.standard_normal(shape))
     q, k, v = (draw((1, s, 1, d)).astype(np.float32) for _ in range(3))
-    out = cuattn.attention(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v)).get()
-    err = float(np.abs(out - reference.attention(q, k, v)).max())
+    rows = slice(s - 128, s)  # rows are independent: the last ones against the reference
+    out = cuattn.attention(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v)).get()[:, rows]
+    err = float(np.abs(out - reference.attention(q[:, rows], k, v)).max())
     assert err <= 6.5e-7, err
