@@ -254,9 +254,9 @@ def test_backward_batches_past_the_grid_limit(dtype, d, path):
     import cupy
 
     rng = np.random.default_rng()
-    batch = 70000
-    q, dout = (cupy.asarray(randn(rng, (batch, 8, 2, d), dtype)) for _ in range(2))
-    k, v = (cupy.asarray(randn(rng, (batch, 8, 1, d), dtype)) for _ in range(2))
+    batch = 70000  # 70 copies of 1000 drawn batches (batch b holds drawn batch b % 1000)
+    q, dout = (cupy.asarray(np.tile(randn(rng, (1000, 8, 2, d), dtype), (70, 1, 1, 1))) for _ in range(2))
+    k, v = (cupy.asarray(np.tile(randn(rng, (1000, 8, 1, d), dtype), (70, 1, 1, 1))) for _ in range(2))
     with kernel_path(path):
         out, lse = cuattn.attention(q, k, v, causal=True, return_lse=True)
         poison_cupy_pool()
