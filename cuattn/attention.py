@@ -59,6 +59,7 @@ def attention(q, k, v, *, causal=False, window=None, align="bottom_right", scale
     ``out`` shaped and typed like ``q`` (or ``(out, lse)``), as the caller's array type. Extra
     device memory is only ``out`` and ``lse``: O(seqlen), never O(seqlen^2).
     """
+    require_arrays(q=q, k=k, v=v)
     return_lse = check_bool("return_lse", return_lse)
     ctx, a = boundary.import_arrays(q=q, k=k, v=v, out=out)
     if out is not None and ctx.framework in (boundary.JAX, boundary.NUMPY):
@@ -79,6 +80,16 @@ def attention(q, k, v, *, causal=False, window=None, align="bottom_right", scale
     return (result, ctx.export(lse)) if return_lse else result
 
 
+MAX_HEADS_Q, MAX_HEADS_KV = 65535, 32767
+
+
+def require_arrays(**arrays) -> None:
+    """TypeError naming the first required array argument that is None."""
+    for name, x in arrays.items():
+        if x is None:
+            raise TypeError(f"{name} is required, got None")
+
+
 def check_qkv(q, k, v, out) -> str:
     for name, x in (("q", q), ("k", k), ("v", v)):
         validation.check_rank(name, x, 4, _LAYOUT)
@@ -92,6 +103,8 @@ def check_qkv(q, k, v, out) -> str:
     heads_kv = k.shape[2]
     if heads_kv == 0 or heads_q % heads_kv:
         raise ValueError(f"heads_q ({heads_q}, from q) must be a multiple of heads_kv ({heads_kv}, from k)")
+    if heads_q > MAX_HEADS_Q or heads_kv > MAX_HEADS_KV:  # gridDim.y (dK/dV: two CTAs per head above d128)
+        raise ValueError(f"at most {MAX_HEADS_Q} query heads and {MAX_HEADS_KV} KV heads are supported, got {heads_q} and {heads_kv}")
     if head_dim % 8 or not 8 <= head_dim <= MAX_HEAD_DIM:
         raise ValueError(f"head_dim {head_dim} is not supported: use a multiple of 8 from 8 to {MAX_HEAD_DIM}")
     if out is not None:

@@ -108,9 +108,10 @@ def _launch(ctx, c_type: str, p: np.void, q_shape, k_shape, deterministic: bool)
     bucket, softcap = head_dim_bucket(head_dim), bool(p["attn"]["softcap"] > 0)
     rows = batch * seqlen_q * heads_q
     row_launch = ((-(-rows // BACKWARD_ROWS_PER_CTA), 1, 1), (32 * BACKWARD_ROW_WARPS, 1, 1))
-    # Whether dQ goes through an fp32 accumulator is decided once (a traced JAX call replays
-    # the decision that sized its buffers); a device that cannot run the fused kernel then
-    # takes the deterministic kernels and leaves the accumulator unused.
+    # Whether dQ goes through an fp32 accumulator is decided once: a traced JAX call replays
+    # the decision that sized its buffers, whatever CUATTN_WGMMA says by then; a device that
+    # cannot run the fused kernel (not Hopper) takes the deterministic kernels and leaves the
+    # accumulator unused.
     use_accum = ctx.decide(
         "dq_accumulator",
         lambda: not deterministic and select_fused_backward_variant(c_type, bucket, softcap, ctx.arch(), wgmma_enabled()) is not None,

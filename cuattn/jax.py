@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from cuattn import boundary, ops, requirements
+from cuattn.attention import check_bool
 
 requirements.require("jax", "cupy", by="cuattn.jax")  # before importing what older releases lack
 
@@ -30,7 +31,7 @@ def attention(q, k, v, *, causal=False, window=None, align="bottom_right", scale
     through ``lse`` when it is returned and used)."""
     options = ops.flat_mask_options(causal, window, align, scale, softcap, head_dim=q.shape[-1])
     out, lse = _differentiable("attention")(tuple(options.items()), q, k, v)
-    return (out, lse) if return_lse else out
+    return (out, lse) if check_bool("return_lse", return_lse) else out
 
 
 def merge(outs, lses):

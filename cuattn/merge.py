@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from cuattn import boundary, params, plans, validation
+from cuattn.attention import require_arrays
 from cuattn.loader import load_kernel
 from cuattn.variants import MERGE_VEC_WIDTHS, merge_variant
 
@@ -45,6 +46,7 @@ def merge(outs, lses):
     }
     if not stacked and (len(outs) == 0 or len(outs) != len(lses)):
         raise ValueError(f"outs and lses must be non-empty and of equal length, got {len(outs)} and {len(lses)}")
+    require_arrays(**names)
     ctx, arrays = boundary.import_arrays(**names)
     count = None if stacked else len(outs)
     out_names, part_outs, lse_names, part_lses = _partials(arrays, count)

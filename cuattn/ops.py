@@ -43,7 +43,7 @@ MASK_OPTIONS = (("causal", "bool"), ("window_left", "int"), ("window_right", "in
 def core_mask_options(causal, window_left, window_right, align, scale, softcap) -> dict:
     """The flat, typed options of the op table as the core API's keywords."""
     return dict(
-        causal=causal, window=(None if window_left < 0 else window_left, None if window_right < 0 else window_right),
+        causal=causal, window=(None if window_left == -1 else window_left, None if window_right == -1 else window_right),
         align=align, scale=scale, softcap=softcap or None,
     )
 
@@ -51,7 +51,8 @@ def core_mask_options(causal, window_left, window_right, align, scale, softcap) 
 def flat_mask_options(causal=False, window=None, align="bottom_right", scale=None, softcap=None, head_dim=None) -> dict:
     """The core API's keywords as the op table's flat options (scale resolved, -1 / 0 for none),
     checked as the core API checks them."""
-    left, right = window_bounds(window)
+    # A bound past any sequence is unbounded; capped so that it fits the ops' int64 schema.
+    left, right = (min(w, 2**62) for w in window_bounds(window))
     if not isinstance(align, str):
         raise TypeError(f"align must be a str, got {type(align).__name__} {align!r}")
     scale, softcap = score_options(scale, softcap, head_dim)

@@ -13,6 +13,7 @@ import functools
 import torch
 
 from cuattn import ops, requirements
+from cuattn.attention import check_bool
 
 requirements.require("torch", "cupy", by="cuattn.torch")  # before any torch.library API is touched
 
@@ -27,7 +28,7 @@ def attention(q, k, v, *, causal=False, window=None, align="bottom_right", scale
     through ``lse`` when it is returned and used)."""
     options = ops.flat_mask_options(causal, window, align, scale, softcap, head_dim=q.shape[-1])
     out, lse = op("attention")(q, k, v, **options)
-    return (out, lse) if return_lse else out
+    return (out, lse) if check_bool("return_lse", return_lse) else out
 
 
 def merge(outs, lses):

@@ -76,7 +76,7 @@ def _may_overlap(a, b) -> bool:
         return False
     try:
         return bool(np.shares_memory(np.asarray(_AddressView(a)), np.asarray(_AddressView(b)), max_work=10**6))
-    except np.exceptions.TooHardError:
+    except getattr(np, "exceptions", np).TooHardError:  # np.exceptions from NumPy 1.25
         return True
 
 

@@ -393,3 +393,34 @@ def test_drawn_output_overlap_matches_brute_force(shape, out_strides, offset):
     except ValueError:
         return
     assert not overlapping
+
+
+def test_missing_arrays_are_named():
+    q, k, v = _qkv()
+    for args, name in [((None, k, v), "q"), ((q, None, v), "k"), ((q, k, None), "v")]:
+        with pytest.raises(TypeError, match=f"{name} is required"):
+            cuattn.attention(*args)
+    lse = np.zeros((1, 4, 4), np.float32)
+    with pytest.raises(TypeError, match=r"outs\[1\] is required"):
+        cuattn.merge([q, None], [lse, lse])
+    with pytest.raises(TypeError, match="outs is required"):
+        cuattn.merge(None, None)
+
+
+def test_head_counts_past_the_grid_are_refused_before_launch():
+    q = np.ones((1, 1, 65536, 8), np.float16)
+    kv = np.ones((1, 1, 1, 8), np.float16)
+    with pytest.raises(ValueError, match="at most 65535 query heads"):
+        cuattn.attention(q, kv, kv)
+
+
+def test_op_table_options_keep_their_checks():
+    """The flat options of the torch / JAX ops: -1 is the only 'unbounded'; anything else
+    below it is refused by the core API, not turned into 'unbounded'; huge bounds fit int64."""
+    from cuattn import ops
+
+    q, k, v = _qkv()
+    options = ops.flat_mask_options(head_dim=64)
+    with pytest.raises(ValueError, match="window bounds"):
+        ops.OPS["attention"].call(q, k, v, **{**options, "window_left": -7})
+    assert ops.flat_mask_options(window=(10**20, None), head_dim=64)["window_left"] == 2**62
