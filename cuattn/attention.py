@@ -59,7 +59,7 @@ def attention(q, k, v, *, causal=False, window=None, align="bottom_right", scale
     ``out`` shaped and typed like ``q`` (or ``(out, lse)``), as the caller's array type. Extra
     device memory is only ``out`` and ``lse``: O(seqlen), never O(seqlen^2).
     """
-    require_arrays(q=q, k=k, v=v)
+    require_arrays({"q": q, "k": k, "v": v})
     return_lse = check_bool("return_lse", return_lse)
     ctx, a = boundary.import_arrays(q=q, k=k, v=v, out=out)
     if out is not None and ctx.framework in (boundary.JAX, boundary.NUMPY):
@@ -83,11 +83,12 @@ def attention(q, k, v, *, causal=False, window=None, align="bottom_right", scale
 MAX_HEADS_Q, MAX_HEADS_KV = 65535, 32767
 
 
-def require_arrays(**arrays) -> None:
-    """TypeError naming the first required array argument that is None."""
+def require_arrays(arrays: dict, hints: dict | None = None) -> None:
+    """TypeError naming the first required array argument that is None (and what it is)."""
     for name, x in arrays.items():
         if x is None:
-            raise TypeError(f"{name} is required, got None")
+            hint = f" ({hints[name]})" if hints and name in hints else ""
+            raise TypeError(f"{name} is required, got None{hint}")
 
 
 def check_qkv(q, k, v, out) -> str:

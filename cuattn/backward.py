@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from cuattn import boundary, params, plans, validation
-from cuattn.attention import _LAYOUT, attn_params, check_bool, check_qkv, mask_options, score_options
+from cuattn.attention import _LAYOUT, attn_params, check_bool, check_qkv, mask_options, require_arrays, score_options
 from cuattn.loader import device_smem_limit, load_kernel, wgmma_enabled
 from cuattn.variants import (
     BACKWARD_ROW_WARPS, BACKWARD_ROWS_PER_CTA, backward_row_variant, head_dim_bucket, select_backward_variant,
@@ -48,9 +48,7 @@ def attention_backward(
     128 the dK/dV columns are split over two CTAs, each recomputing the scores), float32 on
     the CUDA cores with fp32 accuracy (no tf32).
     """
-    for name, x in (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)):
-        if x is None:
-            raise TypeError(f"{name} is required, got None ({_REQUIRED[name]})")
+    require_arrays({"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}, _REQUIRED)
     deterministic = check_bool("deterministic", deterministic)
     ctx, a = boundary.import_arrays(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dlse=dlse)
     c_type = check_qkv(a["q"], a["k"], a["v"], a["out"])

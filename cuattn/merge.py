@@ -46,7 +46,7 @@ def merge(outs, lses):
     }
     if not stacked and (len(outs) == 0 or len(outs) != len(lses)):
         raise ValueError(f"outs and lses must be non-empty and of equal length, got {len(outs)} and {len(lses)}")
-    require_arrays(**names)
+    require_arrays(names)
     ctx, arrays = boundary.import_arrays(**names)
     count = None if stacked else len(outs)
     out_names, part_outs, lse_names, part_lses = _partials(arrays, count)
