@@ -41,7 +41,7 @@ def commands(results: pathlib.Path, lm: pathlib.Path) -> dict[str, str]:
         "quick": f"PYTHONPATH=. python -m benchmarks --quick --out {results}",
         "paper": f"PYTHONPATH=. python -m benchmarks paper --out {results}",
         "accuracy": f"PYTHONPATH=. python -m benchmarks accuracy --out {results}",
-        "overhead": f"PYTHONPATH=. python benchmarks/bench_overhead.py --csv {results}/overhead.csv",
+        "overhead": f"PYTHONPATH=. python -m benchmarks overhead --csv {results}/overhead.csv",
         "lm_torch": f"python examples/train_lm_torch.py --out {lm}",
         "lm_jax": f"python examples/train_lm_jax.py --out {lm}",
     }
@@ -151,6 +151,10 @@ def readme_performance(results: pathlib.Path, lm: pathlib.Path, readme: pathlib.
     out += ["| " + " | ".join(cells) + " |" for cells in summary_rows(data["rows"])]
     out.append("")
     out += [f"![{mode}]({_link(results / f'suite_{mode}.png', readme)})" for mode in MODE_TITLES]
+    try:
+        out += ["", *overhead_section(results, page, cmd)[2:]]
+    except NotMeasured as exc:
+        out += ["", f"Per-call time: ({_not_measured(exc)})"]
     out += [
         "",
         f"Every table, each with the GPU it ran on: [{_link(page, readme)}]({_link(page, readme)}) (the suite case by "
@@ -283,12 +287,17 @@ def overhead_section(results: pathlib.Path, page: pathlib.Path, cmd: dict) -> li
     out = [
         f"## Per-call time, {', '.join(gpus)}",
         "",
-        f"On a tiny problem, where the host path dominates: `{cmd['overhead']}` ({', '.join(gpus)}, {rows[0]['date']}).",
+        f"On a tiny problem, where the host path dominates: `{cmd['overhead']}` ({', '.join(gpus)}, {rows[0]['date']}); "
+        "host time per call of back-to-back calls, every peer in the same run. Bars: CuPy calls at most 2x a bare "
+        "CuPy kernel launch, PyTorch at most SDPA's time, JAX's jitted forward at most 2x `jax.nn.dot_product_attention`'s.",
         "",
-        "| framework | call | us per call |",
-        "|---|---|---|",
+        "| framework | call | us per call | bar (us) |",
+        "|---|---|---|---|",
     ]
-    out += [f"| {r['framework']} | {r['call']} | {r['us_per_call']} |" for r in rows]
+    for r in rows:
+        bar = r.get("bar_us") or ""
+        verdict = "" if not bar else f"{bar} ({'met' if float(r['us_per_call']) <= float(bar) else 'missed'})"
+        out.append(f"| {r['framework']} | {r['call']} | {r['us_per_call']} | {verdict} |")
     return out
 
 

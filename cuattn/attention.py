@@ -6,8 +6,8 @@ import math
 
 import numpy as np
 
-from cuattn import boundary, params, plans, reference, validation
-from cuattn.loader import device_arch, load_kernel, wgmma_enabled
+from cuattn import boundary, params, plans, reference, replay, validation
+from cuattn.loader import device_arch, wgmma_enabled
 from cuattn.variants import HEAD_DIM_BUCKETS, head_dim_bucket, select_forward_variant
 
 _LAYOUT = "(batch, seqlen, heads, head_dim)"
@@ -59,6 +59,14 @@ def attention(q, k, v, *, causal=False, window=None, align="bottom_right", scale
     ``out`` shaped and typed like ``q`` (or ``(out, lse)``), as the caller's array type. Extra
     device memory is only ``out`` and ``lse``: O(seqlen), never O(seqlen^2).
     """
+    if out is None:
+        result = replay.run(
+            "attention",
+            lambda: attention(q, k, v, causal=causal, window=window, align=align, scale=scale, softcap=softcap, return_lse=return_lse),
+            (q, k, v), (causal, window, align, scale, softcap, return_lse),
+        )
+        if result is not replay.MISS:
+            return result
     require_arrays({"q": q, "k": k, "v": v})
     return_lse = check_bool("return_lse", return_lse)
     ctx, a = boundary.import_arrays(q=q, k=k, v=v, out=out)
@@ -217,7 +225,6 @@ def _launch(ctx, c_type, p, seqlen_q, heads_q, batch) -> None:
     with ctx.device, ctx.stream:
         arch = device_arch(ctx.device.id)
         variant = select_forward_variant(c_type, head_dim_bucket(int(p["head_dim"])), p["softcap"] > 0, arch, wgmma_enabled())
-        kernel = load_kernel(variant)
         for grid, block, batch_offset in plans.tile_launches(variant, seqlen_q, heads_q, batch):
             p["batch_offset"] = batch_offset
-            kernel(grid, block, (p,), shared_mem=variant.dynamic_smem)
+            ctx.launch(variant, grid, block, p)

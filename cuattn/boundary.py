@@ -161,6 +161,13 @@ class CallContext:
         with self.device, self.stream:
             return _from_cupy(cupy.empty(shape, dtype=dtype))
 
+    def launch(self, variant, grid, block, p) -> None:
+        """Launches ``variant`` with the parameter struct ``p`` (inside ``with self.device,
+        self.stream``)."""
+        from cuattn.loader import load_kernel
+
+        load_kernel(variant)(grid, block, (p,), shared_mem=variant.dynamic_smem)
+
     def zero(self, *arrays: DeviceArray) -> None:
         """Fills arrays this call allocated (contiguous) with zeros, on the call's stream."""
         import cupy

@@ -137,16 +137,41 @@ def cmd_warmup(args) -> int:
     if problem:
         print(f"warmup compiles for the GPU in use and found none: {problem}; use 'compile' for offline builds")
         return 2
-    import time
-
     arch = loader.device_arch()
     chosen = _select(args.names, args.all, arch)
-    for v in chosen:
-        start = time.perf_counter()
-        loader.load_kernel(v)
-        print(f"{v.uri:<48} {time.perf_counter() - start:6.2f} s")
+    if args.jobs > 1 and len(chosen) > 1:
+        timings = _compile_in_threads(chosen, args.jobs)
+    else:
+        timings = map(_compile_one, chosen)
+    for v, seconds in zip(chosen, timings):
+        loader.record_compile(v, arch, seconds)  # once, here: workers' manifest writes may race
+        print(f"{v.uri:<48} {seconds:6.2f} s")
     print(f"{len(chosen)} variants ready in {loader.cache_dir()}")
     return 0
+
+
+def _compile_one(variant: variants.Variant, device_id: int | None = None) -> float:
+    """Seconds to load ``variant`` on the device (compiling it unless cached)."""
+    import time
+
+    import cupy
+
+    start = time.perf_counter()
+    with cupy.cuda.Device(device_id):
+        loader.load_kernel(variant)
+    return time.perf_counter() - start
+
+
+def _compile_in_threads(chosen: list[variants.Variant], jobs: int) -> list[float]:
+    """Each variant compiled by one of ``jobs`` threads (NVRTC releases the GIL) for the
+    current device, into the disk cache."""
+    import concurrent.futures
+
+    import cupy
+
+    device_id = cupy.cuda.runtime.getDevice()
+    with concurrent.futures.ThreadPoolExecutor(min(jobs, len(chosen))) as pool:
+        return list(pool.map(_compile_one, chosen, [device_id] * len(chosen)))
 
 
 def cmd_compile(args) -> int:
@@ -181,6 +206,10 @@ def build_parser() -> argparse.ArgumentParser:
     warm = _command(sub, "warmup", "compile kernel variants into the cache for this GPU", cmd_warmup)
     warm.add_argument("names", nargs="*", help="substrings of variant URIs (default: the common set)")
     warm.add_argument("--all", action="store_true", help="every variant")
+    warm.add_argument(
+        "--jobs", type=positive_int, default=min(16, os.cpu_count() or 1),
+        help="compiles run in this many threads, at least 1 (default: %(default)s)",
+    )
     comp = _command(sub, "compile", "compile variants offline (no GPU needed) and report registers, spills and shared memory", cmd_compile)
     comp.add_argument("names", nargs="*", help="substrings of variant URIs (default: all)")
     comp.add_argument(

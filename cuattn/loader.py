@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import pathlib
+import threading
 import time
 
 from cuattn.variants import Variant
@@ -102,12 +103,13 @@ def read_manifest() -> dict:
         return {}
 
 
-def _record(variant: Variant, arch: str, seconds: float) -> None:
+def record_compile(variant: Variant, arch: str, seconds: float) -> None:
+    """Lists a loaded variant and how long it took in the cache's manifest (``info`` shows it)."""
     manifest = read_manifest()
     manifest[f"{source_hash()[:16]}/{arch}/{variant.uri}"] = {"seconds": round(seconds, 3), "time": time.time()}
     try:
         _manifest_path().parent.mkdir(parents=True, exist_ok=True)
-        tmp = _manifest_path().with_suffix(f".{os.getpid()}.tmp")
+        tmp = _manifest_path().with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
         tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
         tmp.replace(_manifest_path())
     except OSError:  # a read-only cache still works; only the listing is lost
@@ -130,7 +132,7 @@ def _kernel_loader():
         kernel = module.get_function(variant.expression)
         if variant.dynamic_smem > 48 * 1024:
             kernel.max_dynamic_shared_size_bytes = variant.dynamic_smem
-        _record(variant, arch, time.perf_counter() - start)
+        record_compile(variant, arch, time.perf_counter() - start)
         return kernel
 
     return load

@@ -12,8 +12,11 @@ import functools
 
 import torch
 
-from cuattn import ops, requirements
+from cuattn import ops, replay, requirements
+from cuattn.attention import attention as core_attention
+from cuattn.backward import attention_backward as core_attention_backward
 from cuattn.attention import check_bool
+from cuattn.merge import merge as core_merge
 
 requirements.require("torch", "cupy", by="cuattn.torch")  # before any torch.library API is touched
 
@@ -26,14 +29,21 @@ _TENSOR_KINDS = {"?": "Tensor?", "]": "Tensor[]"}
 def attention(q, k, v, *, causal=False, window=None, align="bottom_right", scale=None, softcap=None, return_lse=False):
     """:func:`cuattn.attention` on torch tensors, differentiable in ``q``, ``k``, ``v`` (and
     through ``lse`` when it is returned and used)."""
-    options = ops.flat_mask_options(causal, window, align, scale, softcap, head_dim=q.shape[-1])
-    out, lse = op("attention")(q, k, v, **options)
+    if _eager(q, k, v):
+        if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+            return core_attention(q, k, v, causal=causal, window=window, align=align, scale=scale, softcap=softcap, return_lse=return_lse)
+        out, lse = _EagerAttention.apply(q, k, v, (causal, window, align, scale, softcap))
+    else:
+        out, lse = op("attention")(q, k, v, *_flat_mask_options(causal, window, align, scale, softcap, q.shape[-1]))
     return (out, lse) if check_bool("return_lse", return_lse) else out
 
 
 def merge(outs, lses):
     """:func:`cuattn.merge` of lists of partial ``(out, lse)`` tensors, differentiable in both."""
-    return op("merge")(list(outs), list(lses))
+    outs, lses = list(outs), list(lses)
+    if _eager(*outs, *lses) and not (torch.is_grad_enabled() and any(t.requires_grad for t in outs + lses)):
+        return core_merge(outs, lses)
+    return op("merge")(outs, lses)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
@@ -51,6 +61,70 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         raise ValueError(f"query has {query.shape[1]} heads and key {key.shape[1]}; pass enable_gqa=True for grouped-query attention")
     out = attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), causal=is_causal, align="top_left", scale=scale)
     return out.transpose(1, 2)
+
+
+_FLAT_OPTIONS: dict[tuple, tuple] = {}
+
+
+def _flat_mask_options(causal, window, align, scale, softcap, head_dim) -> tuple:
+    """The op's option values (:func:`cuattn.ops.flat_mask_options`), remembered per distinct
+    arguments once they passed its checks."""
+    try:
+        key = replay.option_key((causal, window, align, scale, softcap, head_dim))
+        return _FLAT_OPTIONS[key]
+    except (KeyError, TypeError):
+        options = tuple(ops.flat_mask_options(causal, window, align, scale, softcap, head_dim=head_dim).values())
+    if len(_FLAT_OPTIONS) < replay.MAX_PLANS:
+        _FLAT_OPTIONS[key] = options
+    return options
+
+
+def _eager(*tensors) -> bool:
+    """Whether a call may run the core path directly, without the dispatcher: plain tensors
+    (no subclass: fake, functional, DTensor), not traced (torch.compile, export, jit.trace)
+    and no dispatch mode (FlopCounterMode, ...) watching."""
+    if _compiling() or _tracing() is not None or _in_dispatch_mode():
+        return False
+    for t in tensors:
+        if type(t) is not torch.Tensor:
+            return False
+    return True
+
+
+class _EagerAttention(torch.autograd.Function):
+    """Eager autograd of the attention op without the dispatcher: the forward and backward
+    call the core path (its validated, replayed launches); traced code uses the op instead."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, options):
+        causal, window, align, scale, softcap = options
+        out, lse = core_attention(q, k, v, causal=causal, window=window, align=align, scale=scale, softcap=softcap, return_lse=True)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.options = options
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
+        causal, window, align, scale, softcap = ctx.options
+        dq, dk, dv = core_attention_backward(
+            _kernel_ready(dout), q, k, v, out, lse, causal=causal, window=window, align=align, scale=scale, softcap=softcap,
+            dlse=dlse, deterministic=torch.are_deterministic_algorithms_enabled(),
+        )
+        return dq, dk, dv, None
+
+
+def _in_dispatch_mode() -> bool:
+    return _python_dispatch._is_in_torch_dispatch_mode or _dispatch_stack() > 0
+
+
+_compiling = torch.compiler.is_compiling
+_tracing = torch._C._get_tracing_state
+_dispatch_stack = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 1)  # unknown: always dispatch
+from torch.utils import _python_dispatch  # noqa: E402
 
 
 def op(name: str):
@@ -120,7 +194,11 @@ def _table_vjp(entry: ops.OpEntry, ctx, *grads):
     options = {**ctx.options, **dict(entry.vjp_options)}
     if "deterministic" in options:  # torch.use_deterministic_algorithms(True) picks the atomic-free backward
         options["deterministic"] = torch.are_deterministic_algorithms_enabled()
-    grads_in = op(entry.vjp)(*entry.vjp_arrays(inputs, outputs, [_kernel_ready(g) for g in grads]), **options)
+    arrays = entry.vjp_arrays(inputs, outputs, [_kernel_ready(g) for g in grads])
+    if _eager(*(a for a in arrays if a is not None)):  # eager backward: no second dispatch
+        grads_in = ops.OPS[entry.vjp].call(*arrays, **options)
+    else:
+        grads_in = op(entry.vjp)(*arrays, **options)
     return (*grads_in, *(None for _ in entry.options))
 
 

@@ -27,3 +27,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if "offline" in item.keywords and HAS_GPU:
             item.add_marker(skip_offline)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_launch_plans():
+    """Each test records its own launch plans (cuattn.replay), so that a test that changes
+    what plans depend on (a monkeypatched device limit, a spied kernel loader) sees them made."""
+    from cuattn import replay
+
+    replay.clear()
+    yield

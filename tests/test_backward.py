@@ -173,8 +173,8 @@ def test_hopper_default_backward_runs_the_fused_kernel(monkeypatch):
     from cuattn import backward, loader
 
     launched = []
-    load = backward.load_kernel
-    monkeypatch.setattr(backward, "load_kernel", lambda variant: launched.append(variant.family) or load(variant))
+    load = loader.load_kernel
+    monkeypatch.setattr(loader, "load_kernel", lambda variant: launched.append(variant.family) or load(variant))
     rng = np.random.default_rng()
     q, k, v, do = (cupy.asarray(randn(rng, (1, 70, 2, 128), "bfloat16")) for _ in range(4))
     out, lse = cuattn.attention(q, k, v, return_lse=True)
@@ -291,13 +291,13 @@ def test_backward_tiles_fit_a_99kb_device(monkeypatch, d):
     """RTX 30xx / 40xx, A10, L4, L40S opt in to 99 KB of shared memory per block: the portable
     backward picks smaller streamed blocks there (and, at head_dim 256, reads dK/dV's row
     statistics from global memory). Run here under that limit and checked like any other."""
-    from cuattn import backward, variants
+    from cuattn import backward, loader, variants
     from cuattn.variants import head_dim_bucket
 
     monkeypatch.setattr(backward, "device_smem_limit", lambda device_id: 101376)
     launched = []
-    load = backward.load_kernel
-    monkeypatch.setattr(backward, "load_kernel", lambda variant: launched.append(variant) or load(variant))
+    load = loader.load_kernel
+    monkeypatch.setattr(loader, "load_kernel", lambda variant: launched.append(variant) or load(variant))
     _run(np.random.default_rng(), 1, 200, 333, 4, 2, d, "bfloat16", path="portable", causal=True, with_dlse=True)
     _run(np.random.default_rng(), 2, 113, 65, 2, 1, d, "float16", path="portable", window=(40, 8), softcap=5.0)
     tiled = [v for v in launched if v.family in ("backward_dq", "backward_dkdv")]

@@ -89,11 +89,11 @@ def test_no_host_transfer_inside_jit():
 def test_xla_determinism_flag_picks_the_atomic_free_backward(monkeypatch, flags):
     """XLA_FLAGS asking for deterministic ops gives bit-identical gradients (no dQ atomics);
     otherwise Hopper runs the one-pass backward."""
-    from cuattn import backward, loader
+    from cuattn import loader
 
-    launched = []
-    load = backward.load_kernel
-    monkeypatch.setattr(backward, "load_kernel", lambda variant: launched.append(variant.family) or load(variant))
+    launched = []  # the variants each new launch plan loads (plans are recorded afresh per test)
+    load = loader.load_kernel
+    monkeypatch.setattr(loader, "load_kernel", lambda variant: launched.append(variant.family) or load(variant))
     monkeypatch.setenv("XLA_FLAGS", flags)
     deterministic = bool(flags)
     assert cj.xla_deterministic_ops() == deterministic

@@ -150,11 +150,11 @@ def test_torch_compile_fullgraph_matches_eager():
 def test_deterministic_algorithms_pick_the_atomic_free_backward(monkeypatch, deterministic):
     """torch.use_deterministic_algorithms(True) gives bit-identical gradients (no dQ atomics);
     otherwise Hopper runs the one-pass backward."""
-    from cuattn import backward, loader
+    from cuattn import loader
 
-    launched = []
-    load = backward.load_kernel
-    monkeypatch.setattr(backward, "load_kernel", lambda variant: launched.append(variant.family) or load(variant))
+    launched = []  # the variants each new launch plan loads (plans are recorded afresh per test)
+    load = loader.load_kernel
+    monkeypatch.setattr(loader, "load_kernel", lambda variant: launched.append(variant.family) or load(variant))
     q, k, v = (torch.randn(1, 300, 4, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     dout = torch.randn(1, 300, 4, 128, device="cuda", dtype=torch.bfloat16)
     saved = torch.are_deterministic_algorithms_enabled()

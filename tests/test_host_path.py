@@ -1,0 +1,257 @@
+"""The host fast path (cuattn.replay) without a GPU: a fake device-array type stands in for a
+framework, kernels and allocations are recorded instead of run. Pins what a repeated call does
+on the host (no validation, two allocations, one launch, a bounded number of Python calls) and
+that the replayed parameter structs are the ones the full path builds."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+
+import cuattn
+from cuattn import boundary, loader, params, replay
+
+attention_module = importlib.import_module("cuattn.attention")  # the package exports the function
+backward_module = importlib.import_module("cuattn.backward")
+
+ALIGN = 256
+BUDGET = 40  # Python calls of cuattn's code per repeated attention call (34 on CPython 3.11)
+
+
+class FakeArray:
+    """A device array of a fake framework: shape, strides in elements, dtype, address."""
+
+    def __init__(self, shape, dtype, ptr, strides=None):
+        self.shape, self.dtype, self.ptr = tuple(shape), np.dtype(dtype), ptr
+        self.strides = strides or tuple(int(np.prod(self.shape[i + 1:])) for i in range(len(self.shape)))
+
+
+class FakeDevice:
+    id = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class FakeFunction:
+    """A loaded kernel; launches through cuLaunchKernel's arguments (``launch_kernel``) or
+    CuPy's call, recording the parameter bytes either way."""
+
+    functions: dict[int, FakeFunction] = {}
+
+    def __init__(self, variant, launched):
+        self.variant, self.launched, self.ptr = variant, launched, id(self)
+        FakeFunction.functions[self.ptr] = self
+
+    def __call__(self, grid, block, args, shared_mem=0, stream=None):
+        (arg,) = args
+        self.launched.append((self.variant.uri, grid, block, shared_mem, ctypes.string_at(arg.ptr, self.variant_struct().itemsize)))
+
+    @staticmethod
+    def launch_kernel(f, gx, gy, gz, bx, by, bz, shared_mem, stream, kernel_params, extra):
+        function = FakeFunction.functions[f]
+        struct_address = ctypes.c_void_p.from_address(kernel_params).value
+        params = ctypes.string_at(struct_address, function.variant_struct().itemsize)
+        function.launched.append((function.variant.uri, (gx, gy, gz), (bx, by, bz), shared_mem, params))
+
+    def variant_struct(self):
+        family = self.variant.family
+        return params.MERGE_PARAMS if family == "merge" else params.BACKWARD_PARAMS if "backward" in family else params.ATTN_PARAMS
+
+
+class FakeRawKernel:
+    def __init__(self, variant, launched):
+        self.kernel = FakeFunction(variant, launched)
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    """A fake framework registered with replay, a fake Hopper device, and recorded launches."""
+    state = {"next": 1 << 32, "launched": [], "allocated": 0}
+
+    def allocate(shape, dtype, device):
+        a = FakeArray(shape, dtype, state["next"])
+        state["next"] += ALIGN * (1 + a.dtype.itemsize * int(np.prod(shape)) // ALIGN)
+        state["allocated"] += 1
+        return a, a.ptr
+
+    def scratch(nbytes, device):
+        address = state["next"]
+        state["next"] += ALIGN * (1 + nbytes // ALIGN)
+        state["allocated"] += 1
+        return None, address
+
+    framework = replay._Framework(
+        boundary.CUPY,
+        read=lambda x: (x.shape, x.strides, x.dtype, 0, x.ptr),
+        wrap=lambda x: boundary.DeviceArray(x.ptr, x.shape, x.strides, x.dtype, x),
+        allocate=allocate,
+        scratch=scratch,
+        stream=lambda device: 0,
+    )
+    monkeypatch.setitem(replay._frameworks, FakeArray, framework)
+    monkeypatch.setattr(replay, "_current_device", lambda: 0)
+    monkeypatch.setattr(replay._Recorder, "device", property(lambda self: FakeDevice()))
+    monkeypatch.setattr(replay._Recorder, "stream", property(lambda self: contextlib.nullcontext()))
+    kernels = {}  # load_kernel is memoized: one kernel object per variant
+    monkeypatch.setattr(loader, "load_kernel", lambda v: kernels.setdefault(v, FakeRawKernel(v, state["launched"])))
+    monkeypatch.setattr(loader, "device_arch", lambda device_id=None: "sm_90a")
+    monkeypatch.setattr(attention_module, "device_arch", lambda device_id=None: "sm_90a")
+    monkeypatch.setattr(backward_module, "device_smem_limit", lambda device_id: 232448)
+    monkeypatch.setattr(replay, "enabled", True)
+    monkeypatch.setattr(replay, "_driver_launch", lambda: None)
+    monkeypatch.setattr(replay, "_launch_kernel", FakeFunction.launch_kernel)
+    monkeypatch.delenv("CUATTN_WGMMA", raising=False)
+    monkeypatch.setattr(replay, "counters", replay.Counters())
+    replay.clear()
+    yield state
+    replay.clear()
+
+
+def _arrays(state, *shapes, dtype="float16"):
+    out = []
+    for shape in shapes:
+        out.append(FakeArray(shape, dtype, state["next"]))
+        state["next"] += ALIGN * (1 + 2 * int(np.prod(shape)) // ALIGN)
+    return out
+
+
+def test_a_repeated_call_records_once_and_then_only_allocates_and_launches(fake):
+    q, k, v = _arrays(fake, (2, 100, 8, 64), (2, 300, 2, 64), (2, 300, 2, 64))
+    out, lse = cuattn.attention(q, k, v, causal=True, return_lse=True)
+    assert isinstance(out, FakeArray) and out.shape == q.shape
+    assert replay.counters.recordings == 2 and len(fake["launched"]) == 1
+    for i in range(50):
+        q2, k2, v2 = _arrays(fake, q.shape, k.shape, v.shape)  # new addresses every call
+        out, lse = cuattn.attention(q2, k2, v2, causal=True, return_lse=True)
+        assert lse.shape == (2, 8, 100) and lse.dtype == np.float32
+    assert replay.counters.recordings == 2  # no validation or planning after the first call
+    assert replay.counters.replays == 51 and replay.counters.launches == 51
+    assert fake["allocated"] == 2 * 51
+
+
+def test_replayed_parameters_are_the_full_paths_with_this_calls_addresses(fake):
+    q, k, v = _arrays(fake, (3, 77, 4, 96), (3, 50, 1, 96), (3, 50, 1, 96))
+    cuattn.attention(q, k, v, window=(5, 3), softcap=30.0)
+    q, k, v = _arrays(fake, q.shape, k.shape, v.shape)
+    out, lse = cuattn.attention(q, k, v, window=(5, 3), softcap=30.0, return_lse=True)
+    wrap = lambda x: boundary.DeviceArray(x.ptr, x.shape, x.strides, x.dtype, x)  # noqa: E731
+    mask = attention_module.mask_options(False, (5, 3), "bottom_right", 77, 50)
+    scale, softcap = attention_module.score_options(None, 30.0, 96)
+    expected = attention_module.attn_params(*map(wrap, (q, k, v, out, lse)), mask, scale, softcap)
+    assert fake["launched"][-1][-1] == expected.tobytes()
+
+
+def test_backward_and_merge_replay_the_full_paths_parameters(fake):
+    q, k, v, dout = _arrays(fake, (2, 64, 4, 64), (2, 64, 4, 64), (2, 64, 4, 64), (2, 64, 4, 64))
+    out, lse = cuattn.attention(q, k, v, return_lse=True)
+    cuattn.attention_backward(dout, q, k, v, out, lse)
+    first = fake["launched"][1:]
+    fake["launched"].clear()
+    dq, dk, dv = cuattn.attention_backward(dout, q, k, v, out, lse)
+    replayed = fake["launched"]
+    assert [l[:4] for l in replayed] == [l[:4] for l in first] and len(replayed) >= 2
+    # Only the gradient and scratch addresses (fresh allocations) differ from the first call.
+    struct = params.BACKWARD_PARAMS
+    for a, b in zip(first, replayed):
+        pa, pb = np.frombuffer(a[-1], struct)[0], np.frombuffer(b[-1], struct)[0]
+        assert pb["dq"] == dq.ptr and pb["dk"] == dk.ptr and pb["dv"] == dv.ptr
+        assert pb["attn"].tobytes() == pa["attn"].tobytes() and pb["dout"] == pa["dout"] == dout.ptr
+
+    o1, o2 = _arrays(fake, (1, 9, 2, 64), (1, 9, 2, 64))
+    l1, l2 = _arrays(fake, (1, 2, 9), (1, 2, 9), dtype="float32")
+    for _ in range(3):
+        merged, merged_lse = cuattn.merge([o1, o2], [l1, l2])
+    p = np.frombuffer(fake["launched"][-1][-1], params.MERGE_PARAMS)[0]
+    assert list(p["outs"][:2]) == [o1.ptr, o2.ptr] and list(p["lses"][:2]) == [l1.ptr, l2.ptr]
+    assert p["dst_out"] == merged.ptr and p["dst_lse"] == merged_lse.ptr and p["num_partials"] == 2
+    stacked = FakeArray((2, 1, 9, 2, 64), "float16", fake["next"])
+    stacked_lse = FakeArray((2, 1, 2, 9), "float32", fake["next"] + (1 << 20))
+    for _ in range(2):
+        cuattn.merge(stacked, stacked_lse)
+    p = np.frombuffer(fake["launched"][-1][-1], params.MERGE_PARAMS)[0]
+    assert list(p["outs"][:2]) == [stacked.ptr, stacked.ptr + 9 * 2 * 64 * 2]  # the partials' offsets
+
+
+def test_a_repeated_call_stays_within_its_python_call_budget(fake):
+    q, k, v = _arrays(fake, (1, 128, 4, 64), (1, 128, 4, 64), (1, 128, 4, 64))
+    cuattn.attention(q, k, v)
+    calls = []
+    package = str(pathlib.Path(cuattn.__file__).parent)
+
+    def profile(frame, event, arg):  # Python functions of cuattn, and what they call directly
+        if event in ("call", "c_call") and frame.f_code.co_filename.startswith(package):
+            calls.append(frame.f_code.co_name if event == "call" else getattr(arg, "__name__", "?"))
+
+    sys.setprofile(profile)
+    try:
+        cuattn.attention(q, k, v)
+    finally:
+        sys.setprofile(None)
+    # The fast path: attention, run, the option key, the plan's run and result picking; no
+    # checks, no variant lookup, no struct packing.
+    assert not {"check_qkv", "score_options", "mask_options", "attn_params", "pack", "select_forward_variant"} & set(calls)
+    assert len(calls) <= BUDGET, calls
+
+
+@pytest.mark.parametrize(
+    "kwargs, error",
+    [
+        ({"causal": 1}, TypeError),
+        ({"scale": True}, TypeError),
+        ({"window": (True, 0)}, TypeError),
+        ({"window": [2.0, 0]}, TypeError),
+        ({"scale": -1.0}, ValueError),
+        ({"return_lse": 1}, TypeError),
+        ({"align": "middle"}, ValueError),
+        ({"window": [[1], 2]}, TypeError),  # unhashable: the full path reports it
+    ],
+)
+def test_bad_options_raise_after_good_ones_were_cached(fake, kwargs, error):
+    q, k, v = _arrays(fake, (1, 16, 2, 64), (1, 16, 2, 64), (1, 16, 2, 64))
+    good = {"causal": True, "scale": 1.0, "window": (1, 0), "return_lse": True, "align": "top_left"}
+    cuattn.attention(q, k, v, **good)
+    cuattn.attention(q, k, v, **{**good, **{"window": [1, 0]}})
+    with pytest.raises(error):
+        cuattn.attention(q, k, v, **{**good, **kwargs})
+
+
+def test_bad_arrays_raise_after_good_ones_were_cached(fake):
+    q, k, v = _arrays(fake, (1, 16, 4, 64), (1, 16, 2, 64), (1, 16, 2, 64))
+    cuattn.attention(q, k, v)
+    bad_heads = _arrays(fake, (1, 16, 3, 64))[0]
+    with pytest.raises(ValueError, match="heads_q"):
+        cuattn.attention(q, bad_heads, bad_heads)
+    bad_dtype = FakeArray(v.shape, "float32", v.ptr)
+    with pytest.raises(TypeError, match="dtype"):
+        cuattn.attention(q, k, bad_dtype)
+    with pytest.raises(TypeError, match="v is required"):
+        cuattn.attention(q, k, None)
+
+
+def test_signatures_that_differ_only_in_strides_or_dtype_get_their_own_plans(fake):
+    q, k, v = _arrays(fake, (1, 16, 2, 64), (1, 16, 2, 64), (1, 16, 2, 64))
+    cuattn.attention(q, k, v)
+    strided = FakeArray(q.shape, q.dtype, q.ptr, strides=(16 * 2 * 128, 2 * 128, 128, 1))
+    cuattn.attention(strided, k, v)
+    p = np.frombuffer(fake["launched"][-1][-1], params.ATTN_PARAMS)[0]
+    assert tuple(p["q_strides"]) == (16 * 2 * 128, 2 * 128, 128)
+    assert replay.counters.recordings == 4
+
+
+def test_an_op_that_cannot_be_replayed_runs_its_full_path(fake):
+    """heads_q = 0 zero-fills dK/dV with a memset: not a launch, so never replayed."""
+    q = FakeArray((1, 8, 0, 64), "float16", 1 << 40)
+    k, v = _arrays(fake, (1, 8, 2, 64), (1, 8, 2, 64))
+    with pytest.raises(TypeError, match="must be a CuPy"):  # the full path does not know the fake type
+        cuattn.attention_backward(q, q, k, v, q, FakeArray((1, 0, 8), "float32", 1 << 41))
+    assert replay.run("x", lambda: None, (q,), ()) is replay.MISS  # cached as not replayable

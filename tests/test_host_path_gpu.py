@@ -1,0 +1,200 @@
+"""The host fast path on the GPU: replayed calls give the full path's results bit for bit,
+bad input gives the full path's errors after good input was cached, and CUDA-graph capture
+works through it (CuPy, PyTorch)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cuattn
+from cuattn import replay
+
+pytestmark = pytest.mark.gpu
+cupy = pytest.importorskip("cupy")
+
+from helpers import poison_cupy_pool, randn  # noqa: E402
+
+
+def _cupy_inputs(rng, shape_q, shape_kv, dtype):
+    return [cupy.asarray(randn(rng, s, dtype)) for s in (shape_q, shape_kv, shape_kv)]
+
+
+def _full_path(monkeypatch, fn):
+    """fn() with the fast path off."""
+    with monkeypatch.context() as m:
+        m.setattr(replay, "enabled", False)
+        return fn()
+
+
+def _same(a, b):
+    for x, y in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,)):
+        np.testing.assert_array_equal(cupy.asnumpy(x).view(np.uint8), cupy.asnumpy(y).view(np.uint8))
+
+
+@pytest.mark.parametrize(
+    "shape_q, shape_kv, dtype, options",
+    [
+        ((2, 113, 8, 64), (2, 300, 2, 64), "bfloat16", {"causal": True}),
+        ((1, 1, 4, 128), (1, 1023, 4, 128), "float16", {"window": (100, None), "return_lse": True}),
+        ((3, 65, 2, 256), (3, 65, 1, 256), "bfloat16", {"softcap": 20.0, "align": "top_left", "causal": True}),
+        ((1, 40, 2, 40), (1, 17, 2, 40), "float32", {"scale": 0.3, "return_lse": True}),
+    ],
+)
+def test_replayed_forward_is_the_full_path_bit_for_bit(monkeypatch, shape_q, shape_kv, dtype, options):
+    replay.clear()
+    rng = np.random.default_rng(0)
+    for call in range(3):  # the first call records; later ones replay with new arrays
+        q, k, v = _cupy_inputs(rng, shape_q, shape_kv, dtype)
+        poison_cupy_pool()
+        before = replay.counters.replays
+        got = cuattn.attention(q, k, v, **options)
+        assert replay.counters.replays == before + 1
+        _same(got, _full_path(monkeypatch, lambda: cuattn.attention(q, k, v, **options)))
+
+
+@pytest.mark.parametrize("dtype, head_dim", [("bfloat16", 64), ("float16", 128), ("float32", 32)])
+def test_replayed_backward_and_merge_are_the_full_path_bit_for_bit(monkeypatch, dtype, head_dim):
+    replay.clear()
+    rng = np.random.default_rng(1)
+    for _ in range(2):
+        q, k, v = _cupy_inputs(rng, (2, 77, 4, head_dim), (2, 77, 2, head_dim), dtype)
+        dout = cupy.asarray(randn(rng, q.shape, dtype))
+        out, lse = cuattn.attention(q, k, v, causal=True, return_lse=True)
+        dlse = cupy.asarray(randn(rng, lse.shape, "float32"))
+        poison_cupy_pool()
+        grads = cuattn.attention_backward(dout, q, k, v, out, lse, causal=True, dlse=dlse, deterministic=True)
+        _same(grads, _full_path(monkeypatch, lambda: cuattn.attention_backward(
+            dout, q, k, v, out, lse, causal=True, dlse=dlse, deterministic=True)))
+        parts = [cuattn.attention(q, k[:, i::2], v[:, i::2], return_lse=True) for i in range(2)]
+        outs, lses = [p[0] for p in parts], [p[1] for p in parts]
+        _same(cuattn.merge(outs, lses), _full_path(monkeypatch, lambda: cuattn.merge(outs, lses)))
+        stacked, stacked_lse = cupy.stack(outs), cupy.stack(lses)
+        _same(cuattn.merge(stacked, stacked_lse), _full_path(monkeypatch, lambda: cuattn.merge(stacked, stacked_lse)))
+        acc, acc_lse = outs[0].copy(), lses[0].copy()
+        ref = _full_path(monkeypatch, lambda: cuattn.merge(outs, lses))
+        assert cuattn.merge_(acc, acc_lse, outs[1], lses[1])[0] is acc
+        _same((acc, acc_lse), ref)
+    assert replay.counters.replays > 0
+
+
+def test_bad_input_after_good_input_was_cached_gives_the_full_paths_errors():
+    rng = np.random.default_rng(2)
+    q, k, v = _cupy_inputs(rng, (1, 64, 4, 64), (1, 64, 4, 64), "float16")
+    cuattn.attention(q, k, v)
+    cuattn.attention(q, k, v)
+    flat = cupy.asarray(randn(rng, (1 + q.size,), "float16"))
+    misaligned = flat[1:].reshape(q.shape)  # 2 bytes past a 16-byte boundary
+    with pytest.raises(ValueError, match="16 bytes"):
+        cuattn.attention(misaligned, k, v)
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        cuattn.attention(q, k, v, causal=1)
+    with pytest.raises(TypeError, match="dtype"):
+        cuattn.attention(q, k, v.astype(np.float32))
+    with pytest.raises(ValueError, match="unit stride"):
+        cuattn.attention(q, k, cupy.asarray(randn(rng, (1, 64, 4, 128), "float16"))[..., ::2])
+    if cupy.cuda.runtime.getDeviceCount() > 1:
+        with cupy.cuda.Device(1):
+            k1 = cupy.asarray(k)
+        with pytest.raises(ValueError, match="device"):
+            cuattn.attention(q, k1, v)
+
+
+def test_cupy_graph_capture_of_forward_backward_and_merge():
+    rng = np.random.default_rng(3)
+    q, k, v = _cupy_inputs(rng, (2, 96, 4, 64), (2, 96, 4, 64), "bfloat16")
+    dout = cupy.asarray(randn(rng, q.shape, "bfloat16"))
+    stream = cupy.cuda.Stream(non_blocking=True)
+
+    def step():
+        out, lse = cuattn.attention(q, k, v, causal=True, return_lse=True)
+        grads = cuattn.attention_backward(dout, q, k, v, out, lse, causal=True, deterministic=True)
+        return out, lse, grads, cuattn.merge([out, out], [lse, lse])
+
+    with stream:
+        step()  # records the plans and warms the pool
+        stream.begin_capture()
+        captured = step()
+        graph = stream.end_capture()
+        for x, seed in ((q, 4), (k, 5), (v, 6), (dout, 7)):
+            x[...] = cupy.asarray(randn(np.random.default_rng(seed), x.shape, "bfloat16"))
+        graph.launch()
+        stream.synchronize()
+        eager = step()
+        stream.synchronize()
+    out, lse, grads, merged = captured
+    _same((out, lse, *grads, *merged), (eager[0], eager[1], *eager[2], *eager[3]))
+
+
+def test_torch_graph_capture_and_replay_match_eager():
+    torch = pytest.importorskip("torch")
+    import cuattn.torch as ct
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(2, 128, 4, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(side):
+        ct.attention(q, k, v, causal=True)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        out, lse = ct.attention(q, k, v, causal=True, return_lse=True)
+    for x in (q, k, v):
+        x.copy_(torch.randn(x.shape, device="cuda", dtype=x.dtype, generator=g))
+    graph.replay()
+    with torch.no_grad():
+        ref, ref_lse = ct.attention(q, k, v, causal=True, return_lse=True)
+    assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+
+
+def test_torch_direct_and_dispatched_paths_agree(monkeypatch):
+    """No-grad eager calls skip the dispatcher; calls that record a gradient go through the op.
+    Both give the same values, and the eager backward (direct) matches the op's."""
+    torch = pytest.importorskip("torch")
+    import cuattn.torch as ct
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v = (torch.randn(1, 77, 4, 64, device="cuda", dtype=torch.float16, generator=g, requires_grad=True) for _ in range(3))
+    with torch.no_grad():
+        direct = ct.attention(q, k, v, window=(8, 8))
+    dispatched = ct.attention(q, k, v, window=(8, 8))
+    assert torch.equal(direct, dispatched) and dispatched.grad_fn is not None
+    torch.use_deterministic_algorithms(True)
+    try:
+        grads = torch.autograd.grad(dispatched.float().square().sum(), (q, k, v))
+        with monkeypatch.context() as m:
+            m.setattr(ct, "_eager", lambda *t: False)
+            again = ct.attention(q, k, v, window=(8, 8))
+            op_grads = torch.autograd.grad(again.float().square().sum(), (q, k, v))
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for a, b in zip(grads, op_grads):
+        assert torch.equal(a, b)
+    with pytest.raises(TypeError, match="causal must be a bool"), torch.no_grad():
+        ct.attention(q, k, v, causal=1)
+    with pytest.raises(ValueError, match="cuda"), torch.no_grad():
+        ct.attention(q.detach().cpu(), k.detach().cpu(), v.detach().cpu())
+
+
+def test_jax_jit_replays_its_plan_with_new_buffers(monkeypatch):
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    import cuattn.jax as cj
+
+    rng = np.random.default_rng(8)
+    make = lambda: [jnp.asarray(randn(rng, (2, 50, 4, 64), "float32"), jnp.bfloat16) for _ in range(3)]  # noqa: E731
+    forward = jax.jit(lambda q, k, v: cj.attention(q, k, v, causal=True, return_lse=True))
+    grad = jax.jit(jax.grad(lambda q, k, v: cj.attention(q, k, v, causal=True).astype(jnp.float32).sum(), argnums=(0, 1, 2)))
+    before = replay.counters.replays
+    for _ in range(3):
+        q, k, v = make()
+        got = forward(q, k, v), grad(q, k, v)
+        with monkeypatch.context() as m:
+            m.setattr(replay, "enabled", False)
+            full = jax.block_until_ready(jax.jit(lambda q, k, v: cj.attention(q, k, v, causal=True, return_lse=True))(q, k, v))
+        for a, b in zip(got[0], full):
+            np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+        assert all(np.isfinite(np.asarray(g.astype(jnp.float32))).all() for g in got[1])
+    assert replay.counters.replays >= before + 6
