@@ -81,7 +81,8 @@ def attention(q, k, v, *, causal=False, window=None, align="bottom_right", scale
 
     ctx.stage(*a.values())
     dst = a["out"] if out is not None else ctx.empty(a["q"].shape, a["q"].dtype)
-    lse = ctx.empty((batch, heads_q, seqlen_q), np.float32)
+    # Without return_lse the kernels skip lse (a null pointer): nothing to allocate.
+    lse = ctx.empty((batch, heads_q, seqlen_q), np.float32) if return_lse else _NO_LSE
     if batch and seqlen_q and heads_q:
         _launch(ctx, c_type, attn_params(a["q"], a["k"], a["v"], dst, lse, mask, scale, softcap), seqlen_q, heads_q, batch)
     result = out if out is not None else ctx.export(dst)
@@ -89,6 +90,7 @@ def attention(q, k, v, *, causal=False, window=None, align="bottom_right", scale
 
 
 MAX_HEADS_Q, MAX_HEADS_KV = 65535, 32767
+_NO_LSE = boundary.DeviceArray(0, (0, 0, 0), (0, 0, 0), np.dtype(np.float32), None)
 
 
 def require_arrays(arrays: dict, hints: dict | None = None) -> None:

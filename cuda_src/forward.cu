@@ -149,7 +149,7 @@ __global__ void __launch_bounds__(WARPS * 32) forward_kernel(const __grid_consta
             pack2<T>(acc[mt][dt][2 * h] * total.inv, acc[mt][dt][2 * h + 1] * total.inv);
       }
       const int row = warp_first_row + r;
-      if (t == 0 && row < p.seqlen_q) head_view.lse[row] = total.lse;
+      if (t == 0 && row < p.seqlen_q && head_view.lse != nullptr) head_view.lse[row] = total.lse;
     }
   }
   __syncwarp();

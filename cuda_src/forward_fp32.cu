@@ -103,7 +103,7 @@ __global__ void __launch_bounds__(kF32Warps * 32, 1) forward_fp32_kernel(const _
       const int col = lane + 32 * c;
       if (col < p.head_dim) out[row * p.out_strides[1] + col] = float(acc[r][c] * inv);
     }
-    if (lane == 0) {
+    if (lane == 0 && lse != nullptr) {
       lse[row] = lse_from_shift(exp2_shift(row_max[r], sc), float(row_sum[r]));
     }
   }

@@ -109,7 +109,7 @@ __global__ void __launch_bounds__(WARPGROUPS * 128, CTAS_PER_SM) forward_wgmma_k
                            swizzled_chunk(r, col % kSwizzleBlockElems / 8) + (col % 8) * 2;
       *reinterpret_cast<u32*>(dst) = pack2<T>(acc[0][dt][2 * h] * total.inv, acc[0][dt][2 * h + 1] * total.inv);
     }
-    if (t == 0 && m0 + r < p.seqlen_q) head_view.lse[m0 + r] = total.lse;
+    if (t == 0 && m0 + r < p.seqlen_q && head_view.lse != nullptr) head_view.lse[m0 + r] = total.lse;
   }
   asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");  // this warpgroup's rows staged
   constexpr int kOutChunks = 64 * Tr::kChunksPerRow;

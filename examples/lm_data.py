@@ -74,6 +74,9 @@ def report(curves: dict, seconds: dict, out_dir, stem: str, title: str, gpu: str
     print(f"mean loss over the last 50 steps: {name_a} {a[-50:].mean():.4f}, {name_b} {b[-50:].mean():.4f}; "
           f"max |difference| of the curves {np.abs(a - b).max():.4f}")
     print(f"wall time per run on the {gpu}: " + ", ".join(f"{k} {total:.1f} s (first step {first:.1f} s)" for k, (total, first) in seconds.items()))
+    (total_a, first_a), (total_b, first_b) = seconds[name_a], seconds[name_b]
+    print(f"{name_a}'s wall time per run is {total_a / total_b:.2f}x {name_b}'s "
+          f"({(total_a - first_a) / (total_b - first_b):.2f}x after the first step)")
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = {
         "gpu": gpu,

@@ -179,12 +179,13 @@ def test_hopper_default_backward_runs_the_fused_kernel(monkeypatch):
     q, k, v, do = (cupy.asarray(randn(rng, (1, 70, 2, 128), "bfloat16")) for _ in range(4))
     out, lse = cuattn.attention(q, k, v, return_lse=True)
     hopper = loader.device_arch() == "sm_90a"
+    backward_loads = lambda: [f for f in dict.fromkeys(launched) if f.startswith("backward")]  # noqa: E731 (a plan is recorded twice)
     cuattn.attention_backward(do, q, k, v, out, lse)
     expected = ["backward_prep", "backward_wgmma_fused", "backward_dq_finish"] if hopper else ["backward_prep", "backward_dq", "backward_dkdv"]
-    assert launched == expected
+    assert backward_loads() == expected
     launched.clear()
     cuattn.attention_backward(do, q, k, v, out, lse, deterministic=True)
-    assert launched == (["backward_prep", "backward_wgmma_dq", "backward_wgmma_dkdv"] if hopper else expected)
+    assert backward_loads() == (["backward_prep", "backward_wgmma_dq", "backward_wgmma_dkdv"] if hopper else expected)
 
 
 @pytest.mark.parametrize("deterministic", [True, False])

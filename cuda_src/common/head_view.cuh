@@ -18,7 +18,7 @@ struct HeadView {
     k = static_cast<const T*>(p.k) + batch * p.k_strides[0] + kv_head * p.k_strides[2];
     v = static_cast<const T*>(p.v) + batch * p.v_strides[0] + kv_head * p.v_strides[2];
     out = static_cast<T*>(p.out) + batch * p.out_strides[0] + head * p.out_strides[2];
-    lse = p.lse + batch * p.lse_strides[0] + head * p.lse_strides[1];
+    lse = p.lse == nullptr ? nullptr : p.lse + batch * p.lse_strides[0] + head * p.lse_strides[1];  // null: not wanted
   }
 };
 
