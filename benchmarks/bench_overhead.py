@@ -1,6 +1,7 @@
 """Per-call overhead of each adapter on a tiny problem, next to the framework's own attention:
-host wall time per call over many back-to-back calls (one sync at the end), where the GPU work
-(a few microseconds) is not what limits the rate.
+host wall time per call over many back-to-back calls (one sync at the end; each call and its
+peers sampled in turn, medians), where the GPU work (a few microseconds) is not what limits the
+rate.
 
     PYTHONPATH=. python -m benchmarks overhead [--csv results/overhead.csv]
 
@@ -20,17 +21,27 @@ SHAPE = (1, 128, 4, 64)  # batch, seqlen, heads, head_dim
 CALLS = 2000
 
 
+SAMPLES = 11
+
+
 def per_call_us(fn, sync, calls: int = CALLS) -> float:
-    """Median over 5 samples of the host time per call of ``calls`` back-to-back calls."""
-    samples = []
-    for _ in range(6):
-        sync()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        sync()
-        samples.append((time.perf_counter() - start) / calls * 1e6)
-    return float(np.median(samples[1:]))
+    """Median over SAMPLES samples of the host time per call of ``calls`` back-to-back calls."""
+    return interleaved({"": fn}, sync, calls)[""]
+
+
+def interleaved(fns: dict, sync, calls: int = CALLS) -> dict:
+    """Per-call time of each of ``fns``, their samples taken in turn (so that drift of the host,
+    and garbage collections, fall on all of them alike); the median of SAMPLES after one warm-up."""
+    samples = {name: [] for name in fns}
+    for _ in range(SAMPLES + 1):
+        for name, fn in fns.items():
+            sync()
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            sync()
+            samples[name].append((time.perf_counter() - start) / calls * 1e6)
+    return {name: float(np.median(s[1:])) for name, s in samples.items()}
 
 
 BARE_LAUNCH = "bare CuPy kernel launch (elementwise, out=)"
@@ -46,13 +57,14 @@ def cupy_rows():
     x, y = cupy.ones(SHAPE, np.float32), cupy.empty(SHAPE, np.float32)
     sync = cupy.cuda.get_current_stream().synchronize
     out, lse = cuattn.attention(q, k, v, return_lse=True)
-    return [
-        ("cupy", BARE_LAUNCH, per_call_us(lambda: cupy.multiply(x, 2, out=y), sync)),
-        ("cupy", "bare CuPy kernel launch (elementwise, allocating)", per_call_us(lambda: x * 2, sync)),
-        ("cupy", "cuattn.attention", per_call_us(lambda: cuattn.attention(q, k, v), sync)),
-        ("cupy", "cuattn.attention_backward", per_call_us(lambda: cuattn.attention_backward(q, q, k, v, out, lse), sync)),
-        ("cupy", "cuattn.merge (2 partials)", per_call_us(lambda: cuattn.merge([out, out], [lse, lse]), sync)),
-    ]
+    times = interleaved({
+        BARE_LAUNCH: lambda: cupy.multiply(x, 2, out=y),
+        "bare CuPy kernel launch (elementwise, allocating)": lambda: x * 2,
+        "cuattn.attention": lambda: cuattn.attention(q, k, v),
+        "cuattn.attention_backward": lambda: cuattn.attention_backward(q, q, k, v, out, lse),
+        "cuattn.merge (2 partials)": lambda: cuattn.merge([out, out], [lse, lse]),
+    }, sync)
+    return [("cupy", call, us) for call, us in times.items()]
 
 
 def torch_rows():
@@ -64,12 +76,11 @@ def torch_rows():
     q, k, v = (torch.randn(SHAPE, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     sync = torch.cuda.synchronize
     sdpa = lambda q, k, v: F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)  # noqa: E731
-    rows = []
-    for name, attend in (("cuattn.torch.attention", ct.attention), ("SDPA", sdpa)):
-        with torch.no_grad():
-            rows.append(("torch", f"{name} forward", per_call_us(lambda: attend(q, k, v), sync)))
-        rows.append(("torch", f"{name} forward+backward", per_call_us(lambda: attend(q, k, v).sum().backward(), sync, CALLS // 4)))
-    return rows
+    attends = {"cuattn.torch.attention": ct.attention, "SDPA": sdpa}
+    with torch.no_grad():
+        forward = interleaved({name: (lambda f=f: f(q, k, v)) for name, f in attends.items()}, sync)
+    both = interleaved({name: (lambda f=f: f(q, k, v).sum().backward()) for name, f in attends.items()}, sync, CALLS // 4)
+    return [("torch", f"{name} {kind}", times[name]) for name in attends for kind, times in (("forward", forward), ("forward+backward", both))]
 
 
 def jax_rows():
@@ -79,17 +90,19 @@ def jax_rows():
     import cuattn.jax as cj
 
     q, k, v = (jnp.asarray(np.random.default_rng(i).standard_normal(SHAPE), jnp.bfloat16) for i in range(3))
-    rows = []
-    for name, attend in (("cuattn.jax.attention", cj.attention), ("jax.nn.dot_product_attention", jax.nn.dot_product_attention)):
+    attends = {"cuattn.jax.attention": cj.attention, "jax.nn.dot_product_attention": jax.nn.dot_product_attention}
+    state = {}
+    sync = lambda: jax.block_until_ready(state.get("last"))  # noqa: E731
+    forward, both = {}, {}
+    for name, attend in attends.items():
         fwd = jax.jit(attend)
-        grad = jax.jit(jax.grad(lambda q, k, v: attend(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2)))
-        state = {}
-        sync = lambda: jax.block_until_ready(state.get("last"))  # noqa: E731
+        grad = jax.jit(jax.grad(lambda q, k, v, attend=attend: attend(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2)))
         fwd(q, k, v).block_until_ready()
         jax.block_until_ready(grad(q, k, v))
-        rows.append(("jax (jit)", f"{name} forward", per_call_us(lambda: state.__setitem__("last", fwd(q, k, v)), sync)))
-        rows.append(("jax (jit)", f"{name} forward+backward", per_call_us(lambda: state.__setitem__("last", grad(q, k, v)), sync, CALLS // 4)))
-    return rows
+        forward[name] = lambda fwd=fwd: state.__setitem__("last", fwd(q, k, v))
+        both[name] = lambda grad=grad: state.__setitem__("last", grad(q, k, v))
+    forward, both = interleaved(forward, sync), interleaved(both, sync, CALLS // 4)
+    return [("jax (jit)", f"{name} {kind}", times[name]) for name in attends for kind, times in (("forward", forward), ("forward+backward", both))]
 
 
 def main(argv=None):
