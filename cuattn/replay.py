@@ -32,7 +32,8 @@ from cuattn import boundary
 MISS = object()  # run() found no fast path: the caller runs its full path
 MAX_PLANS = 4096  # signatures kept per process (the cache is emptied when full)
 _TAG_BASES = (0x5EED << 48, 0x7AC0 << 48)
-_TAG_SHIFT = 40  # source i is tagged base + (i << 40); an offset into it stays below 2**40
+_TAG_SHIFT = 40  # source i is tagged base + (i << 40) + 2**39: an offset into it, either sign,
+_TAG_MIDDLE = 1 << (_TAG_SHIFT - 1)  # stays within its 2**40 range (a negative stride points below)
 _U64 = struct.Struct("<Q")
 # CUATTN_WGMMA, read per call, changes the variants a plan holds: read from os.environ's
 # underlying dict where CPython has one (a C-level lookup), else through os.environ.
@@ -153,6 +154,7 @@ class _Recorder(boundary.CallContext):
     def __init__(self, framework, device_id, base, sources, wrap, decisions):
         super().__init__(framework, device_id, None)
         self._base = base
+        self._sources, self._next = sources, 0
         self._index = {id(x): i for i, x in reversed(list(enumerate(sources)))}
         self._wrap = wrap
         self._given = decisions
@@ -163,10 +165,18 @@ class _Recorder(boundary.CallContext):
         self.decisions: dict[str, bool] = {}
 
     def tag(self, index: int) -> int:
-        return self._base + (index << _TAG_SHIFT)
+        return self._base + (index << _TAG_SHIFT) + _TAG_MIDDLE
 
     def wrap(self, x) -> boundary.DeviceArray:
-        return dataclasses.replace(self._wrap(x), ptr=self.tag(self._index[id(x)]))
+        """The op imports its arrays in source order (None ones skipped): each position gets
+        its own tag, so that an array passed twice (self-attention's q, k, v) makes a plan
+        that also serves distinct arrays."""
+        while self._next < len(self._sources) and self._sources[self._next] is None:
+            self._next += 1
+        if self._next == len(self._sources) or self._sources[self._next] is not x:
+            raise Uncacheable("the op imported its arrays out of source order")
+        self._next += 1
+        return dataclasses.replace(self._wrap(x), ptr=self.tag(self._next - 1))
 
     def decide(self, name: str, choose) -> bool:
         value = self._given[name] if self._given and name in self._given else bool(choose())
@@ -292,7 +302,7 @@ def _address_slots(a: bytes, b: bytes, n_sources: int) -> tuple[bytes, tuple]:
         ta, tb = int(wa[word]) - _TAG_BASES[0], int(wb[word]) - _TAG_BASES[1]
         if ta != tb or not 0 <= ta < n_sources << _TAG_SHIFT:
             raise Uncacheable("a parameter word depends on an address other than by an offset")
-        slots.append((int(word) * 8, ta >> _TAG_SHIFT, ta & ((1 << _TAG_SHIFT) - 1)))
+        slots.append((int(word) * 8, ta >> _TAG_SHIFT, (ta & ((1 << _TAG_SHIFT) - 1)) - _TAG_MIDDLE))
         template[word] = 0
     return template.tobytes(), tuple(slots)
 
@@ -473,7 +483,7 @@ def run_preallocated(plans: dict, call, sources: list, outputs: list, device: in
     use. False when it cannot (the caller runs the full path)."""
     if not enabled:
         return False
-    pointers = [int(x.__cuda_array_interface__["data"][0]) for x in sources]
+    pointers = [0 if x is None else int(x.__cuda_array_interface__["data"][0]) for x in sources]  # None: an absent optional array
     out_pointers = [int(x.__cuda_array_interface__["data"][0]) for x in outputs]
     aligned = not any(p & 15 for p in pointers + out_pointers)
     key = (device, aligned, _ENV.get(_WGMMA))

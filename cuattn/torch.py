@@ -81,9 +81,9 @@ def _flat_mask_options(causal, window, align, scale, softcap, head_dim) -> tuple
 
 def _eager(*tensors) -> bool:
     """Whether a call may run the core path directly, without the dispatcher: plain tensors
-    (no subclass: fake, functional, DTensor), not traced (torch.compile, export, jit.trace)
-    and no dispatch mode (FlopCounterMode, ...) watching."""
-    if _compiling() or _tracing() is not None or _in_dispatch_mode():
+    (no subclass: fake, functional, DTensor), not traced (torch.compile, export, jit.trace),
+    no torch.func transform (vmap, grad) and no dispatch mode (FlopCounterMode, ...) watching."""
+    if _compiling() or _tracing() is not None or _in_dispatch_mode() or _functorch_active():
         return False
     for t in tensors:
         if type(t) is not torch.Tensor:
@@ -105,14 +105,20 @@ class _EagerAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
+        dout, dlse = _kernel_ready(dout), _kernel_ready(dlse)
+        deterministic = torch.are_deterministic_algorithms_enabled()
+        if not _eager(dout, q, k, v, out, lse, *(() if dlse is None else (dlse,))):  # e.g. compiled autograd
+            flat = _flat_mask_options(*ctx.options, q.shape[-1])
+            return (*op("attention_backward")(dout, q, k, v, out, lse, dlse, *flat, deterministic), None)
         causal, window, align, scale, softcap = ctx.options
         dq, dk, dv = core_attention_backward(
-            _kernel_ready(dout), q, k, v, out, lse, causal=causal, window=window, align=align, scale=scale, softcap=softcap,
-            dlse=dlse, deterministic=torch.are_deterministic_algorithms_enabled(),
+            dout, q, k, v, out, lse, causal=causal, window=window, align=align, scale=scale, softcap=softcap,
+            dlse=dlse, deterministic=deterministic,
         )
         return dq, dk, dv, None
 
@@ -123,6 +129,7 @@ def _in_dispatch_mode() -> bool:
 
 _compiling = torch.compiler.is_compiling
 _tracing = torch._C._get_tracing_state
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: True)  # unknown: always dispatch
 _dispatch_stack = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 1)  # unknown: always dispatch
 from torch.utils import _python_dispatch  # noqa: E402
 
@@ -195,7 +202,7 @@ def _table_vjp(entry: ops.OpEntry, ctx, *grads):
     if "deterministic" in options:  # torch.use_deterministic_algorithms(True) picks the atomic-free backward
         options["deterministic"] = torch.are_deterministic_algorithms_enabled()
     arrays = entry.vjp_arrays(inputs, outputs, [_kernel_ready(g) for g in grads])
-    if _eager(*(a for a in arrays if a is not None)):  # eager backward: no second dispatch
+    if not torch.is_grad_enabled() and _eager(*(a for a in arrays if a is not None)):  # eager, first order: no second dispatch
         grads_in = ops.OPS[entry.vjp].call(*arrays, **options)
     else:
         grads_in = op(entry.vjp)(*arrays, **options)

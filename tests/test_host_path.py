@@ -255,3 +255,31 @@ def test_an_op_that_cannot_be_replayed_runs_its_full_path(fake):
     with pytest.raises(TypeError, match="must be a CuPy"):  # the full path does not know the fake type
         cuattn.attention_backward(q, q, k, v, q, FakeArray((1, 0, 8), "float32", 1 << 41))
     assert replay.run("x", lambda: None, (q,), ()) is replay.MISS  # cached as not replayable
+
+
+def test_a_plan_recorded_with_aliased_arguments_serves_distinct_ones(fake):
+    """Self-attention passes one array as q, k and v; each position still gets its own slot."""
+    (x,) = _arrays(fake, (1, 16, 2, 64))
+    cuattn.attention(x, x, x)
+    q, k, v = _arrays(fake, (1, 16, 2, 64), (1, 16, 2, 64), (1, 16, 2, 64))
+    cuattn.attention(q, k, v)
+    p = np.frombuffer(fake["launched"][-1][-1], params.ATTN_PARAMS)[0]
+    assert (p["q"], p["k"], p["v"]) == (q.ptr, k.ptr, v.ptr)
+    (o,) = _arrays(fake, (1, 9, 2, 64))
+    (l,) = _arrays(fake, (1, 2, 9), dtype="float32")
+    cuattn.merge([o, o], [l, l])
+    o1, o2 = _arrays(fake, (1, 9, 2, 64), (1, 9, 2, 64))
+    l1, l2 = _arrays(fake, (1, 2, 9), (1, 2, 9), dtype="float32")
+    cuattn.merge([o1, o2], [l1, l2])
+    p = np.frombuffer(fake["launched"][-1][-1], params.MERGE_PARAMS)[0]
+    assert list(p["outs"][:2]) == [o1.ptr, o2.ptr] and list(p["lses"][:2]) == [l1.ptr, l2.ptr]
+
+
+def test_negative_offsets_from_a_reversed_stack_are_replayed(fake):
+    outs = FakeArray((2, 1, 8, 2, 64), "float16", 1 << 36)
+    for base in ((1 << 37) + 64, (1 << 38) + 64):  # lses[::-1]: partial 1 lies 64 bytes below partial 0
+        lses = FakeArray((2, 1, 2, 8), "float32", base, strides=(-16, 16, 8, 1))
+        cuattn.merge(outs, lses)
+        p = np.frombuffer(fake["launched"][-1][-1], params.MERGE_PARAMS)[0]
+        assert list(p["lses"][:2]) == [lses.ptr, lses.ptr - 64]
+    assert replay.counters.replays == 2 and replay.counters.recordings == 2

@@ -198,3 +198,51 @@ def test_jax_jit_replays_its_plan_with_new_buffers(monkeypatch):
             np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
         assert all(np.isfinite(np.asarray(g.astype(jnp.float32))).all() for g in got[1])
     assert replay.counters.replays >= before + 6
+
+
+def test_torch_func_grad_takes_the_op_and_matches_autograd():
+    """Under torch.func transforms the eager shortcut is off (the op's autograd serves them)."""
+    torch = pytest.importorskip("torch")
+    import cuattn.torch as ct
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    q, k, v = (torch.randn(1, 40, 2, 64, device="cuda", dtype=torch.float32, generator=g) for _ in range(3))
+    loss = lambda q, k, v: ct.attention(q, k, v, causal=True).square().sum()  # noqa: E731
+    functional = torch.func.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    eager = torch.autograd.grad(loss(*leaves), leaves)
+    for a, b in zip(functional, eager):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_torch_gradient_through_lse_alone_and_jax_call_without_dlse(monkeypatch):
+    """An expanded dlse (lse.sum()) is made kernel-ready in the eager backward; a JAX op call
+    with an absent optional array (dlse=None) replays."""
+    torch = pytest.importorskip("torch")
+    import cuattn.torch as ct
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = (torch.randn(1, 33, 2, 64, device="cuda", dtype=torch.float16, generator=g, requires_grad=True) for _ in range(3))
+    grads = torch.autograd.grad(ct.attention(q, k, v, return_lse=True)[1].sum(), (q, k, v))
+    with monkeypatch.context() as m:
+        m.setattr(ct, "_eager", lambda *t: False)
+        op_grads = torch.autograd.grad(ct.attention(q, k, v, return_lse=True)[1].sum(), (q, k, v))
+    for a, b in zip(grads, op_grads):
+        torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3)
+
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    import cuattn.jax as cj
+
+    rng = np.random.default_rng(9)
+    jq, jk, jv, jdout = (jnp.asarray(randn(rng, (1, 33, 2, 64), "float32"), jnp.float16) for _ in range(4))
+    out, lse = cj.attention(jq, jk, jv, return_lse=True)
+    options = dict(causal=False, window_left=-1, window_right=-1, align="bottom_right", scale=0.125, softcap=0.0, deterministic=True)
+    run = jax.jit(lambda *a: cj.call("attention_backward", *a, None, **options))
+    before = replay.counters.replays
+    got = [run(jdout, jq, jk, jv, out, lse) for _ in range(2)]
+    assert replay.counters.replays >= before + 2
+    ref = cuattn.attention_backward(*(cupy.asarray(np.asarray(x)) for x in (jdout, jq, jk, jv, out, lse)), scale=0.125, deterministic=True)
+    for a, b in zip(got[1], ref):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint16), cupy.asnumpy(b).view(np.uint16))
