@@ -200,21 +200,6 @@ def test_jax_jit_replays_its_plan_with_new_buffers(monkeypatch):
     assert replay.counters.replays >= before + 6
 
 
-def test_torch_func_grad_takes_the_op_and_matches_autograd():
-    """Under torch.func transforms the eager shortcut is off (the op's autograd serves them)."""
-    torch = pytest.importorskip("torch")
-    import cuattn.torch as ct
-
-    g = torch.Generator(device="cuda").manual_seed(2)
-    q, k, v = (torch.randn(1, 40, 2, 64, device="cuda", dtype=torch.float32, generator=g) for _ in range(3))
-    loss = lambda q, k, v: ct.attention(q, k, v, causal=True).square().sum()  # noqa: E731
-    functional = torch.func.grad(loss, argnums=(0, 1, 2))(q, k, v)
-    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    eager = torch.autograd.grad(loss(*leaves), leaves)
-    for a, b in zip(functional, eager):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-
-
 def test_torch_gradient_through_lse_alone_and_jax_call_without_dlse(monkeypatch):
     """An expanded dlse (lse.sum()) is made kernel-ready in the eager backward; a JAX op call
     with an absent optional array (dlse=None) replays."""
