@@ -100,6 +100,17 @@ def assert_attention_accuracy(out, ref, naive, factor=2.0, floor=1e-5):
     assert err <= bound, f"max error {err:.3e} > {factor} x naive {max_err(naive, ref):.3e} + {floor}"
 
 
+def result_ulp(ref, dtype) -> float:
+    """One unit in the last place of ``dtype`` at the reference's largest magnitude: what one
+    rounding of the exact result to ``dtype`` can cost."""
+    import ml_dtypes
+
+    largest = float(np.max(np.abs(ref))) if np.size(ref) else 0.0
+    if largest == 0.0:
+        return 0.0
+    return 2.0 ** np.floor(np.log2(largest)) * float(ml_dtypes.finfo(DTYPES.get(dtype, dtype)).eps)
+
+
 def naive_attention_backward(dout, q, k, v, dtype, causal=False, window=None, align="bottom_right", scale=None, softcap=None, dlse=None):
     """Textbook autograd of :func:`naive_attention` in the input precision (fp32 products,
     every intermediate rounded to ``dtype``): the yardstick for backward accuracy."""
