@@ -174,7 +174,8 @@ def lm_sentence(data: dict, source: str) -> str:
         f"last-50-step mean loss {a['last50_mean_loss']:.4f} ({name_a}) vs {b['last50_mean_loss']:.4f} ({name_b}), "
         f"largest per-step difference of the curves {data['max_abs_difference']:.4f}; wall time per run "
         f"{a['seconds']:.1f} s vs {b['seconds']:.1f} s ({a['first_step_seconds']:.1f} s / {b['first_step_seconds']:.1f} s "
-        "of it the first step, compilation included)."
+        "of it the first step, compilation included"
+        + ("; each run in a fresh process)." if data.get("processes") == "one per run" else ").")
     )
 
 

@@ -36,26 +36,46 @@ def batches(tokens: np.ndarray, batch: int, seqlen: int, steps: int, seed: int =
         yield window[:, :-1], window[:, 1:]
 
 
-def compare(doc: str, attentions: dict, train, stem: str, title: str, gpu: str, versions: dict) -> None:
+def compare(doc: str, attentions: dict, train, stem: str, title: str, gpu, versions: dict) -> None:
     """The examples' command line: trains the model once per attention implementation (same
     initialization, same batches) and reports the curves. ``train`` returns the losses, the
-    run's wall time and the first step's (compilation included)."""
+    run's wall time and the first step's (compilation included); ``gpu()`` names the device.
+
+    Each run has a fresh process of its own: in one process the later run would find the
+    framework warmed by the earlier one (its compiler, autotuning results and allocator
+    pools), and the first run would pay for both."""
     import argparse
     import pathlib
+    import subprocess
+    import sys
+    import tempfile
 
     parser = argparse.ArgumentParser(description=doc)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--seqlen", type=int, default=256)
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"))
+    parser.add_argument("--only", choices=list(attentions), help="train with this attention alone, in this process")
+    parser.add_argument("--result", type=pathlib.Path, help="with --only: where to write its losses and times (.npz)")
     args = parser.parse_args()
-    tokens, vocab = encode(corpus())
-    curves, seconds = {}, {}
-    for label, attend in attentions.items():
-        losses, total, first = train(attend, tokens, vocab, args.steps, args.batch, args.seqlen)
-        curves[label], seconds[label] = losses, (total, first)
+    setup = ["--steps", str(args.steps), "--batch", str(args.batch), "--seqlen", str(args.seqlen)]
+    if args.only is not None:
+        tokens, vocab = encode(corpus())
+        losses, total, first = train(attentions[args.only], tokens, vocab, args.steps, args.batch, args.seqlen)
+        if args.result is not None:
+            np.savez(args.result, losses=losses, seconds=np.array([total, first]), gpu=np.array(gpu()))
+        print(f"{args.only}: {total:.1f} s (first step {first:.1f} s), mean loss over the last 50 steps {losses[-50:].mean():.4f}")
+        return
+    curves, seconds, gpus = {}, {}, set()  # this process leaves the GPU alone (JAX would reserve its memory)
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, label in enumerate(attentions):
+            result = pathlib.Path(tmp) / f"run{i}.npz"
+            subprocess.run([sys.executable, sys.argv[0], *setup, "--only", label, "--result", str(result)], check=True)
+            with np.load(result) as run:
+                curves[label], seconds[label] = run["losses"], tuple(float(t) for t in run["seconds"])
+                gpus.add(str(run["gpu"]))
     setup = {"steps": args.steps, "batch": args.batch, "seqlen": args.seqlen}
-    report(curves, seconds, args.out, stem, title, gpu, {**setup, "versions": versions})
+    report(curves, seconds, args.out, stem, title, " / ".join(sorted(gpus)), {**setup, "versions": versions, "processes": "one per run"})
 
 
 def report(curves: dict, seconds: dict, out_dir, stem: str, title: str, gpu: str, setup: dict) -> None:

@@ -100,7 +100,7 @@ def train(attend, tokens, vocab, steps, batch, seqlen, seed=0):
 def main():
     import cupy
 
-    compare(__doc__, ATTENTION, train, "lm_jax", "char LM, JAX, bf16 attention", jax.devices()[0].device_kind,
+    compare(__doc__, ATTENTION, train, "lm_jax", "char LM, JAX, bf16 attention", lambda: jax.devices()[0].device_kind,
             {"cuattn": cuattn.__version__, "jax": jax.__version__, "cupy": cupy.__version__})
 
 

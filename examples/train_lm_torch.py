@@ -81,7 +81,7 @@ def main():
     import cupy
 
     compare(__doc__, {"cuattn": cuattn_attention, "PyTorch SDPA": sdpa_attention}, train, "lm_torch", "char LM, PyTorch, bf16 autocast",
-            torch.cuda.get_device_name(), {"cuattn": cuattn.__version__, "torch": torch.__version__, "cupy": cupy.__version__})
+            lambda: torch.cuda.get_device_name(), {"cuattn": cuattn.__version__, "torch": torch.__version__, "cupy": cupy.__version__})
 
 
 if __name__ == "__main__":
