@@ -84,7 +84,7 @@ def attention(q, k, v, *, causal=False, window=None, align="bottom_right", scale
     # Without return_lse the kernels skip lse (a null pointer): nothing to allocate.
     lse = ctx.empty((batch, heads_q, seqlen_q), np.float32) if return_lse else _NO_LSE
     if batch and seqlen_q and heads_q:
-        _launch(ctx, c_type, attn_params(a["q"], a["k"], a["v"], dst, lse, mask, scale, softcap), seqlen_q, heads_q, batch)
+        launch_forward(ctx, c_type, attn_params(a["q"], a["k"], a["v"], dst, lse, mask, scale, softcap), seqlen_q, heads_q, batch)
     result = out if out is not None else ctx.export(dst)
     return (result, ctx.export(lse)) if return_lse else result
 
@@ -208,10 +208,13 @@ def check_bool(name: str, x) -> bool:
     return bool(x)
 
 
-def attn_params(q, k, v, out, lse, mask, scale: float, softcap: float) -> np.void:
-    """AttnParams of the forward problem (shared with the backward)."""
+def attn_params(q, k, v, out, lse, mask, scale: float, softcap: float, packed=(0, 0, 0, 0, False)) -> np.void:
+    """AttnParams of the forward problem (shared with the backward). ``packed``: the
+    (cu_seqlens_q, cu_seqlens_k) addresses, (total_q, total_k) and bottom-right alignment of
+    packed sequences (cuattn.varlen); zeros for dense tensors."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     left, right, offset = mask
+    cu_seqlens_q, cu_seqlens_k, total_q, total_k, bottom_right = packed
     return params.pack(
         params.ATTN_PARAMS,
         q=q.ptr, k=k.ptr, v=v.ptr, out=out.ptr, lse=lse.ptr,
@@ -220,13 +223,16 @@ def attn_params(q, k, v, out, lse, mask, scale: float, softcap: float) -> np.voi
         batch=batch, seqlen_q=seqlen_q, seqlen_k=k.shape[1], heads_q=heads_q, heads_kv=k.shape[2], head_dim=head_dim,
         window_left=left, window_right=right, diagonal_offset=offset,
         scale=scale, softcap=softcap, exp2_scale=LOG2E * (1.0 if softcap else scale), batch_offset=0,
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, total_q=total_q, total_k=total_k, bottom_right=int(bottom_right),
     )
 
 
-def _launch(ctx, c_type, p, seqlen_q, heads_q, batch) -> None:
+def launch_forward(ctx, c_type, p, rows, heads_q, batch, layout="dense") -> None:
+    """Launches the forward kernel of ``layout`` over ``rows`` query rows per sequence (for
+    packed sequences a bound that sizes the grid, common/seq_layout.cuh)."""
     with ctx.device, ctx.stream:
         arch = device_arch(ctx.device.id)
-        variant = select_forward_variant(c_type, head_dim_bucket(int(p["head_dim"])), p["softcap"] > 0, arch, wgmma_enabled())
-        for grid, block, batch_offset in plans.tile_launches(variant, seqlen_q, heads_q, batch):
+        variant = select_forward_variant(c_type, head_dim_bucket(int(p["head_dim"])), p["softcap"] > 0, arch, wgmma_enabled(), layout)
+        for grid, block, batch_offset in plans.tile_launches(variant, rows, heads_q, batch):
             p["batch_offset"] = batch_offset
             ctx.launch(variant, grid, block, p)

@@ -55,6 +55,11 @@ ATTN_PARAMS = np.dtype(
         ("softcap", np.float32),
         ("exp2_scale", np.float32),
         ("batch_offset", np.int32),
+        ("cu_seqlens_q", _P),
+        ("cu_seqlens_k", _P),
+        ("total_q", np.int32),
+        ("total_k", np.int32),
+        ("bottom_right", np.int32),
     ],
     align=True,
 )

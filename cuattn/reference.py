@@ -98,6 +98,23 @@ def attention(q, k, v, *, causal=False, window=None, align="bottom_right", scale
     return (result, lse) if return_lse else result
 
 
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, window=None, align="bottom_right", scale=None,
+                     softcap=None, return_lse=False, **_):
+    """Reference of :func:`cuattn.attention_varlen`: every packed sequence through
+    :func:`attention` alone. Returns float64 ``out`` ``(total_q, heads_q, head_dim)`` (and
+    ``lse`` ``(heads_q, total_q)``)."""
+    q, k, v = _f64(q), _f64(k), _f64(v)
+    cu_q, cu_k = (np.asarray(c, dtype=np.int64) for c in (cu_seqlens_q, cu_seqlens_k))
+    out = np.zeros((q.shape[0], q.shape[1], v.shape[2]))
+    lse = np.full((q.shape[1], q.shape[0]), -np.inf)
+    for b in range(len(cu_q) - 1):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        o, l = attention(q[None, rows], k[None, keys], v[None, keys], causal=causal, window=window, align=align, scale=scale,
+                         softcap=softcap, return_lse=True)
+        out[rows], lse[:, rows] = o[0], l[0]
+    return (out, lse) if return_lse else out
+
+
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, align="bottom_right", scale=None, softcap=None, dlse=None, deterministic=False):
     """Reference gradients ``(dq, dk, dv)`` of :func:`attention`, from the saved ``lse``.
 

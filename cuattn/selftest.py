@@ -72,7 +72,28 @@ def check_attention(rng: np.random.Generator) -> Check:
     return Check(f"attention bf16 causal GQA ({b}x{s}x{hq}/{hk}x{d})", ok, err, bound, _time_ms(lambda: cuattn.attention(dq, dk, dv, causal=True)))
 
 
-CHECKS = [check_merge, check_attention]
+def check_attention_varlen(rng: np.random.Generator) -> Check:
+    """bf16 causal GQA attention over packed sequences of ragged lengths (an empty one too),
+    bound as :func:`check_attention`."""
+    import cupy
+
+    import cuattn
+    from cuattn.variants import BFLOAT16
+
+    lengths, hq, hk, d = [700, 0, 1, 300], 8, 2, 128
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    q, k, v = (rng.standard_normal((int(cu[-1]), h, d)).astype(BFLOAT16) for h in (hq, hk, hk))
+    args = [cupy.asarray(x) for x in (q, k, v, cu, cu)]
+    out = cuattn.attention_varlen(*args, max_seqlen_q=max(lengths), causal=True)
+    ref = reference.attention_varlen(q, k, v, cu, cu, causal=True)
+    err = _rel(out.get(), ref)
+    bound = 2 * _rel(ref.astype(BFLOAT16), ref) + 4e-3
+    ok = err <= bound and not np.isnan(out.get().astype(np.float32)).any()
+    timed = lambda: cuattn.attention_varlen(*args, max_seqlen_q=max(lengths), causal=True)  # noqa: E731
+    return Check(f"attention_varlen bf16 causal GQA (lengths {lengths}, {hq}/{hk}x{d})", ok, err, bound, _time_ms(timed))
+
+
+CHECKS = [check_merge, check_attention, check_attention_varlen]
 
 
 def run(print_fn=print) -> bool:

@@ -99,22 +99,37 @@ def forward_smem_bytes(bucket: int) -> int:
     return (block_m + 2 * FORWARD_STAGES * block_n) * (bucket + 8) * 2
 
 
+# Sequence layouts a forward kernel is compiled for (cuda_src/common/seq_layout.cuh): dense
+# (batch, seqlen, heads, head_dim) tensors, or packed ones with cu_seqlens (attention_varlen).
+SEQ_LAYOUTS = ("dense", "packed")
+
+
+def _layout_arg(layout: str) -> str:
+    if layout not in SEQ_LAYOUTS:
+        raise ValueError(f"unknown sequence layout {layout!r}")
+    return "cuattn::SeqLayout::kPacked" if layout == "packed" else "cuattn::SeqLayout::kDense"
+
+
+def _layout_uri(layout: str) -> str:
+    return "/packed" if layout == "packed" else ""
+
+
 @functools.cache
-def forward_variant(c_type: str, bucket: int, softcap: bool) -> Variant:
+def forward_variant(c_type: str, bucket: int, softcap: bool, layout: str = "dense") -> Variant:
     cap = "true" if softcap else "false"
     if c_type == "float":
         return Variant(
             family="forward_fp32",
-            expression=f"cuattn::forward_fp32_kernel<{bucket}, {cap}>",
-            uri=f"forward_fp32/d{bucket}" + ("/softcap" if softcap else ""),
+            expression=f"cuattn::forward_fp32_kernel<{bucket}, {cap}, {_layout_arg(layout)}>",
+            uri=f"forward_fp32/d{bucket}" + ("/softcap" if softcap else "") + _layout_uri(layout),
             threads=128,
             block_m=FP32_BLOCK_M,
         )
     block_m, block_n, warps = FORWARD_TILES[bucket]
     return Variant(
         family="forward",
-        expression=f"cuattn::forward_kernel<{cxx_type(c_type)}, {bucket}, {block_m}, {block_n}, {warps}, {cap}>",
-        uri=f"forward/{c_type}/d{bucket}/m{block_m}n{block_n}w{warps}" + ("/softcap" if softcap else ""),
+        expression=f"cuattn::forward_kernel<{cxx_type(c_type)}, {bucket}, {block_m}, {block_n}, {warps}, {cap}, {_layout_arg(layout)}>",
+        uri=f"forward/{c_type}/d{bucket}/m{block_m}n{block_n}w{warps}" + ("/softcap" if softcap else "") + _layout_uri(layout),
         hot=True,
         dynamic_smem=forward_smem_bytes(bucket),
         threads=warps * 32,
@@ -134,12 +149,13 @@ def wgmma_forward_smem_bytes(bucket: int) -> int:
     return (64 * warpgroups + 2 * stages * block_n) * bucket * 2 + swizzle_alignment
 
 
-def _wgmma_variant(family: str, template_args: str, softcap: bool, uri: str, smem: int, warpgroups: int) -> Variant:
+def _wgmma_variant(family: str, template_args: str, softcap: bool, uri: str, smem: int, warpgroups: int, layout: str | None = None) -> Variant:
     cap = "true" if softcap else "false"
+    layout_arg = "" if layout is None else f", {_layout_arg(layout)}"
     return Variant(
         family=family,
-        expression=f"cuattn::{family}_kernel<{template_args}, {cap}>",
-        uri=f"{family}/{uri}" + ("/softcap" if softcap else ""),
+        expression=f"cuattn::{family}_kernel<{template_args}, {cap}{layout_arg}>",
+        uri=f"{family}/{uri}" + ("/softcap" if softcap else "") + ("" if layout is None else _layout_uri(layout)),
         hot=True,
         dynamic_smem=smem,
         threads=128 * warpgroups,
@@ -149,20 +165,20 @@ def _wgmma_variant(family: str, template_args: str, softcap: bool, uri: str, sme
 
 
 @functools.cache
-def wgmma_forward_variant(c_type: str, bucket: int, softcap: bool) -> Variant:
+def wgmma_forward_variant(c_type: str, bucket: int, softcap: bool, layout: str = "dense") -> Variant:
     block_n, warpgroups, ctas = WGMMA_FORWARD_TILES[bucket]
     return _wgmma_variant(
         "forward_wgmma", f"{cxx_type(c_type)}, {bucket}, {block_n}, {warpgroups}, {ctas}", softcap,
-        f"{c_type}/d{bucket}/n{block_n}wg{warpgroups}c{ctas}", wgmma_forward_smem_bytes(bucket), warpgroups,
+        f"{c_type}/d{bucket}/n{block_n}wg{warpgroups}c{ctas}", wgmma_forward_smem_bytes(bucket), warpgroups, layout,
     )
 
 
-def select_forward_variant(c_type: str, bucket: int, softcap: bool, arch: str, allow_wgmma: bool = True) -> Variant:
+def select_forward_variant(c_type: str, bucket: int, softcap: bool, arch: str, allow_wgmma: bool = True, layout: str = "dense") -> Variant:
     """The forward kernel for a problem on a target: the Hopper kernel where one exists for it,
     else the portable tensor-core (or float32) kernel."""
     if allow_wgmma and arch == WGMMA_ARCH and c_type != "float" and bucket in WGMMA_FORWARD_TILES:
-        return wgmma_forward_variant(c_type, bucket, softcap)
-    return forward_variant(c_type, bucket, softcap)
+        return wgmma_forward_variant(c_type, bucket, softcap, layout)
+    return forward_variant(c_type, bucket, softcap, layout)
 
 
 # Tensor-core backward: its shared-memory contract (cuda_src/backward/traits.cuh). Every CTA
@@ -317,14 +333,15 @@ def all_variants(arch: str | None = None) -> list[Variant]:
     for c_type, vecs in MERGE_VEC_WIDTHS.items():
         for vec in vecs:
             out.append(merge_variant(c_type, vec))
-    for c_type in ("f16", "bf16", "float"):
-        for bucket in HEAD_DIM_BUCKETS:
-            for softcap in (False, True):
-                out.append(forward_variant(c_type, bucket, softcap))
-    for c_type in ("f16", "bf16"):
-        for bucket in WGMMA_FORWARD_TILES:
-            for softcap in (False, True):
-                out.append(wgmma_forward_variant(c_type, bucket, softcap))
+    for layout in SEQ_LAYOUTS:
+        for c_type in ("f16", "bf16", "float"):
+            for bucket in HEAD_DIM_BUCKETS:
+                for softcap in (False, True):
+                    out.append(forward_variant(c_type, bucket, softcap, layout))
+        for c_type in ("f16", "bf16"):
+            for bucket in WGMMA_FORWARD_TILES:
+                for softcap in (False, True):
+                    out.append(wgmma_forward_variant(c_type, bucket, softcap, layout))
     for c_type in ("f16", "bf16", "float"):
         for bucket in HEAD_DIM_BUCKETS:
             out.append(backward_row_variant("backward_prep", c_type, bucket))

@@ -1,5 +1,5 @@
 // Tensor-core attention forward (FlashAttention-2 scheme): one CTA per (query block, head,
-// batch), K/V blocks streamed through shared memory with cp.async, S = Q K^T and O += P V on
+// sequence), K/V blocks streamed through shared memory with cp.async, S = Q K^T and O += P V on
 // mma.sync, online softmax in registers, lse written per row.
 #include "common/grid.cuh"
 #include "common/head_view.cuh"
@@ -7,35 +7,30 @@
 #include "common/mma.cuh"
 #include "common/tile_copy.cuh"
 #include "common/params.cuh"
+#include "common/seq_layout.cuh"
 #include "forward/online_softmax.cuh"
 #include "forward/traits.cuh"
 
 namespace cuattn {
 
-/// \brief Attention forward for one (query block, head, batch) (common/grid.cuh); query
-/// blocks run heaviest-first. Writes out and lse.
+/// \brief One block of query rows of one (sequence, head): writes its rows of out and lse.
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, bool SOFTCAP>
-__global__ void __launch_bounds__(WARPS * 32) forward_kernel(const __grid_constant__ AttnParams p) {
+__device__ __forceinline__ void forward_block(const AttnParams& p, const SeqSpan& span, const HeadView<T>& head_view, int m_block,
+                                              unsigned char* smem_raw) {
   using Tr = ForwardTraits<HEAD_DIM, BLOCK_M, BLOCK_N, WARPS>;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  if (dynamic_smem_bytes() < Tr::kSmemBytes) __trap();  // launch contract
   T* sQ = reinterpret_cast<T*>(smem_raw);
   T* sK_ring = sQ + Tr::kSmemQ;                   // kStages K tiles, then kStages V tiles
   T* sV_ring = sK_ring + Tr::kStages * Tr::kSmemKV;
 
-  const int m_block = gridDim.x - 1 - blockIdx.x;
-  const int head = blockIdx.y, batch = cta_batch(p);
   const int m0 = m_block * BLOCK_M;
-  const int m_last = min(m0 + BLOCK_M, p.seqlen_q) - 1;
+  const int m_last = min(m0 + BLOCK_M, span.seqlen_q) - 1;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
-
-  const HeadView<T> head_view(p, batch, head);
   const T* q = head_view.q;
   const T* k = head_view.k;
   const T* v = head_view.v;
 
-  const KeyBand band(p);
+  const KeyBand band(p, span);
   const int key_first = band.first_key(m0), key_last = band.last_key(m_last);
   const int n_first = key_first / BLOCK_N;
   const int n_last = key_last < key_first ? n_first - 1 : key_last / BLOCK_N;
@@ -54,11 +49,11 @@ __global__ void __launch_bounds__(WARPS * 32) forward_kernel(const __grid_consta
 
   const auto load_kv = [&](int n_block, int stage) {
     const int n0 = n_block * BLOCK_N;
-    load_tile<Tr, BLOCK_N>(sK_ring + stage * Tr::kSmemKV, k, p.k_strides[1], n0, p.seqlen_k, p.head_dim);
-    load_tile<Tr, BLOCK_N>(sV_ring + stage * Tr::kSmemKV, v, p.v_strides[1], n0, p.seqlen_k, p.head_dim);
+    load_tile<Tr, BLOCK_N>(sK_ring + stage * Tr::kSmemKV, k, p.k_strides[1], n0, span.seqlen_k, p.head_dim);
+    load_tile<Tr, BLOCK_N>(sV_ring + stage * Tr::kSmemKV, v, p.v_strides[1], n0, span.seqlen_k, p.head_dim);
   };
   if (n_last >= n_first) {
-    load_tile<Tr, BLOCK_M>(sQ, q, p.q_strides[1], m0, p.seqlen_q, p.head_dim);
+    load_tile<Tr, BLOCK_M>(sQ, q, p.q_strides[1], m0, span.seqlen_q, p.head_dim);
     load_kv(n_last, 0);
     cp_async_commit();
   }
@@ -66,7 +61,7 @@ __global__ void __launch_bounds__(WARPS * 32) forward_kernel(const __grid_consta
   // This warp's rows and the keys they see: near the diagonal (or a window edge) a warp skips
   // the key blocks none of its rows see, and masks only the blocks its own rows cut.
   const int warp_first_row = m0 + warp_row0;
-  const int warp_last_row = min(warp_first_row + Tr::kWarpRows, p.seqlen_q) - 1;
+  const int warp_last_row = min(warp_first_row + Tr::kWarpRows, span.seqlen_q) - 1;
   const int warp_first_key = band.first_key(warp_first_row), warp_last_key = band.last_key(warp_last_row);
 
   // Key blocks from last to first, so that the partially masked diagonal block comes first. A
@@ -149,7 +144,7 @@ __global__ void __launch_bounds__(WARPS * 32) forward_kernel(const __grid_consta
             pack2<T>(acc[mt][dt][2 * h] * total.inv, acc[mt][dt][2 * h + 1] * total.inv);
       }
       const int row = warp_first_row + r;
-      if (t == 0 && row < p.seqlen_q && head_view.lse != nullptr) head_view.lse[row] = total.lse;
+      if (t == 0 && row < span.seqlen_q && head_view.lse != nullptr) head_view.lse[row] = total.lse;
     }
   }
   __syncwarp();
@@ -159,11 +154,28 @@ __global__ void __launch_bounds__(WARPS * 32) forward_kernel(const __grid_consta
   for (int i = 0; i < kOutChunks / 32; ++i) {
     const int chunk = i * 32 + lane;
     const int r = chunk / Tr::kChunksPerRow, c = (chunk % Tr::kChunksPerRow) * 8;
-    if (warp_first_row + r < p.seqlen_q && c < p.head_dim) {
+    if (warp_first_row + r < span.seqlen_q && c < p.head_dim) {
       *reinterpret_cast<uint4*>(head_view.out + (warp_first_row + r) * p.out_strides[1] + c) =
           *reinterpret_cast<const uint4*>(sOut + r * Tr::kRowStride + c);
     }
   }
+}
+
+/// \brief Attention forward: one CTA per (block of query rows, head, sequence)
+/// (common/grid.cuh, common/seq_layout.cuh); query blocks run heaviest-first.
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, bool SOFTCAP, SeqLayout LAYOUT>
+__global__ void __launch_bounds__(WARPS * 32) forward_kernel(const __grid_constant__ AttnParams p) {
+  using Tr = ForwardTraits<HEAD_DIM, BLOCK_M, BLOCK_N, WARPS>;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  if (dynamic_smem_bytes() < Tr::kSmemBytes) __trap();  // launch contract
+  const int head = blockIdx.y, seq = cta_batch(p);
+  const SeqSpan span = seq_span<LAYOUT>(p, seq);
+  const HeadView<T> head_view(p, seq, head, span);
+  const bool covered = for_each_row_block<LAYOUT, BLOCK_M>(span.seqlen_q, [&](int m_block) {
+    forward_block<T, HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, SOFTCAP>(p, span, head_view, m_block, smem_raw);
+  });
+  if (!covered && blockIdx.x == 0)
+    mark_uncovered_rows<T>(head_view.out, p.out_strides[1], head_view.lse, p.head_dim, int(gridDim.x) * BLOCK_M, span.seqlen_q);
 }
 
 }  // namespace cuattn

@@ -6,6 +6,7 @@
 #include "common/head_view.cuh"
 #include "common/mask.cuh"
 #include "common/params.cuh"
+#include "common/seq_layout.cuh"
 
 namespace cuattn {
 
@@ -14,23 +15,20 @@ constexpr int kF32Warps = 4;
 constexpr int kF32BlockM = kF32RowsPerWarp * kF32Warps;
 constexpr int kF32BlockN = 32;
 
-/// \brief fp32 attention forward for 16 query rows of one (head, batch) (common/grid.cuh);
-/// each warp owns 4 rows, a lane scores one key of each 32-key tile and owns
-/// head-dim columns lane, lane + 32, ... of the output. K tiles go through shared memory; Q
-/// (read by all lanes of a warp at once) and V (read across lanes, contiguous) come through L1.
+/// \brief fp32 attention forward for 16 query rows of one (sequence, head); each warp owns 4
+/// rows, a lane scores one key of each 32-key tile and owns head-dim columns lane, lane + 32,
+/// ... of the output. K tiles go through shared memory; Q (read by all lanes of a warp at once)
+/// and V (read across lanes, contiguous) come through L1.
 template <int HEAD_DIM, bool SOFTCAP>
-__global__ void __launch_bounds__(kF32Warps * 32, 1) forward_fp32_kernel(const __grid_constant__ AttnParams p) {
+__device__ __forceinline__ void forward_fp32_block(const AttnParams& p, const SeqSpan& span, const HeadView<float>& head_view, int m_block,
+                                                   float (&sK)[kF32BlockN][HEAD_DIM + 1]) {
   constexpr int kCols = HEAD_DIM / 32;
-  __shared__ float sK[kF32BlockN][HEAD_DIM + 1];  // +1: lanes reading different keys hit different banks
-
-  const int head = blockIdx.y, batch = cta_batch(p);
-  const int m0 = blockIdx.x * kF32BlockM;
-  const int m_last = min(m0 + kF32BlockM, p.seqlen_q) - 1;
+  const int m0 = m_block * kF32BlockM;
+  const int m_last = min(m0 + kF32BlockM, span.seqlen_q) - 1;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const HeadView<float> head_view(p, batch, head);
   const auto [q, k, v, out, lse] = head_view;
 
-  const KeyBand band(p);
+  const KeyBand band(p, span);
   const int key_first = band.first_key(m0), key_last = band.last_key(m_last);
   // The output and the denominator accumulate in fp64: over tens of thousands of keys an fp32
   // running sum loses more than the inputs' precision.
@@ -49,13 +47,13 @@ __global__ void __launch_bounds__(kF32Warps * 32, 1) forward_fp32_kernel(const _
     __syncthreads();  // previous tile fully consumed
     for (int i = threadIdx.x; i < kF32BlockN * HEAD_DIM; i += blockDim.x) {
       const int r = i / HEAD_DIM, c = i % HEAD_DIM;
-      sK[r][c] = (n0 + r < p.seqlen_k && c < p.head_dim) ? k[(n0 + r) * p.k_strides[1] + c] : 0.f;
+      sK[r][c] = (n0 + r < span.seqlen_k && c < p.head_dim) ? k[(n0 + r) * p.k_strides[1] + c] : 0.f;
     }
     __syncthreads();
 #pragma unroll
     for (int r = 0; r < kF32RowsPerWarp; ++r) {
       const int row = m0 + warp * kF32RowsPerWarp + r;
-      const float* q_row = q + min(row, p.seqlen_q - 1) * p.q_strides[1];
+      const float* q_row = q + min(row, span.seqlen_q - 1) * p.q_strides[1];
       // The dot product accumulates in fp64: an fp32 running sum of large scores (|q.k| in the
       // hundreds) errs enough to move the softmax beyond the naive fp32 (blocked GEMM) result.
       double dot = 0.0;
@@ -82,7 +80,7 @@ __global__ void __launch_bounds__(kF32Warps * 32, 1) forward_fp32_kernel(const _
       row_sum[r] = row_sum[r] * alpha + double(sum);
 #pragma unroll
       for (int c = 0; c < kCols; ++c) acc[r][c] *= alpha;
-      for (int j = 0; j < kF32BlockN && n0 + j < p.seqlen_k; ++j) {
+      for (int j = 0; j < kF32BlockN && n0 + j < span.seqlen_k; ++j) {
         const float pj = __shfl_sync(0xffffffff, prob, j);
         const float* v_row = v + (n0 + j) * p.v_strides[1];
 #pragma unroll
@@ -96,7 +94,7 @@ __global__ void __launch_bounds__(kF32Warps * 32, 1) forward_fp32_kernel(const _
 #pragma unroll
   for (int r = 0; r < kF32RowsPerWarp; ++r) {
     const int row = m0 + warp * kF32RowsPerWarp + r;
-    if (row >= p.seqlen_q) continue;
+    if (row >= span.seqlen_q) continue;
     const double inv = row_sum[r] > 0.0 ? 1.0 / row_sum[r] : 0.0;
 #pragma unroll
     for (int c = 0; c < kCols; ++c) {
@@ -107,6 +105,21 @@ __global__ void __launch_bounds__(kF32Warps * 32, 1) forward_fp32_kernel(const _
       lse[row] = lse_from_shift(exp2_shift(row_max[r], sc), float(row_sum[r]));
     }
   }
+}
+
+/// \brief fp32 attention forward: one CTA per (16 query rows, head, sequence)
+/// (common/grid.cuh, common/seq_layout.cuh).
+template <int HEAD_DIM, bool SOFTCAP, SeqLayout LAYOUT>
+__global__ void __launch_bounds__(kF32Warps * 32, 1) forward_fp32_kernel(const __grid_constant__ AttnParams p) {
+  __shared__ float sK[kF32BlockN][HEAD_DIM + 1];  // +1: lanes reading different keys hit different banks
+  const int head = blockIdx.y, seq = cta_batch(p);
+  const SeqSpan span = seq_span<LAYOUT>(p, seq);
+  const HeadView<float> head_view(p, seq, head, span);
+  const bool covered = for_each_row_block<LAYOUT, kF32BlockM>(span.seqlen_q, [&](int m_block) {
+    forward_fp32_block<HEAD_DIM, SOFTCAP>(p, span, head_view, m_block, sK);
+  });
+  if (!covered && blockIdx.x == 0)
+    mark_uncovered_rows<float>(head_view.out, p.out_strides[1], head_view.lse, p.head_dim, int(gridDim.x) * kF32BlockM, span.seqlen_q);
 }
 
 }  // namespace cuattn

@@ -7,6 +7,7 @@
 #include "common/head_view.cuh"
 #include "common/mask.cuh"
 #include "common/params.cuh"
+#include "common/seq_layout.cuh"
 #include "common/tile_copy.cuh"
 #include "common/wgmma.cuh"
 #include "forward/online_softmax.cuh"
@@ -14,27 +15,21 @@
 
 namespace cuattn {
 
-/// \brief Attention forward for one (query block, head, batch) (common/grid.cuh); query
-/// blocks run heaviest-first. Writes out and lse. CTAS_PER_SM bounds the
-/// registers (65536 / (threads * CTAS_PER_SM)).
-template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int CTAS_PER_SM, bool SOFTCAP>
-__global__ void __launch_bounds__(WARPGROUPS * 128, CTAS_PER_SM) forward_wgmma_kernel(const __grid_constant__ AttnParams p) {
+/// \brief One block of query rows of one (sequence, head): writes its rows of out and lse.
+template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, bool SOFTCAP>
+__device__ __forceinline__ void forward_wgmma_block(const AttnParams& p, const SeqSpan& span, const HeadView<T>& head_view, int m_block,
+                                                    unsigned char* smem_raw) {
   using Tr = WgmmaForwardTraits<HEAD_DIM, BLOCK_N, WARPGROUPS>;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  if (dynamic_smem_bytes() < Tr::kSmemBytes) __trap();  // launch contract
   unsigned char* sQ = smem_raw + (kSwizzleAtomBytes - smem_addr(smem_raw) % kSwizzleAtomBytes) % kSwizzleAtomBytes;
   unsigned char* sK_ring = sQ + Tr::kQBytes;  // kStages K tiles, then kStages V tiles
   unsigned char* sV_ring = sK_ring + Tr::kStages * Tr::kKVBytes;
 
-  const int m_block = gridDim.x - 1 - blockIdx.x;
-  const int head = blockIdx.y, batch = cta_batch(p);
   const int m0 = m_block * Tr::kBlockM;
-  const int m_last = min(m0 + Tr::kBlockM, p.seqlen_q) - 1;
+  const int m_last = min(m0 + Tr::kBlockM, span.seqlen_q) - 1;
   const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
 
-  const HeadView<T> head_view(p, batch, head);
-  const KeyBand band(p);
+  const KeyBand band(p, span);
   const int key_first = band.first_key(m0), key_last = band.last_key(m_last);
   const int n_first = key_first / BLOCK_N;
   const int n_last = key_last < key_first ? n_first - 1 : key_last / BLOCK_N;
@@ -48,21 +43,21 @@ __global__ void __launch_bounds__(WARPGROUPS * 128, CTAS_PER_SM) forward_wgmma_k
 
   const auto load_kv = [&](int n_block, int stage) {
     const int n0 = n_block * BLOCK_N;
-    load_tile_sw128<Tr, BLOCK_N>(sK_ring + stage * Tr::kKVBytes, head_view.k, p.k_strides[1], n0, p.seqlen_k, p.head_dim);
-    load_tile_sw128<Tr, BLOCK_N>(sV_ring + stage * Tr::kKVBytes, head_view.v, p.v_strides[1], n0, p.seqlen_k, p.head_dim);
+    load_tile_sw128<Tr, BLOCK_N>(sK_ring + stage * Tr::kKVBytes, head_view.k, p.k_strides[1], n0, span.seqlen_k, p.head_dim);
+    load_tile_sw128<Tr, BLOCK_N>(sV_ring + stage * Tr::kKVBytes, head_view.v, p.v_strides[1], n0, span.seqlen_k, p.head_dim);
   };
   if (n_last >= n_first) {
-    load_tile_sw128<Tr, Tr::kBlockM>(sQ, head_view.q, p.q_strides[1], m0, p.seqlen_q, p.head_dim);
+    load_tile_sw128<Tr, Tr::kBlockM>(sQ, head_view.q, p.q_strides[1], m0, span.seqlen_q, p.head_dim);
     load_kv(n_last, 0);
     cp_async_commit();
   }
   // This warpgroup's rows and the keys they see (a warpgroup skips the key blocks none of its
   // rows see), and this warp's rows (masking is per warp).
   const int wg_first_row = m0 + wg * 64;
-  const int wg_last_row = min(wg_first_row + 64, p.seqlen_q) - 1;
+  const int wg_last_row = min(wg_first_row + 64, span.seqlen_q) - 1;
   const int wg_first_key = band.first_key(wg_first_row), wg_last_key = band.last_key(wg_last_row);
   const int warp_first_row = wg_first_row + warp * 16;
-  const int warp_last_row = min(warp_first_row + 16, p.seqlen_q) - 1;
+  const int warp_last_row = min(warp_first_row + 16, span.seqlen_q) - 1;
   const u32 q_addr = smem_addr(sQ);
 
   // Key blocks from last to first, so that the partially masked diagonal block comes first.
@@ -109,7 +104,7 @@ __global__ void __launch_bounds__(WARPGROUPS * 128, CTAS_PER_SM) forward_wgmma_k
                            swizzled_chunk(r, col % kSwizzleBlockElems / 8) + (col % 8) * 2;
       *reinterpret_cast<u32*>(dst) = pack2<T>(acc[0][dt][2 * h] * total.inv, acc[0][dt][2 * h + 1] * total.inv);
     }
-    if (t == 0 && m0 + r < p.seqlen_q && head_view.lse != nullptr) head_view.lse[m0 + r] = total.lse;
+    if (t == 0 && m0 + r < span.seqlen_q && head_view.lse != nullptr) head_view.lse[m0 + r] = total.lse;
   }
   asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");  // this warpgroup's rows staged
   constexpr int kOutChunks = 64 * Tr::kChunksPerRow;
@@ -117,11 +112,29 @@ __global__ void __launch_bounds__(WARPGROUPS * 128, CTAS_PER_SM) forward_wgmma_k
   for (int i = 0; i < kOutChunks / 128; ++i) {
     const int chunk = i * 128 + threadIdx.x % 128;
     const int r = wg * 64 + chunk / Tr::kChunksPerRow, c = chunk % Tr::kChunksPerRow;
-    if (m0 + r < p.seqlen_q && c * 8 < p.head_dim) {
+    if (m0 + r < span.seqlen_q && c * 8 < p.head_dim) {
       *reinterpret_cast<uint4*>(head_view.out + (m0 + r) * p.out_strides[1] + c * 8) = *reinterpret_cast<const uint4*>(
           sQ + (c / 8) * Tr::kBlockM * kSwizzleRowBytes + swizzled_chunk(r, c % 8));
     }
   }
+}
+
+/// \brief Attention forward: one CTA per (block of query rows, head, sequence)
+/// (common/grid.cuh, common/seq_layout.cuh); query blocks run heaviest-first. CTAS_PER_SM
+/// bounds the registers (65536 / (threads * CTAS_PER_SM)).
+template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int CTAS_PER_SM, bool SOFTCAP, SeqLayout LAYOUT>
+__global__ void __launch_bounds__(WARPGROUPS * 128, CTAS_PER_SM) forward_wgmma_kernel(const __grid_constant__ AttnParams p) {
+  using Tr = WgmmaForwardTraits<HEAD_DIM, BLOCK_N, WARPGROUPS>;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  if (dynamic_smem_bytes() < Tr::kSmemBytes) __trap();  // launch contract
+  const int head = blockIdx.y, seq = cta_batch(p);
+  const SeqSpan span = seq_span<LAYOUT>(p, seq);
+  const HeadView<T> head_view(p, seq, head, span);
+  const bool covered = for_each_row_block<LAYOUT, Tr::kBlockM>(span.seqlen_q, [&](int m_block) {
+    forward_wgmma_block<T, HEAD_DIM, BLOCK_N, WARPGROUPS, SOFTCAP>(p, span, head_view, m_block, smem_raw);
+  });
+  if (!covered && blockIdx.x == 0)
+    mark_uncovered_rows<T>(head_view.out, p.out_strides[1], head_view.lse, p.head_dim, int(gridDim.x) * Tr::kBlockM, span.seqlen_q);
 }
 
 }  // namespace cuattn

@@ -1,6 +1,7 @@
-// Base pointers of one (batch, head) of the attention tensors; K/V of the query head's group.
+// Base pointers of one (sequence, head) of the attention tensors; K/V of the query head's group.
 #pragma once
 #include "params.cuh"
+#include "seq_layout.cuh"
 
 namespace cuattn {
 
@@ -12,13 +13,15 @@ struct HeadView {
   T* out;
   float* lse;
 
-  __device__ __forceinline__ HeadView(const AttnParams& p, int batch, int head) {
+  // Rows of sequence `seq` (common/seq_layout.cuh) for query head `head`.
+  __device__ __forceinline__ HeadView(const AttnParams& p, int seq, int head, const SeqSpan& span) {
     const int kv_head = head / (p.heads_q / p.heads_kv);  // GQA: K/V read in place per group
-    q = static_cast<const T*>(p.q) + batch * p.q_strides[0] + head * p.q_strides[2];
-    k = static_cast<const T*>(p.k) + batch * p.k_strides[0] + kv_head * p.k_strides[2];
-    v = static_cast<const T*>(p.v) + batch * p.v_strides[0] + kv_head * p.v_strides[2];
-    out = static_cast<T*>(p.out) + batch * p.out_strides[0] + head * p.out_strides[2];
-    lse = p.lse == nullptr ? nullptr : p.lse + batch * p.lse_strides[0] + head * p.lse_strides[1];  // null: not wanted
+    q = static_cast<const T*>(p.q) + seq * p.q_strides[0] + span.q_row0 * p.q_strides[1] + head * p.q_strides[2];
+    k = static_cast<const T*>(p.k) + seq * p.k_strides[0] + span.k_row0 * p.k_strides[1] + kv_head * p.k_strides[2];
+    v = static_cast<const T*>(p.v) + seq * p.v_strides[0] + span.k_row0 * p.v_strides[1] + kv_head * p.v_strides[2];
+    out = static_cast<T*>(p.out) + seq * p.out_strides[0] + span.q_row0 * p.out_strides[1] + head * p.out_strides[2];
+    // lse rows have stride 1; null: not wanted
+    lse = p.lse == nullptr ? nullptr : p.lse + seq * p.lse_strides[0] + head * p.lse_strides[1] + span.q_row0;
   }
 };
 

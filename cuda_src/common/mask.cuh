@@ -2,6 +2,7 @@
 // key blocks a block of query rows must visit.
 #pragma once
 #include "params.cuh"
+#include "seq_layout.cuh"
 
 namespace cuattn {
 
@@ -13,6 +14,9 @@ struct KeyBand {
 
   __device__ __forceinline__ explicit KeyBand(const AttnParams& p)
       : offset(p.diagonal_offset), left(p.window_left), right(p.window_right), seqlen_k(p.seqlen_k) {}
+  // The band of one sequence (common/seq_layout.cuh): positions within the sequence.
+  __device__ __forceinline__ KeyBand(const AttnParams& p, const SeqSpan& span)
+      : offset(span.diagonal_offset), left(p.window_left), right(p.window_right), seqlen_k(span.seqlen_k) {}
 
   __device__ __forceinline__ bool visible(int row, int col) const {
     return col < seqlen_k && (left < 0 || col >= row + offset - left) && (right < 0 || col <= row + offset + right);

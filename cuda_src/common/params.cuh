@@ -53,6 +53,13 @@ struct AttnParams {
   float softcap;                            // 0: none; else softcap * tanh(s / softcap)
   float exp2_scale;                         // log2(e) * (softcap ? 1 : scale), for exp2f
   int batch_offset;                         // batch index of blockIdx.z == 0 (common/grid.cuh)
+  // Packed sequences (common/seq_layout.cuh; unused by dense kernels): sequence b holds rows
+  // cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1 of q (likewise k), of total_q (total_k) rows.
+  const int* cu_seqlens_q;
+  const int* cu_seqlens_k;
+  int total_q;
+  int total_k;
+  int bottom_right;                         // per-sequence diagonal: seqlen_k - seqlen_q (1) or 0 (0)
 };
 
 // Backward of AttnParams' attention: dout, gradients, and delta = rowsum(dout * out) - dlse per

@@ -1,0 +1,70 @@
+// Where a sequence's rows live: the one place where (sequence, row) becomes a row of q, k, v,
+// out and lse. Dense tensors are (batch, seqlen, heads, head_dim), a sequence placed by the
+// batch stride; packed ones are (total, heads, head_dim), sequence b holding rows
+// cu_seqlens[b] .. cu_seqlens[b + 1] - 1 (passed as batch stride 0). A kernel takes the layout
+// as a template parameter and reads every length, first row and mask diagonal from the span.
+#pragma once
+#include "dtypes.cuh"
+#include "params.cuh"
+
+namespace cuattn {
+
+enum class SeqLayout { kDense, kPacked };
+
+struct SeqSpan {
+  int seqlen_q;
+  int seqlen_k;
+  int q_row0;           // first row of the sequence in q / out / lse (0 when dense)
+  int k_row0;           // first row in k / v
+  int diagonal_offset;  // key position of query row 0's diagonal (AttnParams)
+};
+
+// Packed offsets are read clamped into [0, total] and non-decreasing: bad device-side
+// cu_seqlens cannot move an access outside the arrays.
+__device__ __forceinline__ void packed_rows(const int* cu_seqlens, int seq, int total, int& first, int& length) {
+  first = min(max(cu_seqlens[seq], 0), total);
+  length = min(max(cu_seqlens[seq + 1], first), total) - first;
+}
+
+template <SeqLayout LAYOUT>
+__device__ __forceinline__ SeqSpan seq_span(const AttnParams& p, int seq) {
+  if constexpr (LAYOUT == SeqLayout::kDense) {
+    return {p.seqlen_q, p.seqlen_k, 0, 0, p.diagonal_offset};
+  } else {
+    SeqSpan s;
+    packed_rows(p.cu_seqlens_q, seq, p.total_q, s.q_row0, s.seqlen_q);
+    packed_rows(p.cu_seqlens_k, seq, p.total_k, s.k_row0, s.seqlen_k);
+    s.diagonal_offset = p.bottom_right ? s.seqlen_k - s.seqlen_q : 0;
+    return s;
+  }
+}
+
+// Runs body(m_block) for this CTA's block of BLOCK_ROWS query rows, the grid's last (heaviest
+// under a causal mask) first; one block per CTA. A packed grid is sized from a bound on the
+// lengths (max_seqlen_q, the caller's word): blocks past it return false from here, and the
+// caller marks those rows (mark_uncovered_rows) instead of leaving them unwritten.
+template <SeqLayout LAYOUT, int BLOCK_ROWS, typename Body>
+__device__ __forceinline__ bool for_each_row_block(int seqlen_q, Body&& body) {
+  const int m_block = int(gridDim.x) - 1 - int(blockIdx.x);
+  if constexpr (LAYOUT == SeqLayout::kDense) {
+    body(m_block);
+    return true;
+  } else {
+    if (m_block * BLOCK_ROWS < seqlen_q) body(m_block);
+    return seqlen_q <= int(gridDim.x) * BLOCK_ROWS;
+  }
+}
+
+// Rows [row_first, seqlen_q) of one (sequence, head) that no CTA computed (max_seqlen_q was
+// below the sequence's length): NaN in out and lse, so that the error shows. Run by one CTA.
+template <typename T>
+__device__ __forceinline__ void mark_uncovered_rows(T* out, i64 row_stride, float* lse, int head_dim, int row_first, int seqlen_q) {
+  const float nan = __int_as_float(0x7fc00000);
+  for (i64 i = threadIdx.x; i < i64(seqlen_q - row_first) * head_dim; i += blockDim.x) {
+    const int row = row_first + int(i / head_dim);
+    out[row * row_stride + i % head_dim] = from_float<T>(nan);
+    if (i % head_dim == 0 && lse != nullptr) lse[row] = nan;
+  }
+}
+
+}  // namespace cuattn

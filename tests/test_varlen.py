@@ -1,0 +1,194 @@
+"""cuattn.attention_varlen: packed sequences against the float64 reference and against the dense
+kernel on each sequence alone (GPU), and its argument checks (no GPU needed)."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import cuattn
+from cuattn import reference
+from helpers import KERNEL_PATHS, assert_attention_accuracy, kernel_path, naive_attention, poison_cupy_pool, randn
+
+gpu = pytest.mark.gpu
+
+
+def _offsets(lengths) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+
+
+def _packed_inputs(rng, lengths_q, lengths_k, hq, hk, d, dtype):
+    q = randn(rng, (int(sum(lengths_q)), hq, d), dtype)
+    k = randn(rng, (int(sum(lengths_k)), hk, d), dtype)
+    v = randn(rng, (int(sum(lengths_k)), hk, d), dtype)
+    return q, k, v, _offsets(lengths_q), _offsets(lengths_k)
+
+
+def _run(rng, lengths_q, lengths_k, hq, hk, d, dtype, path="default", give_max=True, **kw):
+    """Packed call on CuPy arrays (device offsets); every sequence checked against the float64
+    reference (2x naive) and against cuattn.attention on that sequence alone (bit-identical)."""
+    import cupy
+
+    q, k, v, cu_q, cu_k = _packed_inputs(rng, lengths_q, lengths_k, hq, hk, d, dtype)
+    max_q = max(lengths_q) if give_max else None
+    poison_cupy_pool()
+    with kernel_path(path):
+        out, lse = cuattn.attention_varlen(
+            cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), cupy.asarray(cu_q), cupy.asarray(cu_k),
+            max_seqlen_q=max_q, max_seqlen_k=max(lengths_k) if give_max else None, return_lse=True, **kw,
+        )
+        out, lse = out.get(), lse.get()
+        assert out.dtype == q.dtype and out.shape == q.shape and lse.shape == (hq, q.shape[0])
+        assert not np.isnan(out.astype(np.float32)).any() and not np.isnan(lse).any()
+        for b in range(len(lengths_q)):
+            rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+            if rows.start == rows.stop:
+                continue
+            qb, kb, vb = q[None, rows], k[None, keys], v[None, keys]
+            ref_out, ref_lse = reference.attention(qb, kb, vb, return_lse=True, **kw)
+            if keys.start == keys.stop:  # no keys: zeros (naive attention has no max to take)
+                assert not out[rows].astype(np.float32).any()
+            else:
+                assert_attention_accuracy(out[None, rows], ref_out, naive_attention(qb, kb, vb, dtype, **kw),
+                                          floor=1e-6 if dtype == "float32" else 1e-5)
+            fin = np.isfinite(ref_lse[0])
+            np.testing.assert_array_equal(np.isneginf(lse[:, rows]), ~fin)
+            np.testing.assert_allclose(lse[:, rows][fin], ref_lse[0][fin], rtol=1e-5, atol=1e-5)
+            dense_out, dense_lse = cuattn.attention(cupy.asarray(qb), cupy.asarray(kb), cupy.asarray(vb), return_lse=True, **kw)
+            np.testing.assert_array_equal(out[rows], dense_out.get()[0])
+            np.testing.assert_array_equal(lse[:, rows], dense_lse.get()[0])
+    return out, lse
+
+
+_LENGTHS = st.lists(st.sampled_from([0, 1, 2, 17, 64, 113, 128, 300, 1000]), min_size=1, max_size=5)
+
+
+@gpu
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.tuples(_LENGTHS, _LENGTHS).map(lambda ab: (ab[0], (ab[1] * len(ab[0]))[: len(ab[0])])),
+    heads=st.sampled_from([(1, 1), (4, 4), (8, 1), (6, 2)]),
+    d=st.sampled_from([8, 32, 40, 64, 96, 128, 160, 192, 224, 256]),
+    dtype=st.sampled_from(["float16", "bfloat16", "float32"]),
+    causal=st.booleans(),
+    window=st.sampled_from([None, None, (16, 0), (40, 8), (None, 5), (0, 0), (2**31 - 1, None)]),
+    align=st.sampled_from(["bottom_right", "top_left"]),
+    softcap=st.sampled_from([None, None, 5.0]),
+    path=st.sampled_from(KERNEL_PATHS),
+    give_max=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_varlen_matches_reference_and_dense(lengths, heads, d, dtype, causal, window, align, softcap, path, give_max, seed):
+    lengths_q, lengths_k = lengths
+    _run(np.random.default_rng(seed), lengths_q, lengths_k, *heads, d, dtype, path=path, give_max=give_max,
+         causal=causal, window=window, align=align, softcap=softcap)
+
+
+@gpu
+@pytest.mark.parametrize("path", KERNEL_PATHS)
+@pytest.mark.parametrize("d", [64, 128])
+def test_varlen_long_ragged_batch(d, path):
+    """Lengths 0, 1, 2 .. 2000 mixed, GQA 8:1, both causal alignments."""
+    rng = np.random.default_rng()
+    lengths_q = [2000, 0, 1, 2, 700, 1023, 5]
+    lengths_k = [2000, 3, 0, 2, 1500, 1023, 64]
+    for align in ("bottom_right", "top_left"):
+        _run(rng, lengths_q, lengths_k, 8, 1, d, "bfloat16", path=path, causal=True, align=align)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_varlen_too_small_max_seqlen_marks_rows_nan(dtype):
+    """Rows past max_seqlen_q are NaN (out and lse), the rest exact, nothing else written."""
+    import cupy
+
+    rng = np.random.default_rng(0)
+    q, k, v, cu_q, cu_k = _packed_inputs(rng, [300, 20], [300, 20], 2, 2, 64, dtype)
+    out, lse = cuattn.attention_varlen(*map(cupy.asarray, (q, k, v, cu_q, cu_k)), max_seqlen_q=100, return_lse=True, causal=True)
+    out, lse = out.get().astype(np.float64), lse.get()
+    block = 128 if dtype == "bfloat16" else 16  # rows per CTA: the covered rows are whole blocks
+    covered = -(-100 // block) * block
+    assert np.isnan(out[covered:300]).all() and np.isnan(lse[:, covered:300]).all()
+    ref_out, ref_lse = reference.attention_varlen(q, k, v, cu_q, cu_k, causal=True, return_lse=True)
+    good = np.r_[0:covered, 300:320]
+    np.testing.assert_allclose(out[good], ref_out[good], atol=2e-2 if dtype == "bfloat16" else 1e-5)
+
+
+@gpu
+def test_varlen_host_arrays_and_offsets_change_between_calls():
+    """NumPy in, NumPy out (offsets checked on the host); then CuPy calls of one signature with
+    different offsets: the replayed plan reads the new ones."""
+    import cupy
+
+    rng = np.random.default_rng(1)
+    q, k, v, cu_q, cu_k = _packed_inputs(rng, [5, 40, 0, 77], [9, 40, 3, 50], 4, 2, 64, "float16")
+    out = cuattn.attention_varlen(q, k, v, cu_q, cu_k, causal=True)
+    assert isinstance(out, np.ndarray)
+    ref = reference.attention_varlen(q, k, v, cu_q, cu_k, causal=True)
+    np.testing.assert_allclose(out.astype(np.float64), ref, atol=5e-3)
+    dq, dk, dv = map(cupy.asarray, (q, k, v))
+    for lengths_q, lengths_k in (([5, 40, 0, 77], [9, 40, 3, 50]), ([100, 2, 20, 0], [1, 1, 100, 0])):
+        cq, ck = _offsets(lengths_q), _offsets(lengths_k)
+        got = cuattn.attention_varlen(dq, dk, dv, cupy.asarray(cq), cupy.asarray(ck), max_seqlen_q=128, causal=True).get()
+        np.testing.assert_allclose(got.astype(np.float64), reference.attention_varlen(q, k, v, cq, ck, causal=True), atol=5e-3)
+
+
+@gpu
+def test_varlen_torch_tensors_and_many_sequences():
+    """Torch tensors through the core call; 70000 sequences (past gridDim.z's 65535)."""
+    import torch
+
+    lengths = np.random.default_rng(2).integers(0, 3, 70000)
+    total = int(lengths.sum())
+    q, k, v = (torch.randn(total, 1, 8, device="cuda", dtype=torch.float16) for _ in range(3))
+    cu = torch.from_numpy(_offsets(lengths)).cuda()
+    out = cuattn.attention_varlen(q, k, v, cu, cu, max_seqlen_q=2)
+    assert isinstance(out, torch.Tensor)
+    ref = reference.attention_varlen(q.cpu().numpy(), k.cpu().numpy(), v.cpu().numpy(), cu.cpu().numpy(), cu.cpu().numpy())
+    np.testing.assert_allclose(out.float().cpu().numpy(), ref, atol=5e-3)
+
+
+# --- argument checks (no GPU: NumPy inputs are uploaded only after validation) ---------------
+
+
+def _host_args(lengths_q=(3, 0, 4), lengths_k=(5, 1, 0), dtype=np.float16):
+    q = np.ones((sum(lengths_q), 2, 8), dtype)
+    k = np.ones((sum(lengths_k), 1, 8), dtype)
+    return q, k, k.copy(), _offsets(lengths_q), _offsets(lengths_k)
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (lambda a: {**a, "q": a["q"][None]}, ValueError, r"q must have 3 dimensions"),
+    (lambda a: {**a, "cu_seqlens_q": a["cu_seqlens_q"].astype(np.int64)}, TypeError, r"cu_seqlens_q must be int32, got int64"),
+    (lambda a: {**a, "cu_seqlens_k": a["cu_seqlens_k"][None]}, ValueError, r"cu_seqlens_k must have 1 dimension"),
+    (lambda a: {**a, "cu_seqlens_k": a["cu_seqlens_k"][:-1]}, ValueError, r"cu_seqlens_q has 4 offsets and cu_seqlens_k 3"),
+    (lambda a: {**a, "cu_seqlens_q": a["cu_seqlens_q"] + 1}, ValueError, r"cu_seqlens_q must start at 0, got 1"),
+    (lambda a: {**a, "cu_seqlens_k": np.array([0, 5, 4, 6], np.int32)}, ValueError, r"cu_seqlens_k must be non-decreasing"),
+    (lambda a: {**a, "cu_seqlens_q": np.array([0, 3, 3, 6], np.int32)}, ValueError, r"cu_seqlens_q must end at the number of rows \(7\)"),
+    (lambda a: {**a, "cu_seqlens_q": np.array([0], np.int32), "cu_seqlens_k": np.array([0], np.int32)}, ValueError, r"no sequences"),
+    (lambda a: {**a, "cu_seqlens_q": np.zeros(0, np.int32), "cu_seqlens_k": np.zeros(0, np.int32)}, ValueError, r"batch \+ 1 >= 1"),
+    (lambda a: {**a, "max_seqlen_q": -1}, ValueError, r"max_seqlen_q must be >= 0"),
+    (lambda a: {**a, "max_seqlen_k": 2.0}, TypeError, r"max_seqlen_k must be an int"),
+    (lambda a: {**a, "max_seqlen_q": True}, TypeError, r"max_seqlen_q must be an int"),
+    (lambda a: {**a, "v": a["v"][:, :, :4]}, ValueError, r"v has shape"),
+    (lambda a: {**a, "k": a["k"].astype(np.float32), "v": a["v"].astype(np.float32)}, TypeError, r"k has dtype float32"),
+    (lambda a: {**a, "cu_seqlens_q": None}, TypeError, r"cu_seqlens_q is required"),
+    (lambda a: {**a, "causal": 1}, TypeError, r"causal must be a bool"),
+    (lambda a: {**a, "align": "left"}, ValueError, r"align must be"),
+])
+def test_varlen_rejects_bad_arguments(change, error, match):
+    q, k, v, cu_q, cu_k = _host_args()
+    args = change({"q": q, "k": k, "v": v, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k})
+    with pytest.raises(error, match=match):
+        cuattn.attention_varlen(**args)
+
+
+def test_varlen_reference_is_attention_per_sequence():
+    rng = np.random.default_rng(3)
+    q, k, v, cu_q, cu_k = _packed_inputs(rng, [4, 0, 6], [2, 5, 0], 4, 2, 8, "float32")
+    out, lse = reference.attention_varlen(q, k, v, cu_q, cu_k, causal=True, return_lse=True)
+    o, l = reference.attention(q[None, 4:], k[None, 7:7], v[None, 7:7], causal=True, return_lse=True)
+    np.testing.assert_array_equal(out[4:], o[0])
+    np.testing.assert_array_equal(lse[:, 4:], l[0])
+    o, l = reference.attention(q[None, :4], k[None, :2], v[None, :2], causal=True, return_lse=True)
+    np.testing.assert_array_equal(out[:4], o[0])
