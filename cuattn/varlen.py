@@ -88,6 +88,7 @@ def attention_varlen(
     scale, softcap = score_options(scale, softcap, head_dim)
 
     ctx.stage(*a.values())
+    dense = {name: None if x is None else _as_one_sequence(x) for name, x in a.items() if not name.startswith("cu_")}  # staged
     dst = a["out"] if out is not None else ctx.empty(a["q"].shape, a["q"].dtype)
     lse = ctx.empty((heads_q, total_q), np.float32) if return_lse else _NO_LSE
     if batch and total_q and heads_q:
