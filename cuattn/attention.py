@@ -82,7 +82,7 @@ def attention(q, k, v, *, causal=False, window=None, align="bottom_right", scale
     ctx.stage(*a.values())
     dst = a["out"] if out is not None else ctx.empty(a["q"].shape, a["q"].dtype)
     # Without return_lse the kernels skip lse (a null pointer): nothing to allocate.
-    lse = ctx.empty((batch, heads_q, seqlen_q), np.float32) if return_lse else _NO_LSE
+    lse = ctx.empty((batch, heads_q, seqlen_q), np.float32) if return_lse else NO_LSE
     if batch and seqlen_q and heads_q:
         launch_forward(ctx, c_type, attn_params(a["q"], a["k"], a["v"], dst, lse, mask, scale, softcap), seqlen_q, heads_q, batch)
     result = out if out is not None else ctx.export(dst)
@@ -90,7 +90,7 @@ def attention(q, k, v, *, causal=False, window=None, align="bottom_right", scale
 
 
 MAX_HEADS_Q, MAX_HEADS_KV = 65535, 32767
-_NO_LSE = boundary.DeviceArray(0, (0, 0, 0), (0, 0, 0), np.dtype(np.float32), None)
+NO_LSE = boundary.DeviceArray(0, (0, 0, 0), (0, 0, 0), np.dtype(np.float32), None)
 
 
 def require_arrays(arrays: dict, hints: dict | None = None) -> None:
@@ -208,22 +208,26 @@ def check_bool(name: str, x) -> bool:
     return bool(x)
 
 
-def attn_params(q, k, v, out, lse, mask, scale: float, softcap: float, packed=(0, 0, 0, 0, False)) -> np.void:
-    """AttnParams of the forward problem (shared with the backward). ``packed``: the
-    (cu_seqlens_q, cu_seqlens_k) addresses, (total_q, total_k) and bottom-right alignment of
-    packed sequences (cuattn.varlen); zeros for dense tensors."""
+def attn_params(q, k, v, out, lse, mask, scale: float, softcap: float, packed=None) -> np.void:
+    """AttnParams of the forward problem (shared with the backward) from the kernels' 4-D
+    views. ``packed``: a :class:`cuattn.packed.PackedSequences` (the views are then of one
+    sequence of ``total`` rows, cuattn.packed.one_sequence_view), or None for dense tensors."""
     batch, seqlen_q, heads_q, head_dim = q.shape
+    seqlen_k = k.shape[1]
     left, right, offset = mask
-    cu_seqlens_q, cu_seqlens_k, total_q, total_k, bottom_right = packed
+    seqs = (0, 0, 0, 0, 0)
+    if packed is not None:  # the kernels read lengths from the offsets; seqlen_* bound them
+        batch, seqlen_q, seqlen_k = packed.batch, packed.max_seqlen_q, packed.max_seqlen_k
+        seqs = (packed.cu_seqlens_q, packed.cu_seqlens_k, packed.total_q, packed.total_k, int(packed.bottom_right))
     return params.pack(
         params.ATTN_PARAMS,
         q=q.ptr, k=k.ptr, v=v.ptr, out=out.ptr, lse=lse.ptr,
         q_strides=q.strides[:3], k_strides=k.strides[:3], v_strides=v.strides[:3],
         out_strides=out.strides[:3], lse_strides=lse.strides[:2],
-        batch=batch, seqlen_q=seqlen_q, seqlen_k=k.shape[1], heads_q=heads_q, heads_kv=k.shape[2], head_dim=head_dim,
+        batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, heads_q=heads_q, heads_kv=k.shape[2], head_dim=head_dim,
         window_left=left, window_right=right, diagonal_offset=offset,
         scale=scale, softcap=softcap, exp2_scale=LOG2E * (1.0 if softcap else scale), batch_offset=0,
-        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, total_q=total_q, total_k=total_k, bottom_right=int(bottom_right),
+        cu_seqlens_q=seqs[0], cu_seqlens_k=seqs[1], total_q=seqs[2], total_k=seqs[3], bottom_right=seqs[4],
     )
 
 

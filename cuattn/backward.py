@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from cuattn import boundary, params, plans, replay, validation
@@ -63,12 +65,7 @@ def attention_backward(
     ctx, a = boundary.import_arrays(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dlse=dlse)
     c_type = check_qkv(a["q"], a["k"], a["v"], a["out"])
     batch, seqlen_q, heads_q, head_dim = a["q"].shape
-    validation.check_rank("dout", a["dout"], 4, _LAYOUT)
-    validation.check_shape("dout", a["dout"], a["q"].shape, "(the shape of q)")
-    validation.check_same_dtype("dout", a["dout"], "q", a["q"])
-    validation.check_unit_last_stride("dout", a["dout"])
-    if c_type != "float" and a["dout"].ptr is not None and not validation.aligned([a["dout"].ptr], a["dout"].strides[:3], a["dout"].dtype.itemsize, 8, 8):
-        raise ValueError(f"dout strides {a['dout'].strides} (elements) or its address are not multiples of 16 bytes; make it contiguous")
+    check_dout(a["dout"], a["q"], c_type, _LAYOUT)
     for name in ("lse", "dlse"):
         x = a[name]
         if x is None:
@@ -83,12 +80,24 @@ def attention_backward(
     ctx.stage(*a.values())
     grads = [ctx.empty(a[n].shape, a[n].dtype) for n in ("q", "k", "v")]
     delta = ctx.empty((batch, heads_q, seqlen_q), np.float32)
-    if batch and heads_q and (seqlen_q or a["k"].shape[1]):
-        p = _backward_params(a, grads, delta, attn_params(a["q"], a["k"], a["v"], a["out"], a["lse"], mask, scale, softcap))
-        _launch(ctx, c_type, p, a["q"].shape, a["k"].shape, deterministic)
+    seqlen_k, heads_kv = a["k"].shape[1], a["k"].shape[2]
+    if batch and heads_q and (seqlen_q or seqlen_k):
+        p = backward_params(a, grads, delta, attn_params(a["q"], a["k"], a["v"], a["out"], a["lse"], mask, scale, softcap))
+        grid = BackwardGrid("dense", batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, batch * seqlen_q, batch * seqlen_k)
+        launch_backward(ctx, c_type, p, grid, deterministic)
     elif grads[1].size:  # no query head (heads_q = 0): K and V had no influence
         ctx.zero(grads[1], grads[2])
     return tuple(ctx.export(g) for g in grads)
+
+
+def check_dout(dout, q, c_type: str, layout: str) -> None:
+    """``dout`` shaped and typed like ``q``, loadable by the kernels of ``c_type``."""
+    validation.check_rank("dout", dout, len(q.shape), layout)
+    validation.check_shape("dout", dout, q.shape, "(the shape of q)")
+    validation.check_same_dtype("dout", dout, "q", q)
+    validation.check_unit_last_stride("dout", dout)
+    if c_type != "float" and dout.ptr is not None and not validation.aligned([dout.ptr], dout.strides[:-1], dout.dtype.itemsize, 8, 8):
+        raise ValueError(f"dout strides {dout.strides} (elements) or its address are not multiples of 16 bytes; make it contiguous")
 
 
 _REQUIRED = {
@@ -97,7 +106,42 @@ _REQUIRED = {
 }
 
 
-def _backward_params(a, grads, delta, attn: np.void) -> np.void:
+DQ_TILE_ROWS = 64  # rows per tile of the fused kernel's dQ accumulator (backward/dq_accum.cuh kDqTileRows)
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardGrid:
+    """The extents of one backward call's launches, for either sequence layout."""
+
+    layout: str  # "dense" or "packed" (cuattn.variants.SEQ_LAYOUTS)
+    batch: int  # sequences
+    seqlen_q: int  # query rows per sequence that the dQ grid covers (packed: a bound)
+    seqlen_k: int  # key rows per sequence that the dK / dV grid covers (packed: a bound)
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    rows: int  # query rows of all sequences (the row kernels run rows x heads_q lane groups)
+    keys: int  # key rows of all sequences
+
+    def dq_accumulator(self, bucket: int) -> tuple[tuple[int, ...], tuple[int, int]]:
+        """(shape, tile strides) of the fused kernel's fp32 dQ accumulator
+        (cuda_src/backward/dq_accum.cuh): dense, a run of 64-row tiles per (batch, head);
+        packed, one run per head with sequence b's tiles from q_row0 // 64 + b."""
+        if self.layout == "dense":
+            row_blocks = -(-self.seqlen_q // DQ_TILE_ROWS)
+            return (self.batch, self.heads_q, row_blocks * DQ_TILE_ROWS, bucket), (self.heads_q * row_blocks, row_blocks)
+        tiles = -(-self.rows // DQ_TILE_ROWS) + self.batch
+        return (self.heads_q, tiles * DQ_TILE_ROWS, bucket), (1, tiles)
+
+    def accumulator_fits(self) -> bool:
+        """Whether the accumulator is at most about twice dQ's rows: packed batches of many
+        short sequences (more sequences than 64-row blocks) take the deterministic kernels."""
+        return self.layout == "dense" or self.batch <= max(1, -(-self.rows // DQ_TILE_ROWS))
+
+
+def backward_params(a, grads, delta, attn: np.void) -> np.void:
+    """BackwardParams from the kernels' views (4-D tensors, 3-D statistics) of ``a`` (dout,
+    dlse), the gradients and delta."""
     dq, dk, dv = grads
     dlse = a["dlse"]
     return params.pack(
@@ -106,50 +150,51 @@ def _backward_params(a, grads, delta, attn: np.void) -> np.void:
         dlse=0 if dlse is None else dlse.ptr,
         dout_strides=a["dout"].strides[:3], dq_strides=dq.strides[:3], dk_strides=dk.strides[:3],
         dv_strides=dv.strides[:3], dlse_strides=(0, 0) if dlse is None else dlse.strides[:2],
-        dq_accum=0, dq_accum_cols=0,  # set by _launch when the fused kernel runs
+        delta_strides=delta.strides[:2],
+        dq_accum=0, dq_accum_tile_strides=(0, 0), dq_accum_cols=0,  # set by launch_backward when the fused kernel runs
     )
 
 
-def _launch(ctx, c_type: str, p: np.void, q_shape, k_shape, deterministic: bool) -> None:
-    batch, seqlen_q, heads_q, head_dim = q_shape
-    seqlen_k, heads_kv = k_shape[1], k_shape[2]
-    bucket, softcap = head_dim_bucket(head_dim), bool(p["attn"]["softcap"] > 0)
-    rows = batch * seqlen_q * heads_q
-    row_launch = ((-(-rows // BACKWARD_ROWS_PER_CTA), 1, 1), (32 * BACKWARD_ROW_WARPS, 1, 1))
+def launch_backward(ctx, c_type: str, p: np.void, g: BackwardGrid, deterministic: bool) -> None:
+    bucket, softcap, layout = head_dim_bucket(g.head_dim), bool(p["attn"]["softcap"] > 0), g.layout
+    row_groups = g.rows * g.heads_q
+    row_launch = [((-(-row_groups // BACKWARD_ROWS_PER_CTA), 1, 1), (32 * BACKWARD_ROW_WARPS, 1, 1), None)]
     # Whether dQ goes through an fp32 accumulator is decided once: a traced JAX call replays
     # the decision that sized its buffers, whatever CUATTN_WGMMA says by then; a device that
     # cannot run the fused kernel (not Hopper) takes the deterministic kernels and leaves the
     # accumulator unused.
     use_accum = ctx.decide(
         "dq_accumulator",
-        lambda: not deterministic and select_fused_backward_variant(c_type, bucket, softcap, ctx.arch(), wgmma_enabled()) is not None,
+        lambda: not deterministic and g.accumulator_fits()
+        and select_fused_backward_variant(c_type, bucket, softcap, ctx.arch(), wgmma_enabled(), layout) is not None,
     )
     arch, wgmma = ctx.arch(), wgmma_enabled()
-    fused = select_fused_backward_variant(c_type, bucket, softcap, arch) if use_accum else None
-    if use_accum and rows:
-        # Tiles of 64 rows (cuda_src/backward/dq_accum.cuh), zeroed by backward_prep.
-        accum = ctx.empty((batch, heads_q, -(-seqlen_q // 64) * 64, bucket), np.float32)
+    fused = select_fused_backward_variant(c_type, bucket, softcap, arch, layout=layout) if use_accum else None
+    if use_accum and row_groups:
+        shape, tile_strides = g.dq_accumulator(bucket)
+        accum = ctx.empty(shape, np.float32)
         if fused is not None:
-            p["dq_accum"], p["dq_accum_cols"] = accum.ptr, bucket
+            p["dq_accum"], p["dq_accum_tile_strides"], p["dq_accum_cols"] = accum.ptr, tile_strides, bucket
+    # Packed grids cover at least one block, so that rows past a zero bound are marked.
+    grid_q, grid_k = (g.seqlen_q, g.seqlen_k) if layout == "dense" else (max(g.seqlen_q, 1), max(g.seqlen_k, 1))
     with ctx.device, ctx.stream:
-        rows_launch = [(*row_launch, None)]
         launches = []
-        if rows:
-            launches.append((backward_row_variant("backward_prep", c_type, bucket), rows_launch))
+        if row_groups:
+            launches.append((backward_row_variant("backward_prep", c_type, bucket, layout), row_launch))
         # dK and dV are written (zeros included) even when no query sees a key.
         if fused is not None:
-            if seqlen_k:
-                launches.append((fused, plans.tile_launches(fused, seqlen_k, heads_kv, batch)))
-            if rows:
-                launches.append((backward_row_variant("backward_dq_finish", c_type, bucket), rows_launch))
+            if g.keys:
+                launches.append((fused, plans.tile_launches(fused, grid_k, g.heads_kv, g.batch)))
+            if row_groups:
+                launches.append((backward_row_variant("backward_dq_finish", c_type, bucket, layout), row_launch))
         else:
             smem_limit = device_smem_limit(ctx.device.id)
-            if rows:
-                dq = select_backward_variant("backward_dq", c_type, bucket, softcap, arch, wgmma, smem_limit)
-                launches.append((dq, plans.tile_launches(dq, seqlen_q, heads_q, batch)))
-            if seqlen_k:
-                dkdv = select_backward_variant("backward_dkdv", c_type, bucket, softcap, arch, wgmma, smem_limit)
-                launches.append((dkdv, plans.tile_launches(dkdv, seqlen_k, heads_kv * dkdv.column_splits, batch)))
+            if row_groups:
+                dq = select_backward_variant("backward_dq", c_type, bucket, softcap, arch, wgmma, smem_limit, layout)
+                launches.append((dq, plans.tile_launches(dq, grid_q, g.heads_q, g.batch)))
+            if g.keys:
+                dkdv = select_backward_variant("backward_dkdv", c_type, bucket, softcap, arch, wgmma, smem_limit, layout)
+                launches.append((dkdv, plans.tile_launches(dkdv, grid_k, g.heads_kv * dkdv.column_splits, g.batch)))
         for variant, variant_launches in launches:
             for grid, block, batch_offset in variant_launches:
                 if batch_offset is not None:

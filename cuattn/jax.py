@@ -15,6 +15,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from cuattn import boundary, ops, replay, requirements
 from cuattn.attention import check_bool
@@ -23,7 +24,7 @@ requirements.require("jax", "cupy", by="cuattn.jax")  # before importing what ol
 
 from jax.experimental.buffer_callback import buffer_callback  # noqa: E402
 
-__all__ = ["attention", "merge", "call"]
+__all__ = ["attention", "attention_varlen", "merge", "call"]
 
 
 def attention(q, k, v, *, causal=False, window=None, align="bottom_right", scale=None, softcap=None, return_lse=False):
@@ -31,6 +32,19 @@ def attention(q, k, v, *, causal=False, window=None, align="bottom_right", scale
     through ``lse`` when it is returned and used)."""
     options = ops.flat_mask_options(causal, window, align, scale, softcap, head_dim=q.shape[-1])
     out, lse = _differentiable("attention")(tuple(options.items()), q, k, v)
+    return (out, lse) if check_bool("return_lse", return_lse) else out
+
+
+def attention_varlen(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None, causal=False, window=None,
+    align="bottom_right", scale=None, softcap=None, return_lse=False,
+):
+    """:func:`cuattn.attention_varlen` on JAX arrays (``cu_seqlens_*`` int32), differentiable
+    in ``q``, ``k``, ``v`` (and through ``lse``). Under ``jax.jit`` the offsets are traced:
+    pass ``max_seqlen_*`` as Python ints when known, else the grids are sized by the totals."""
+    options = {**ops.flat_mask_options(causal, window, align, scale, softcap, head_dim=q.shape[-1]),
+               **ops.flat_seqlen_bounds(max_seqlen_q, max_seqlen_k)}
+    out, lse = _differentiable("attention_varlen")(tuple(options.items()), q, k, v, cu_seqlens_q, cu_seqlens_k)
     return (out, lse) if check_bool("return_lse", return_lse) else out
 
 
@@ -92,7 +106,9 @@ def _differentiable(name: str):
         vjp_options = dict(entry.vjp_options)
         if "deterministic" in vjp_options:  # XLA's determinism flag picks the atomic-free backward
             vjp_options["deterministic"] = xla_deterministic_ops()
-        return call(entry.vjp, *entry.vjp_arrays(inputs, outputs, grads), **dict(options), **vjp_options)
+        grads_in = call(entry.vjp, *entry.vjp_arrays(inputs, outputs, grads), **dict(options), **vjp_options)
+        # Integer arrays past the differentiated ones (offsets) take float0 cotangents.
+        return (*grads_in, *(np.zeros(np.shape(x), jax.dtypes.float0) for x in inputs[len(grads_in):]))
 
     run.defvjp(forward, backward)
     return run

@@ -79,6 +79,8 @@ BACKWARD_PARAMS = np.dtype(
         ("dk_strides", *_S3),
         ("dv_strides", *_S3),
         ("dlse_strides", np.int64, (2,)),
+        ("delta_strides", np.int64, (2,)),
+        ("dq_accum_tile_strides", np.int64, (2,)),
         ("dq_accum_cols", np.int32),
     ],
     align=True,

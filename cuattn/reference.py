@@ -156,6 +156,25 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, al
     return dq, dk, dv
 
 
+def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, causal=False, window=None,
+                              align="bottom_right", scale=None, softcap=None, dlse=None, **_):
+    """Reference gradients of :func:`attention_varlen`: every packed sequence through
+    :func:`attention_backward` alone. ``lse`` and ``dlse`` are ``(heads_q, total_q)``."""
+    dout, q, k, v, out, lse = map(_f64, (dout, q, k, v, out, lse))
+    dlse = None if dlse is None else _f64(dlse)
+    cu_q, cu_k = (np.asarray(c, dtype=np.int64) for c in (cu_seqlens_q, cu_seqlens_k))
+    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    for b in range(len(cu_q) - 1):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        grads = attention_backward(
+            dout[None, rows], q[None, rows], k[None, keys], v[None, keys], out[None, rows], lse[None, :, rows],
+            causal=causal, window=window, align=align, scale=scale, softcap=softcap,
+            dlse=None if dlse is None else dlse[None, :, rows],
+        )
+        dq[rows], dk[keys], dv[keys] = (g[0] for g in grads)
+    return dq, dk, dv
+
+
 def merge(outs, lses):
     """Reference :func:`cuattn.merge`: float64 ``(out, lse)``."""
     outs = np.stack([_f64(o) for o in outs]) if isinstance(outs, (list, tuple)) else _f64(outs)

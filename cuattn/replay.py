@@ -454,10 +454,11 @@ def run(op: str, call, arrays: tuple, options: tuple):
             native, address = allocate(shape, dtype, device)
             outputs.append(native)
             pointers.append(address)
+        base = 0  # scratch arrays that are all empty (delta of no query rows) still take a slot
         if plan.scratch_bytes:
             scratch, base = framework.scratch(plan.scratch_bytes, device)  # freed after the launches, stream-ordered
-            for offset in plan.scratch_offsets:
-                pointers.append(base + offset)
+        for offset in plan.scratch_offsets:
+            pointers.append(base + offset)
         counters.allocations += len(outputs) + (plan.scratch_bytes > 0)
         plan.run(pointers, framework.stream(device))
     finally:

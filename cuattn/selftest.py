@@ -93,7 +93,33 @@ def check_attention_varlen(rng: np.random.Generator) -> Check:
     return Check(f"attention_varlen bf16 causal GQA (lengths {lengths}, {hq}/{hk}x{d})", ok, err, bound, _time_ms(timed))
 
 
-CHECKS = [check_merge, check_attention, check_attention_varlen]
+def check_attention_varlen_backward(rng: np.random.Generator) -> Check:
+    """Gradients of bf16 causal GQA attention over packed ragged sequences: the largest relative
+    error of dq, dk and dv, bound by 3x that of the float64 gradients rounded to bf16."""
+    import cupy
+
+    import cuattn
+    from cuattn.variants import BFLOAT16
+
+    lengths, hq, hk, d = [300, 0, 1, 150], 4, 2, 64
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    q, dout = (rng.standard_normal((int(cu[-1]), hq, d)).astype(BFLOAT16) for _ in range(2))
+    k, v = (rng.standard_normal((int(cu[-1]), hk, d)).astype(BFLOAT16) for _ in range(2))
+    dev = [cupy.asarray(x) for x in (dout, q, k, v)]
+    cu_d = cupy.asarray(cu)
+    out, lse = cuattn.attention_varlen(*dev[1:], cu_d, cu_d, max_seqlen_q=max(lengths), causal=True, return_lse=True)
+    bounds = dict(max_seqlen_q=max(lengths), max_seqlen_k=max(lengths), causal=True)
+    grads = [g.get() for g in cuattn.attention_varlen_backward(*dev, out, lse, cu_d, cu_d, **bounds)]
+    ref_out, ref_lse = reference.attention_varlen(q, k, v, cu, cu, causal=True, return_lse=True)
+    refs = reference.attention_varlen_backward(dout, q, k, v, ref_out, ref_lse, cu, cu, causal=True)
+    err = max(_rel(g, r) for g, r in zip(grads, refs))
+    bound = 3 * max(_rel(r.astype(BFLOAT16), r) for r in refs) + 4e-3
+    ok = err <= bound and not any(np.isnan(g.astype(np.float32)).any() for g in grads)
+    timed = lambda: cuattn.attention_varlen_backward(*dev, out, lse, cu_d, cu_d, **bounds)  # noqa: E731
+    return Check(f"attention_varlen_backward bf16 causal GQA (lengths {lengths}, {hq}/{hk}x{d})", ok, err, bound, _time_ms(timed))
+
+
+CHECKS = [check_merge, check_attention, check_attention_varlen, check_attention_varlen_backward]
 
 
 def run(print_fn=print) -> bool:

@@ -17,10 +17,11 @@ from cuattn.attention import attention as core_attention
 from cuattn.backward import attention_backward as core_attention_backward
 from cuattn.attention import check_bool
 from cuattn.merge import merge as core_merge
+from cuattn.varlen import attention_varlen as core_attention_varlen
 
 requirements.require("torch", "cupy", by="cuattn.torch")  # before any torch.library API is touched
 
-__all__ = ["attention", "merge", "scaled_dot_product_attention", "op"]
+__all__ = ["attention", "attention_varlen", "merge", "scaled_dot_product_attention", "op"]
 
 _LIBRARY = torch.library.Library("cuattn", "FRAGMENT")
 _TENSOR_KINDS = {"?": "Tensor?", "]": "Tensor[]"}
@@ -35,6 +36,24 @@ def attention(q, k, v, *, causal=False, window=None, align="bottom_right", scale
         out, lse = _EagerAttention.apply(q, k, v, (causal, window, align, scale, softcap))
     else:
         out, lse = op("attention")(q, k, v, *_flat_mask_options(causal, window, align, scale, softcap, q.shape[-1]))
+    return (out, lse) if check_bool("return_lse", return_lse) else out
+
+
+def attention_varlen(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None, causal=False, window=None,
+    align="bottom_right", scale=None, softcap=None, return_lse=False,
+):
+    """:func:`cuattn.attention_varlen` on torch tensors (``cu_seqlens_*`` int32 CUDA tensors),
+    differentiable in ``q``, ``k``, ``v`` (and through ``lse``). Pass ``max_seqlen_*`` as ints
+    when known: derived, they are the totals (device offsets are never read on the host)."""
+    if _eager(q, k, v) and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+        return core_attention_varlen(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal,
+            window=window, align=align, scale=scale, softcap=softcap, return_lse=return_lse,
+        )
+    options = _flat_mask_options(causal, window, align, scale, softcap, q.shape[-1])
+    bounds = tuple(ops.flat_seqlen_bounds(max_seqlen_q, max_seqlen_k).values())
+    out, lse = op("attention_varlen")(q, k, v, cu_seqlens_q, cu_seqlens_k, *options, *bounds)
     return (out, lse) if check_bool("return_lse", return_lse) else out
 
 
@@ -206,7 +225,8 @@ def _table_vjp(entry: ops.OpEntry, ctx, *grads):
         grads_in = ops.OPS[entry.vjp].call(*arrays, **options)
     else:
         grads_in = op(entry.vjp)(*arrays, **options)
-    return (*grads_in, *(None for _ in entry.options))
+    no_grads = len(entry.arrays) - len(grads_in) + len(entry.options)  # integer arrays (offsets) and options
+    return (*grads_in, *(None,) * no_grads)
 
 
 def _merge_vjp(entry: ops.OpEntry, ctx, dout, dlse):

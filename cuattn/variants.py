@@ -99,7 +99,7 @@ def forward_smem_bytes(bucket: int) -> int:
     return (block_m + 2 * FORWARD_STAGES * block_n) * (bucket + 8) * 2
 
 
-# Sequence layouts a forward kernel is compiled for (cuda_src/common/seq_layout.cuh): dense
+# Sequence layouts an attention kernel is compiled for (cuda_src/common/seq_layout.cuh): dense
 # (batch, seqlen, heads, head_dim) tensors, or packed ones with cu_seqlens (attention_varlen).
 SEQ_LAYOUTS = ("dense", "packed")
 
@@ -218,20 +218,21 @@ def backward_tile(family: str, bucket: int, smem_limit: int) -> tuple[int, bool]
     raise ValueError(f"{family} at head_dim bucket {bucket} needs more than {smem_limit} bytes of shared memory per block")
 
 
-def backward_row_variant(family: str, c_type: str, bucket: int) -> Variant:
+@functools.cache
+def backward_row_variant(family: str, c_type: str, bucket: int, layout: str = "dense") -> Variant:
     """``backward_prep`` or ``backward_dq_finish``: BACKWARD_ROW_LANES lanes per query row,
     BACKWARD_ROWS_PER_CTA rows per CTA, each lane's loads of a row issued at once."""
     return Variant(
         family=family,
-        expression=f"cuattn::{family}_kernel<{cxx_type(c_type)}, {bucket}>",
-        uri=f"{family}/{c_type}/d{bucket}",
+        expression=f"cuattn::{family}_kernel<{cxx_type(c_type)}, {bucket}, {_layout_arg(layout)}>",
+        uri=f"{family}/{c_type}/d{bucket}" + _layout_uri(layout),
         hot=True,
         block_m=BACKWARD_ROWS_PER_CTA,
     )
 
 
 @functools.cache
-def backward_variant(family: str, c_type: str, bucket: int, softcap: bool, smem_limit: int = MAX_SMEM_OPTIN) -> Variant:
+def backward_variant(family: str, c_type: str, bucket: int, softcap: bool, smem_limit: int = MAX_SMEM_OPTIN, layout: str = "dense") -> Variant:
     """``family`` is backward_dkdv or backward_dq, tiled for ``smem_limit`` bytes of shared
     memory per block; float32 runs their CUDA-core twins (backward_fp32_dkdv, backward_fp32_dq)."""
     cap = "true" if softcap else "false"
@@ -239,8 +240,8 @@ def backward_variant(family: str, c_type: str, bucket: int, softcap: bool, smem_
         fp32_family = family.replace("backward_", "backward_fp32_")
         return Variant(
             family=fp32_family,
-            expression=f"cuattn::{fp32_family}_kernel<{bucket}, {cap}>",
-            uri=f"{fp32_family}/d{bucket}" + ("/softcap" if softcap else ""),
+            expression=f"cuattn::{fp32_family}_kernel<{bucket}, {cap}, {_layout_arg(layout)}>",
+            uri=f"{fp32_family}/d{bucket}" + ("/softcap" if softcap else "") + _layout_uri(layout),
             dynamic_smem=2 * FP32_BACKWARD_TILE * (bucket + 1) * 4,
             threads=128,
             block_m=FP32_BLOCK_M,
@@ -249,8 +250,9 @@ def backward_variant(family: str, c_type: str, bucket: int, softcap: bool, smem_
     tile = f"{stream}, {'true' if stats else 'false'}" if family == "backward_dkdv" else f"{stream}"
     return Variant(
         family=family,
-        expression=f"cuattn::{family}_kernel<{cxx_type(c_type)}, {bucket}, {tile}, {cap}>",
-        uri=f"{family}/{c_type}/d{bucket}/s{stream}" + ("" if stats or family == "backward_dq" else "g") + ("/softcap" if softcap else ""),
+        expression=f"cuattn::{family}_kernel<{cxx_type(c_type)}, {bucket}, {tile}, {cap}, {_layout_arg(layout)}>",
+        uri=f"{family}/{c_type}/d{bucket}/s{stream}" + ("" if stats or family == "backward_dq" else "g") + ("/softcap" if softcap else "")
+        + _layout_uri(layout),
         hot=True,
         dynamic_smem=backward_smem_bytes(family, bucket, stream, stats),
         threads=128,
@@ -275,12 +277,12 @@ def wgmma_backward_smem_bytes(family: str, bucket: int) -> int:
 
 
 @functools.cache
-def wgmma_backward_variant(family: str, c_type: str, bucket: int, softcap: bool) -> Variant:
+def wgmma_backward_variant(family: str, c_type: str, bucket: int, softcap: bool, layout: str = "dense") -> Variant:
     """``family`` is backward_dq or backward_dkdv; the kernel is its backward_wgmma_* twin."""
     stream, warpgroups, ctas = WGMMA_BACKWARD_TILES[family][bucket]
     return _wgmma_variant(
         family.replace("backward_", "backward_wgmma_"), f"{cxx_type(c_type)}, {bucket}, {stream}, {warpgroups}, {ctas}", softcap,
-        f"{c_type}/d{bucket}/s{stream}wg{warpgroups}c{ctas}", wgmma_backward_smem_bytes(family, bucket), warpgroups,
+        f"{c_type}/d{bucket}/s{stream}wg{warpgroups}c{ctas}", wgmma_backward_smem_bytes(family, bucket), warpgroups, layout,
     )
 
 
@@ -300,29 +302,32 @@ def wgmma_fused_smem_bytes(bucket: int) -> int:
 
 
 @functools.cache
-def wgmma_fused_variant(c_type: str, bucket: int, softcap: bool) -> Variant:
+def wgmma_fused_variant(c_type: str, bucket: int, softcap: bool, layout: str = "dense") -> Variant:
     stream, warpgroups, ctas = WGMMA_FUSED_TILES[bucket]
     return _wgmma_variant(
         "backward_wgmma_fused", f"{cxx_type(c_type)}, {bucket}, {stream}, {warpgroups}, {ctas}", softcap,
-        f"{c_type}/d{bucket}/s{stream}wg{warpgroups}c{ctas}", wgmma_fused_smem_bytes(bucket), warpgroups,
+        f"{c_type}/d{bucket}/s{stream}wg{warpgroups}c{ctas}", wgmma_fused_smem_bytes(bucket), warpgroups, layout,
     )
 
 
-def select_fused_backward_variant(c_type: str, bucket: int, softcap: bool, arch: str, allow_wgmma: bool = True) -> Variant | None:
+def select_fused_backward_variant(
+    c_type: str, bucket: int, softcap: bool, arch: str, allow_wgmma: bool = True, layout: str = "dense",
+) -> Variant | None:
     """The one-pass backward (dQ by atomics) where it serves the problem on the target, else None."""
     if allow_wgmma and arch == WGMMA_ARCH and c_type != "float" and bucket in WGMMA_FUSED_TILES:
-        return wgmma_fused_variant(c_type, bucket, softcap)
+        return wgmma_fused_variant(c_type, bucket, softcap, layout)
     return None
 
 
 def select_backward_variant(
     family: str, c_type: str, bucket: int, softcap: bool, arch: str, allow_wgmma: bool = True, smem_limit: int | None = None,
+    layout: str = "dense",
 ) -> Variant:
     """As :func:`select_forward_variant`, for backward_dq and backward_dkdv; portable tiles fit
     ``smem_limit`` (default: the target's, :data:`ARCH_SMEM_OPTIN`)."""
     if allow_wgmma and arch == WGMMA_ARCH and c_type != "float" and bucket in WGMMA_BACKWARD_TILES[family]:
-        return wgmma_backward_variant(family, c_type, bucket, softcap)
-    return backward_variant(family, c_type, bucket, softcap, arch_smem_limit(arch) if smem_limit is None else smem_limit)
+        return wgmma_backward_variant(family, c_type, bucket, softcap, layout)
+    return backward_variant(family, c_type, bucket, softcap, arch_smem_limit(arch) if smem_limit is None else smem_limit, layout)
 
 
 def all_variants(arch: str | None = None) -> list[Variant]:
@@ -342,22 +347,23 @@ def all_variants(arch: str | None = None) -> list[Variant]:
             for bucket in WGMMA_FORWARD_TILES:
                 for softcap in (False, True):
                     out.append(wgmma_forward_variant(c_type, bucket, softcap, layout))
-    for c_type in ("f16", "bf16", "float"):
-        for bucket in HEAD_DIM_BUCKETS:
-            out.append(backward_row_variant("backward_prep", c_type, bucket))
-        for family in ("backward_dkdv", "backward_dq"):
+    for layout in SEQ_LAYOUTS:
+        for c_type in ("f16", "bf16", "float"):
             for bucket in HEAD_DIM_BUCKETS:
+                out.append(backward_row_variant("backward_prep", c_type, bucket, layout))
+            for family in ("backward_dkdv", "backward_dq"):
+                for bucket in HEAD_DIM_BUCKETS:
+                    for softcap in (False, True):
+                        out.append(backward_variant(family, c_type, bucket, softcap, smem_limit, layout))
+        for c_type in ("f16", "bf16"):
+            for family, buckets in WGMMA_BACKWARD_TILES.items():
+                for bucket in buckets:
+                    for softcap in (False, True):
+                        out.append(wgmma_backward_variant(family, c_type, bucket, softcap, layout))
+            for bucket in WGMMA_FUSED_TILES:
+                out.append(backward_row_variant("backward_dq_finish", c_type, bucket, layout))
                 for softcap in (False, True):
-                    out.append(backward_variant(family, c_type, bucket, softcap, smem_limit))
-    for c_type in ("f16", "bf16"):
-        for family, buckets in WGMMA_BACKWARD_TILES.items():
-            for bucket in buckets:
-                for softcap in (False, True):
-                    out.append(wgmma_backward_variant(family, c_type, bucket, softcap))
-        for bucket in WGMMA_FUSED_TILES:
-            out.append(backward_row_variant("backward_dq_finish", c_type, bucket))
-            for softcap in (False, True):
-                out.append(wgmma_fused_variant(c_type, bucket, softcap))
+                    out.append(wgmma_fused_variant(c_type, bucket, softcap, layout))
     return out
 
 

@@ -1,17 +1,19 @@
-"""Attention over packed variable-length sequences (varlen): the forward kernels read each
-sequence's rows through the packed layout of ``cuda_src/common/seq_layout.cuh``."""
+"""Attention over packed variable-length sequences (varlen): the kernels read each sequence's
+rows through the packed layout of ``cuda_src/common/seq_layout.cuh`` (host side:
+:mod:`cuattn.packed`)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
 from cuattn import boundary, replay, validation
-from cuattn.attention import (
-    _NO_LSE, attn_params, check_bool, check_qkv, launch_forward, mask_options, require_arrays, score_options,
+from cuattn.attention import NO_LSE, attn_params, check_bool, check_qkv, launch_forward, mask_options, require_arrays, score_options
+from cuattn.backward import BackwardGrid, backward_params, check_dout, launch_backward
+from cuattn.packed import (
+    PACKED, PACKED_STATS, PackedSequences, check_cu_seqlens, check_max_seqlen, grid_bound, host_lengths, one_sequence_view,
 )
-
-_PACKED = "(total, heads, head_dim)"
-_CU_SEQLENS = "(batch + 1,) int32"
 
 
 def attention_varlen(
@@ -65,87 +67,127 @@ def attention_varlen(
             return result
     require_arrays({"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k})
     return_lse = check_bool("return_lse", return_lse)
-    max_seqlen_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q)
-    _check_max_seqlen("max_seqlen_k", max_seqlen_k)
     ctx, a = boundary.import_arrays(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, out=out)
     if out is not None and ctx.framework in (boundary.JAX, boundary.NUMPY):
         raise TypeError(f"out= is written in place, which {ctx.framework} arrays cannot be")
-    for name in ("q", "k", "v", "out"):
-        if a[name] is not None:
-            validation.check_rank(name, a[name], 3, _PACKED)
-    total_q, heads_q, head_dim = a["q"].shape
-    total_k = a["k"].shape[0]
-    batch = _check_cu_seqlens(a["cu_seqlens_q"], a["cu_seqlens_k"], total_q, total_k)
-    dense = {name: None if x is None else _as_one_sequence(x) for name, x in a.items() if not name.startswith("cu_")}
-    c_type = check_qkv(dense["q"], dense["k"], dense["v"], dense["out"])
+    call = _PackedCall(ctx, a, max_seqlen_q, max_seqlen_k, causal, window, align, scale, softcap)
     if out is not None:  # out=q is safe: each CTA reads its query rows before it writes them
         validation.check_writable_output("out", a["out"], {"q": a["q"], "k": a["k"], "v": a["v"]}, same_as_ok="q")
-    host_lengths = _host_lengths(a["cu_seqlens_q"], total_q, "cu_seqlens_q"), _host_lengths(a["cu_seqlens_k"], total_k, "cu_seqlens_k")
-    if max_seqlen_q is None:
-        max_seqlen_q = total_q if host_lengths[0] is None else int(host_lengths[0].max(initial=0))
-    left, right, _ = mask_options(causal, window, align, total_q, total_k)
-    bottom_right = align == "bottom_right"  # checked by mask_options
-    scale, softcap = score_options(scale, softcap, head_dim)
 
     ctx.stage(*a.values())
-    dense = {name: None if x is None else _as_one_sequence(x) for name, x in a.items() if not name.startswith("cu_")}  # staged
     dst = a["out"] if out is not None else ctx.empty(a["q"].shape, a["q"].dtype)
-    lse = ctx.empty((heads_q, total_q), np.float32) if return_lse else _NO_LSE
-    if batch and total_q and heads_q:
-        lse_rows = boundary.DeviceArray(lse.ptr, (1, heads_q, total_q), (0, *lse.strides), lse.dtype, lse.native)
-        p = attn_params(
-            dense["q"], dense["k"], dense["v"], _as_one_sequence(dst), lse_rows, (left, right, 0), scale, softcap,
-            packed=(a["cu_seqlens_q"].ptr, a["cu_seqlens_k"].ptr, total_q, total_k, bottom_right),
-        )
-        p["batch"], p["seqlen_q"], p["seqlen_k"] = batch, max_seqlen_q, total_k  # packed kernels read lengths from the offsets
-        launch_forward(ctx, c_type, p, max(max_seqlen_q, 1), heads_q, batch, layout="packed")
+    lse = ctx.empty((call.heads_q, call.seqs.total_q), np.float32) if return_lse else NO_LSE
+    if call.seqs.batch and call.seqs.total_q and call.heads_q:
+        p = call.attn_params(a, dst, lse)
+        launch_forward(ctx, call.c_type, p, max(call.seqs.max_seqlen_q, 1), call.heads_q, call.seqs.batch, layout="packed")
     result = out if out is not None else ctx.export(dst)
     return (result, ctx.export(lse)) if return_lse else result
 
 
-def _check_max_seqlen(name: str, value) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int (or None), got {type(value).__name__} {value!r}")
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
-    return int(value)
+def attention_varlen_backward(
+    dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None, causal=False,
+    window=None, align="bottom_right", scale=None, softcap=None, dlse=None, deterministic=False,
+):
+    """Gradients of :func:`attention_varlen` with respect to ``q``, ``k`` and ``v``, as
+    :func:`cuattn.attention_backward` computes them for each sequence.
+
+    Parameters
+    ----------
+    dout : ``(total_q, heads_q, head_dim)``, the gradient with respect to ``out``.
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k : the forward's (``lse`` ``(heads_q,
+        total_q)`` from ``return_lse=True``).
+    max_seqlen_q, max_seqlen_k : optional ints, bounds on the lengths that size the dQ and the
+        dK / dV grids; omitted, as in :func:`attention_varlen` (from NumPy offsets, else the
+        totals). Gradient rows of a sequence longer than a bound are set to NaN.
+    causal, window, align, scale, softcap : exactly as given to the forward.
+    dlse : optional ``(heads_q, total_q)`` float32, the gradient that flowed into ``lse``.
+    deterministic : bool, as :func:`cuattn.attention_backward`. Batches of more sequences than
+        64-row query blocks always take the deterministic kernels (the fused kernel's dQ
+        accumulator would be mostly padding).
+
+    Returns
+    -------
+    ``(dq, dk, dv)`` shaped and typed like ``q``, ``k`` and ``v``.
+    """
+    result = replay.run(
+        "attention_varlen_backward",
+        lambda: attention_varlen_backward(
+            dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+            causal=causal, window=window, align=align, scale=scale, softcap=softcap, dlse=dlse, deterministic=deterministic,
+        ),
+        (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dlse),
+        (max_seqlen_q, max_seqlen_k, causal, window, align, scale, softcap, deterministic),
+    )
+    if result is not replay.MISS:
+        return result
+    require_arrays(
+        {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k},
+        _REQUIRED,
+    )
+    deterministic = check_bool("deterministic", deterministic)
+    ctx, a = boundary.import_arrays(
+        dout=dout, q=q, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, dlse=dlse,
+    )
+    call = _PackedCall(ctx, a, max_seqlen_q, max_seqlen_k, causal, window, align, scale, softcap)
+    check_dout(a["dout"], a["q"], call.c_type, PACKED)
+    for name in ("lse", "dlse"):
+        if a[name] is not None:
+            validation.check_rank(name, a[name], 2, PACKED_STATS)
+            validation.check_shape(name, a[name], (call.heads_q, call.seqs.total_q), PACKED_STATS)
+            validation.check_float32(name, a[name])
+            validation.check_unit_last_stride(name, a[name])
+
+    ctx.stage(*a.values())
+    grads = [ctx.empty(a[n].shape, a[n].dtype) for n in ("q", "k", "v")]
+    delta = ctx.empty((call.heads_q, call.seqs.total_q), np.float32)
+    seqs = call.seqs
+    if seqs.batch and call.heads_q and (seqs.total_q or seqs.total_k):
+        views = {n: one_sequence_view(x) for n, x in a.items()}
+        p = backward_params(
+            views, [one_sequence_view(g) for g in grads], one_sequence_view(delta), call.attn_params(a, a["out"], a["lse"]),
+        )
+        grid = BackwardGrid(
+            "packed", seqs.batch, seqs.max_seqlen_q, seqs.max_seqlen_k, call.heads_q, a["k"].shape[1], call.head_dim,
+            seqs.total_q, seqs.total_k,
+        )
+        launch_backward(ctx, call.c_type, p, grid, deterministic)
+    elif grads[1].size:  # no query head: K and V had no influence
+        ctx.zero(grads[1], grads[2])
+    return tuple(ctx.export(g) for g in grads)
 
 
-def _check_cu_seqlens(cu_q, cu_k, total_q: int, total_k: int) -> int:
-    """The number of sequences, after the shape-level checks of both offset arrays."""
-    for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
-        validation.check_rank(name, cu, 1, _CU_SEQLENS)
-        if cu.dtype != np.int32:
-            raise TypeError(f"{name} must be int32, got {validation.dtype_name(cu.dtype)}")
-        if cu.shape[0] < 1:
-            raise ValueError(f"{name} must hold batch + 1 >= 1 offsets, got an empty array")
-        validation.check_unit_last_stride(name, cu)
-    if cu_q.shape != cu_k.shape:
-        raise ValueError(f"cu_seqlens_q has {cu_q.shape[0]} offsets and cu_seqlens_k {cu_k.shape[0]}: both are (batch + 1,)")
-    batch = cu_q.shape[0] - 1
-    if batch == 0 and (total_q or total_k):
-        raise ValueError(f"no sequences (cu_seqlens of one offset) cannot cover {total_q} query and {total_k} key rows")
-    return batch
+_REQUIRED = {
+    "dout": "the gradient of the loss with respect to out", "out": "the forward's output",
+    "lse": "the forward's lse, from return_lse=True",
+}
 
 
-def _host_lengths(cu, total: int, name: str) -> np.ndarray | None:
-    """Sequence lengths from host (NumPy) offsets, checked; None for device offsets."""
-    if cu.ptr is not None:
-        return None
-    offsets = np.asarray(cu.native, dtype=np.int64)
-    if offsets[0] != 0:
-        raise ValueError(f"{name} must start at 0, got {offsets[0]}")
-    lengths = np.diff(offsets)
-    if (lengths < 0).any():
-        at = int(np.argmax(lengths < 0))
-        raise ValueError(f"{name} must be non-decreasing, but entry {at + 1} ({offsets[at + 1]}) < entry {at} ({offsets[at]})")
-    if offsets[-1] != total:
-        raise ValueError(f"{name} must end at the number of rows ({total}), got {offsets[-1]}")
-    return lengths
+class _PackedCall:
+    """The checks and settings that the forward and backward of packed sequences share."""
 
+    def __init__(self, ctx, a: dict, max_seqlen_q, max_seqlen_k, causal, window, align, scale, softcap):
+        max_seqlen_q = check_max_seqlen("max_seqlen_q", max_seqlen_q)
+        max_seqlen_k = check_max_seqlen("max_seqlen_k", max_seqlen_k)
+        for name in ("q", "k", "v", "out"):
+            if a.get(name) is not None:
+                validation.check_rank(name, a[name], 3, PACKED)
+        total_q, self.heads_q, self.head_dim = a["q"].shape
+        total_k = a["k"].shape[0]
+        batch = check_cu_seqlens(a["cu_seqlens_q"], a["cu_seqlens_k"], total_q, total_k)
+        views = {n: one_sequence_view(a.get(n)) for n in ("q", "k", "v", "out")}
+        self.c_type = check_qkv(views["q"], views["k"], views["v"], views["out"])
+        lengths_q = host_lengths(a["cu_seqlens_q"], total_q, "cu_seqlens_q")
+        lengths_k = host_lengths(a["cu_seqlens_k"], total_k, "cu_seqlens_k")
+        self.mask = mask_options(causal, window, align, total_q, total_k)[:2] + (0,)  # the diagonal is per sequence
+        self.scale, self.softcap = score_options(scale, softcap, self.head_dim)
+        self.seqs = PackedSequences(  # the offsets' addresses once staged: attn_params
+            0, 0, batch, total_q, total_k,
+            grid_bound(max_seqlen_q, lengths_q, total_q), grid_bound(max_seqlen_k, lengths_k, total_k),
+            align == "bottom_right",  # checked by mask_options
+        )
 
-def _as_one_sequence(x: boundary.DeviceArray) -> boundary.DeviceArray:
-    """A packed ``(total, heads, head_dim)`` array as the kernels' 4-D view, batch stride 0."""
-    return boundary.DeviceArray(x.ptr, (1, *x.shape), (0, *x.strides), x.dtype, x.native)
+    def attn_params(self, a: dict, out, lse) -> np.void:
+        """AttnParams over the staged arrays of ``a`` with ``out`` and ``lse`` (packed)."""
+        views = [one_sequence_view(x) for x in (a["q"], a["k"], a["v"], out, lse)]
+        seqs = dataclasses.replace(self.seqs, cu_seqlens_q=a["cu_seqlens_q"].ptr, cu_seqlens_k=a["cu_seqlens_k"].ptr)
+        return attn_params(*views, self.mask, self.scale, self.softcap, packed=seqs)

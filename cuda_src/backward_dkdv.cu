@@ -10,6 +10,7 @@
 #include "backward/traits.cuh"
 #include "common/mask.cuh"
 #include "common/params.cuh"
+#include "common/seq_layout.cuh"
 #include "common/tile_copy.cuh"
 
 namespace cuattn {
@@ -18,11 +19,11 @@ namespace cuattn {
 template <int HEAD_DIM>
 constexpr int kDkdvSplits = HEAD_DIM > 128 ? 2 : 1;
 
-/// \brief dK and dV of one (key block, KV head x column split, batch) (common/grid.cuh), BLOCK_Q
-/// queries per step. STATS_IN_SMEM stages each step's lse and delta in shared memory with its
+/// \brief dK and dV of one (key block, KV head x column split, sequence) (common/grid.cuh,
+/// common/seq_layout.cuh), BLOCK_Q queries per step. STATS_IN_SMEM stages each step's lse and delta in shared memory with its
 /// tiles; without it (a device whose shared memory fits only the tiles) they are read from
 /// global memory where they are used.
-template <typename T, int HEAD_DIM, int BLOCK_Q, bool STATS_IN_SMEM, bool SOFTCAP>
+template <typename T, int HEAD_DIM, int BLOCK_Q, bool STATS_IN_SMEM, bool SOFTCAP, SeqLayout LAYOUT>
 __global__ void __launch_bounds__(128, 1) backward_dkdv_kernel(const __grid_constant__ BackwardParams p) {
   using Tr = BackwardTraits<HEAD_DIM, BLOCK_Q, kDkdvSplits<HEAD_DIM>, STATS_IN_SMEM>;
   constexpr int BM = Tr::kBlockStream;    // queries per step
@@ -43,23 +44,27 @@ __global__ void __launch_bounds__(128, 1) backward_dkdv_kernel(const __grid_cons
   const int n0 = n_block * BN;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
+  const SeqSpan span = seq_span<LAYOUT>(a, batch);
+  if (!grid_covers<LAYOUT, BN>(span.seqlen_k) && n_block == 0 && col0 == 0)
+    mark_uncovered_key_grads<T>(p, batch, kv_head, span, int(gridDim.x) * BN);
+  if (!block_in_sequence<LAYOUT>(n0, span.seqlen_k)) return;
 
-  const T* k = head_rows<T>(a.k, a.k_strides, batch, kv_head);
-  const T* v = head_rows<T>(a.v, a.v_strides, batch, kv_head);
-  const KeyBand band(a);
-  const QuerySteps<BM> plan(a, band, n0, BN);
+  const T* k = head_rows<T>(a.k, a.k_strides, batch, kv_head, span.k_row0);
+  const T* v = head_rows<T>(a.v, a.v_strides, batch, kv_head, span.k_row0);
+  const KeyBand band(a, span);
+  const QuerySteps<BM> plan(a, span, band, n0, BN);
 
   const auto load_step = [&](int step, int stage) {
     const int head = plan.head(kv_head, step), m0 = plan.m0(step);
-    const T* q = head_rows<T>(a.q, a.q_strides, batch, head);
-    const T* dout = head_rows<T>(p.dout, p.dout_strides, batch, head);
-    load_tile<Tr, BM>(sQ_ring + stage * Tr::kSmemStream, q, a.q_strides[1], m0, a.seqlen_q, a.head_dim);
-    load_tile<Tr, BM>(sdO_ring + stage * Tr::kSmemStream, dout, p.dout_strides[1], m0, a.seqlen_q, a.head_dim);
-    if constexpr (STATS_IN_SMEM) RowStats(p, batch, head).load<BM>(sLse_ring + stage * BM, sDelta_ring + stage * BM, m0, a.seqlen_q);
+    const T* q = head_rows<T>(a.q, a.q_strides, batch, head, span.q_row0);
+    const T* dout = head_rows<T>(p.dout, p.dout_strides, batch, head, span.q_row0);
+    load_tile<Tr, BM>(sQ_ring + stage * Tr::kSmemStream, q, a.q_strides[1], m0, span.seqlen_q, a.head_dim);
+    load_tile<Tr, BM>(sdO_ring + stage * Tr::kSmemStream, dout, p.dout_strides[1], m0, span.seqlen_q, a.head_dim);
+    if constexpr (STATS_IN_SMEM) RowStats(p, batch, head, span).load<BM>(sLse_ring + stage * BM, sDelta_ring + stage * BM, m0, span.seqlen_q);
   };
 
-  load_tile<Tr, BN>(sK, k, a.k_strides[1], n0, a.seqlen_k, a.head_dim);
-  load_tile<Tr, BN>(sV, v, a.v_strides[1], n0, a.seqlen_k, a.head_dim);
+  load_tile<Tr, BN>(sK, k, a.k_strides[1], n0, span.seqlen_k, a.head_dim);
+  load_tile<Tr, BN>(sV, v, a.v_strides[1], n0, span.seqlen_k, a.head_dim);
   if (plan.steps > 0) load_step(0, 0);
   cp_async_commit();
 
@@ -70,7 +75,7 @@ __global__ void __launch_bounds__(128, 1) backward_dkdv_kernel(const __grid_cons
     for (int e = 0; e < 4; ++e) dk[dt][e] = dv[dt][e] = 0.f;
 
   const int warp_key0 = n0 + warp * 16;
-  const int warp_key_last = min(warp_key0 + 15, a.seqlen_k - 1);
+  const int warp_key_last = min(warp_key0 + 15, span.seqlen_k - 1);
   const float sc = a.exp2_scale;
 
   for (int step = 0, stage = 0; step < plan.steps; ++step, stage ^= 1) {
@@ -81,14 +86,14 @@ __global__ void __launch_bounds__(128, 1) backward_dkdv_kernel(const __grid_cons
       cp_async_commit();
     }
     const int m0 = plan.m0(step);
-    const int m_last = min(m0 + BM, a.seqlen_q) - 1;
+    const int m_last = min(m0 + BM, span.seqlen_q) - 1;
     if (warp_key_last < warp_key0 || warp_key0 > band.last_key(m_last) || warp_key_last < band.first_key(m0)) continue;
     const bool masked = !band.all_visible(m0, m_last, warp_key0, warp_key0 + 15);
     const T* sQ = sQ_ring + stage * Tr::kSmemStream;
     const T* sdO = sdO_ring + stage * Tr::kSmemStream;
     const float* sLse = sLse_ring + stage * BM;
     const float* sDelta = sDelta_ring + stage * BM;
-    const RowStats stats(p, batch, plan.head(kv_head, step));
+    const RowStats stats(p, batch, plan.head(kv_head, step), span);
 
     float s[Tr::kNTiles][4] = {};
     mma_rows_by_rows<T, HEAD_DIM, Tr::kNTiles, RS>(s, sK + warp * 16 * RS, sQ, lane);
@@ -103,7 +108,7 @@ __global__ void __launch_bounds__(128, 1) backward_dkdv_kernel(const __grid_cons
         shift[0] = lse_to_exp2_shift(lse[0]), shift[1] = lse_to_exp2_shift(lse[1]);
       } else {
         float unused;
-        for (int i = 0; i < 2; ++i) stats.row(m0 + nt * 8 + 2 * t + i, a.seqlen_q, shift[i], unused);
+        for (int i = 0; i < 2; ++i) stats.row(m0 + nt * 8 + 2 * t + i, span.seqlen_q, shift[i], unused);
       }
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
@@ -122,7 +127,7 @@ __global__ void __launch_bounds__(128, 1) backward_dkdv_kernel(const __grid_cons
         load_floats<float, 2>(sDelta + nt * 8 + 2 * t, delta);
       } else {
         float unused;
-        for (int i = 0; i < 2; ++i) stats.row(m0 + nt * 8 + 2 * t + i, a.seqlen_q, unused, delta[i]);
+        for (int i = 0; i < 2; ++i) stats.row(m0 + nt * 8 + 2 * t + i, span.seqlen_q, unused, delta[i]);
       }
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
@@ -133,10 +138,11 @@ __global__ void __launch_bounds__(128, 1) backward_dkdv_kernel(const __grid_cons
     mma_frag_by_tile<T, Tr::kNTiles, Tr::kOutTiles, RS>(dk, dp, sQ + col0, lane);
   }
 
-  T* dk_out = head_rows<T>(p.dk, p.dk_strides, batch, kv_head) + col0;
-  T* dv_out = head_rows<T>(p.dv, p.dv_strides, batch, kv_head) + col0;
-  store_acc_rows<T, Tr::kOutTiles>(dk, a.scale, dk_out, p.dk_strides[1], warp_key0, a.seqlen_k, a.head_dim - col0, lane);
-  store_acc_rows<T, Tr::kOutTiles>(dv, 1.f, dv_out, p.dv_strides[1], warp_key0, a.seqlen_k, a.head_dim - col0, lane);
+  const SeqSpan out_span = seq_span<LAYOUT>(a, batch);  // read again: fewer registers live in the loop
+  T* dk_out = head_rows<T>(p.dk, p.dk_strides, batch, kv_head, out_span.k_row0) + col0;
+  T* dv_out = head_rows<T>(p.dv, p.dv_strides, batch, kv_head, out_span.k_row0) + col0;
+  store_acc_rows<T, Tr::kOutTiles>(dk, a.scale, dk_out, p.dk_strides[1], warp_key0, out_span.seqlen_k, a.head_dim - col0, lane);
+  store_acc_rows<T, Tr::kOutTiles>(dv, 1.f, dv_out, p.dv_strides[1], warp_key0, out_span.seqlen_k, a.head_dim - col0, lane);
 }
 
 }  // namespace cuattn

@@ -1,5 +1,5 @@
 // Float32 attention backward, dK and dV, on the CUDA cores (fp32 products, fp64 dot products,
-// no tf32): one CTA per 16 keys of a (KV head, batch) streams the visible 32-query tiles of every
+// no tf32): one CTA per 16 keys of a (KV head, sequence) streams the visible 32-query tiles of every
 // query head of the group, so that GQA sums stay in registers (deterministic). Each warp owns 4
 // keys; a lane takes one query of every tile, then dV row += sum_i P[i] dO[i] and
 // dK row += sum_i dS[i] Q[i] with lanes over head-dim columns.
@@ -8,10 +8,11 @@
 #include "backward/head_rows.cuh"
 #include "common/mask.cuh"
 #include "common/params.cuh"
+#include "common/seq_layout.cuh"
 
 namespace cuattn {
 
-template <int HEAD_DIM, bool SOFTCAP>
+template <int HEAD_DIM, bool SOFTCAP, SeqLayout LAYOUT>
 __global__ void __launch_bounds__(kF32BwdWarps * 32, 1) backward_fp32_dkdv_kernel(const __grid_constant__ BackwardParams p) {
   constexpr int kCols = HEAD_DIM / 32;
   constexpr int RS = HEAD_DIM + 1;
@@ -22,14 +23,17 @@ __global__ void __launch_bounds__(kF32BwdWarps * 32, 1) backward_fp32_dkdv_kerne
   const AttnParams& a = p.attn;
   const int kv_head = blockIdx.y, batch = cta_batch(a);
   const int n0 = blockIdx.x * kF32BwdBlock;
+  const SeqSpan span = seq_span<LAYOUT>(a, batch);
+  if (!grid_covers<LAYOUT, kF32BwdBlock>(span.seqlen_k) && blockIdx.x == 0) mark_uncovered_key_grads<float>(p, batch, kv_head, span, int(gridDim.x) * kF32BwdBlock);
+  if (!block_in_sequence<LAYOUT>(n0, span.seqlen_k)) return;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int group = a.heads_q / a.heads_kv;
-  const float* k = head_rows<float>(a.k, a.k_strides, batch, kv_head);
-  const float* v = head_rows<float>(a.v, a.v_strides, batch, kv_head);
+  const float* k = head_rows<float>(a.k, a.k_strides, batch, kv_head, span.k_row0);
+  const float* v = head_rows<float>(a.v, a.v_strides, batch, kv_head, span.k_row0);
 
-  const KeyBand band(a);
+  const KeyBand band(a, span);
   const int row_first = band.first_row(n0);
-  const int row_last = band.last_row(min(n0 + kF32BwdBlock, a.seqlen_k) - 1, a.seqlen_q);
+  const int row_last = band.last_row(min(n0 + kF32BwdBlock, span.seqlen_k) - 1, span.seqlen_q);
   double dk[kF32BwdRowsPerWarp][kCols], dv[kF32BwdRowsPerWarp][kCols];  // fp64 sums, as the forward's output
 #pragma unroll
   for (int r = 0; r < kF32BwdRowsPerWarp; ++r)
@@ -39,23 +43,23 @@ __global__ void __launch_bounds__(kF32BwdWarps * 32, 1) backward_fp32_dkdv_kerne
 
   for (int h = 0; h < group; ++h) {
     const int head = kv_head * group + h;
-    const float* q = head_rows<float>(a.q, a.q_strides, batch, head);
-    const float* dout = head_rows<float>(p.dout, p.dout_strides, batch, head);
-    const RowStats stats(p, batch, head);
+    const float* q = head_rows<float>(a.q, a.q_strides, batch, head, span.q_row0);
+    const float* dout = head_rows<float>(p.dout, p.dout_strides, batch, head, span.q_row0);
+    const RowStats stats(p, batch, head, span);
     const float* lse = stats.lse;
     const float* delta = stats.delta;
     for (int m0 = row_last < row_first ? row_last + 1 : row_first / kF32BwdTile * kF32BwdTile; m0 <= row_last; m0 += kF32BwdTile) {
       __syncthreads();  // previous tiles fully consumed
-      load_f32_tile<HEAD_DIM>(sQ, q, a.q_strides[1], m0, a.seqlen_q, a.head_dim);
-      load_f32_tile<HEAD_DIM>(sdO, dout, p.dout_strides[1], m0, a.seqlen_q, a.head_dim);
+      load_f32_tile<HEAD_DIM>(sQ, q, a.q_strides[1], m0, span.seqlen_q, a.head_dim);
+      load_f32_tile<HEAD_DIM>(sdO, dout, p.dout_strides[1], m0, span.seqlen_q, a.head_dim);
       __syncthreads();
       const int row = m0 + lane;  // this lane's query
-      const double shift = lse_to_exp2_shift_f64(row < a.seqlen_q ? lse[row] : neg_inf());
-      const float row_delta = row < a.seqlen_q ? delta[row] : 0.f;
+      const double shift = lse_to_exp2_shift_f64(row < span.seqlen_q ? lse[row] : neg_inf());
+      const float row_delta = row < span.seqlen_q ? delta[row] : 0.f;
 #pragma unroll
       for (int r = 0; r < kF32BwdRowsPerWarp; ++r) {
         const int key = n0 + warp * kF32BwdRowsPerWarp + r;
-        if (key >= a.seqlen_k) continue;  // warp-uniform
+        if (key >= span.seqlen_k) continue;  // warp-uniform
         double s = dot_f64(sQ + lane * RS, k + key * a.k_strides[1], a.head_dim);
         float cap_grad = 1.f;
         if (SOFTCAP) s = softcap_score(float(s), a.scale, a.softcap, cap_grad);
@@ -74,12 +78,12 @@ __global__ void __launch_bounds__(kF32BwdWarps * 32, 1) backward_fp32_dkdv_kerne
     }
   }
 
-  float* dk_out = head_rows<float>(p.dk, p.dk_strides, batch, kv_head);
-  float* dv_out = head_rows<float>(p.dv, p.dv_strides, batch, kv_head);
+  float* dk_out = head_rows<float>(p.dk, p.dk_strides, batch, kv_head, span.k_row0);
+  float* dv_out = head_rows<float>(p.dv, p.dv_strides, batch, kv_head, span.k_row0);
 #pragma unroll
   for (int r = 0; r < kF32BwdRowsPerWarp; ++r) {
     const int key = n0 + warp * kF32BwdRowsPerWarp + r;
-    if (key >= a.seqlen_k) continue;
+    if (key >= span.seqlen_k) continue;
 #pragma unroll
     for (int c = 0; c < kCols; ++c) {
       const int col = lane + 32 * c;

@@ -1,15 +1,16 @@
 // Float32 attention backward, dQ, on the CUDA cores (fp32 products, fp64 dot products, no tf32):
-// one CTA per 16 query rows of a (head, batch); each warp owns 4 rows and a lane scores one key
+// one CTA per 16 query rows of a (head, sequence); each warp owns 4 rows and a lane scores one key
 // of every 32-key tile, then dQ row r += sum_j dS[r, j] K[j] with lanes over head-dim columns.
 #include "common/grid.cuh"
 #include "backward/fp32_tiles.cuh"
 #include "backward/head_rows.cuh"
 #include "common/mask.cuh"
 #include "common/params.cuh"
+#include "common/seq_layout.cuh"
 
 namespace cuattn {
 
-template <int HEAD_DIM, bool SOFTCAP>
+template <int HEAD_DIM, bool SOFTCAP, SeqLayout LAYOUT>
 __global__ void __launch_bounds__(kF32BwdWarps * 32, 1) backward_fp32_dq_kernel(const __grid_constant__ BackwardParams p) {
   constexpr int kCols = HEAD_DIM / 32;
   constexpr int RS = HEAD_DIM + 1;
@@ -20,18 +21,22 @@ __global__ void __launch_bounds__(kF32BwdWarps * 32, 1) backward_fp32_dq_kernel(
   const AttnParams& a = p.attn;
   const int head = blockIdx.y, batch = cta_batch(a);
   const int m0 = blockIdx.x * kF32BwdBlock;
-  const int m_last = min(m0 + kF32BwdBlock, a.seqlen_q) - 1;
+  const SeqSpan span = seq_span<LAYOUT>(a, batch);
+  if (!grid_covers<LAYOUT, kF32BwdBlock>(span.seqlen_q) && blockIdx.x == 0)
+    mark_uncovered_rows<float>(head_rows<float>(p.dq, p.dq_strides, batch, head, span.q_row0), p.dq_strides[1], nullptr, a.head_dim, int(gridDim.x) * kF32BwdBlock, span.seqlen_q);
+  if (!block_in_sequence<LAYOUT>(m0, span.seqlen_q)) return;
+  const int m_last = min(m0 + kF32BwdBlock, span.seqlen_q) - 1;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int kv_head = head / (a.heads_q / a.heads_kv);
-  const float* q = head_rows<float>(a.q, a.q_strides, batch, head);
-  const float* dout = head_rows<float>(p.dout, p.dout_strides, batch, head);
-  const float* k = head_rows<float>(a.k, a.k_strides, batch, kv_head);
-  const float* v = head_rows<float>(a.v, a.v_strides, batch, kv_head);
-  const RowStats stats(p, batch, head);
+  const float* q = head_rows<float>(a.q, a.q_strides, batch, head, span.q_row0);
+  const float* dout = head_rows<float>(p.dout, p.dout_strides, batch, head, span.q_row0);
+  const float* k = head_rows<float>(a.k, a.k_strides, batch, kv_head, span.k_row0);
+  const float* v = head_rows<float>(a.v, a.v_strides, batch, kv_head, span.k_row0);
+  const RowStats stats(p, batch, head, span);
   const float* lse = stats.lse;
   const float* delta = stats.delta;
 
-  const KeyBand band(a);
+  const KeyBand band(a, span);
   const int key_first = band.first_key(m0), key_last = band.last_key(m_last);
   double dq[kF32BwdRowsPerWarp][kCols];  // fp64 sums, as the forward's output
   float row_delta[kF32BwdRowsPerWarp];
@@ -39,8 +44,8 @@ __global__ void __launch_bounds__(kF32BwdWarps * 32, 1) backward_fp32_dq_kernel(
 #pragma unroll
   for (int r = 0; r < kF32BwdRowsPerWarp; ++r) {
     const int row = m0 + warp * kF32BwdRowsPerWarp + r;
-    shift[r] = lse_to_exp2_shift_f64(row < a.seqlen_q ? lse[row] : neg_inf());
-    row_delta[r] = row < a.seqlen_q ? delta[row] : 0.f;
+    shift[r] = lse_to_exp2_shift_f64(row < span.seqlen_q ? lse[row] : neg_inf());
+    row_delta[r] = row < span.seqlen_q ? delta[row] : 0.f;
 #pragma unroll
     for (int c = 0; c < kCols; ++c) dq[r][c] = 0.0;
   }
@@ -48,13 +53,13 @@ __global__ void __launch_bounds__(kF32BwdWarps * 32, 1) backward_fp32_dq_kernel(
 
   for (int n0 = key_last < key_first ? key_last + 1 : key_first / kF32BwdTile * kF32BwdTile; n0 <= key_last; n0 += kF32BwdTile) {
     __syncthreads();  // previous tiles fully consumed
-    load_f32_tile<HEAD_DIM>(sK, k, a.k_strides[1], n0, a.seqlen_k, a.head_dim);
-    load_f32_tile<HEAD_DIM>(sV, v, a.v_strides[1], n0, a.seqlen_k, a.head_dim);
+    load_f32_tile<HEAD_DIM>(sK, k, a.k_strides[1], n0, span.seqlen_k, a.head_dim);
+    load_f32_tile<HEAD_DIM>(sV, v, a.v_strides[1], n0, span.seqlen_k, a.head_dim);
     __syncthreads();
 #pragma unroll
     for (int r = 0; r < kF32BwdRowsPerWarp; ++r) {
       const int row = m0 + warp * kF32BwdRowsPerWarp + r;
-      if (row >= a.seqlen_q) continue;  // warp-uniform
+      if (row >= span.seqlen_q) continue;  // warp-uniform
       double s = dot_f64(q + row * a.q_strides[1], sK + lane * RS, a.head_dim);
       float cap_grad = 1.f;
       if (SOFTCAP) s = softcap_score(float(s), a.scale, a.softcap, cap_grad);
@@ -69,11 +74,11 @@ __global__ void __launch_bounds__(kF32BwdWarps * 32, 1) backward_fp32_dq_kernel(
     }
   }
 
-  float* dq_out = head_rows<float>(p.dq, p.dq_strides, batch, head);
+  float* dq_out = head_rows<float>(p.dq, p.dq_strides, batch, head, span.q_row0);
 #pragma unroll
   for (int r = 0; r < kF32BwdRowsPerWarp; ++r) {
     const int row = m0 + warp * kF32BwdRowsPerWarp + r;
-    if (row >= a.seqlen_q) continue;
+    if (row >= span.seqlen_q) continue;
 #pragma unroll
     for (int c = 0; c < kCols; ++c) {
       if (lane + 32 * c < a.head_dim) dq_out[row * p.dq_strides[1] + lane + 32 * c] = float(dq[r][c] * a.scale);

@@ -1,5 +1,5 @@
 // Attention backward, dQ, for Hopper (sm_90a): backward_dq.cu's scheme on warpgroup tensor
-// cores. One CTA per (query block of 64 rows per warpgroup, query head, batch) keeps Q, dO and
+// cores. One CTA per (query block of 64 rows per warpgroup, query head, sequence) keeps Q, dO and
 // the fp32 dQ accumulator on chip and streams the visible key blocks. Per key block each
 // warpgroup forms S = Q K^T and dP = dO V^T for its 64 rows (shared-memory operands), P from the
 // saved lse, dS = P (dP - delta) and dQ += dS K (dS from registers). No atomics: deterministic.
@@ -9,12 +9,13 @@
 #include "backward/wgmma_traits.cuh"
 #include "common/mask.cuh"
 #include "common/params.cuh"
+#include "common/seq_layout.cuh"
 #include "common/tile_copy.cuh"
 #include "common/wgmma.cuh"
 
 namespace cuattn {
 
-template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int CTAS_PER_SM, bool SOFTCAP>
+template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int CTAS_PER_SM, bool SOFTCAP, SeqLayout LAYOUT>
 __global__ void __launch_bounds__(WARPGROUPS * 128, CTAS_PER_SM) backward_wgmma_dq_kernel(const __grid_constant__ BackwardParams p) {
   using Tr = WgmmaBackwardTraits<HEAD_DIM, BLOCK_N, WARPGROUPS>;
   constexpr int BM = Tr::kBlockResident;  // query rows per CTA
@@ -29,37 +30,41 @@ __global__ void __launch_bounds__(WARPGROUPS * 128, CTAS_PER_SM) backward_wgmma_
   const int m_block = gridDim.x - 1 - blockIdx.x;  // heaviest first under a causal mask
   const int head = blockIdx.y, batch = cta_batch(a);
   const int m0 = m_block * BM;
-  const int m_last = min(m0 + BM, a.seqlen_q) - 1;
+  const SeqSpan span = seq_span<LAYOUT>(a, batch);
+  if (!grid_covers<LAYOUT, BM>(span.seqlen_q) && blockIdx.x == 0)
+    mark_uncovered_rows<T>(head_rows<T>(p.dq, p.dq_strides, batch, head, span.q_row0), p.dq_strides[1], nullptr, a.head_dim, int(gridDim.x) * BM, span.seqlen_q);
+  if (!block_in_sequence<LAYOUT>(m0, span.seqlen_q)) return;
+  const int m_last = min(m0 + BM, span.seqlen_q) - 1;
   const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   const int g = lane / 4;
   const int kv_head = head / (a.heads_q / a.heads_kv);
 
-  const T* q = head_rows<T>(a.q, a.q_strides, batch, head);
-  const T* dout = head_rows<T>(p.dout, p.dout_strides, batch, head);
-  const T* k = head_rows<T>(a.k, a.k_strides, batch, kv_head);
-  const T* v = head_rows<T>(a.v, a.v_strides, batch, kv_head);
-  const KeyBand band(a);
+  const T* q = head_rows<T>(a.q, a.q_strides, batch, head, span.q_row0);
+  const T* dout = head_rows<T>(p.dout, p.dout_strides, batch, head, span.q_row0);
+  const T* k = head_rows<T>(a.k, a.k_strides, batch, kv_head, span.k_row0);
+  const T* v = head_rows<T>(a.v, a.v_strides, batch, kv_head, span.k_row0);
+  const KeyBand band(a, span);
   const int key_first = band.first_key(m0), key_last = band.last_key(m_last);
   const int n_first = key_first / BLOCK_N;
   const int n_last = key_last < key_first ? n_first - 1 : key_last / BLOCK_N;
 
   const int wg_first_row = m0 + wg * 64;
-  const int wg_last_row = min(wg_first_row + 64, a.seqlen_q) - 1;
+  const int wg_last_row = min(wg_first_row + 64, span.seqlen_q) - 1;
   const int wg_first_key = band.first_key(wg_first_row), wg_last_key = band.last_key(wg_last_row);
   const int warp_first_row = wg_first_row + warp * 16;
-  const int warp_last_row = min(warp_first_row + 16, a.seqlen_q) - 1;
+  const int warp_last_row = min(warp_first_row + 16, span.seqlen_q) - 1;
   float shift[2], delta[2];  // rows g and g + 8 of the warp
-  const RowStats stats(p, batch, head);
+  const RowStats stats(p, batch, head, span);
 #pragma unroll
-  for (int h = 0; h < 2; ++h) stats.row(warp_first_row + g + h * 8, a.seqlen_q, shift[h], delta[h]);
+  for (int h = 0; h < 2; ++h) stats.row(warp_first_row + g + h * 8, span.seqlen_q, shift[h], delta[h]);
 
   const auto load_kv = [&](int n_block, int stage) {
-    load_tile_sw128<Tr, BLOCK_N>(sK_ring + stage * Tr::kStreamBytes, k, a.k_strides[1], n_block * BLOCK_N, a.seqlen_k, a.head_dim);
-    load_tile_sw128<Tr, BLOCK_N>(sV_ring + stage * Tr::kStreamBytes, v, a.v_strides[1], n_block * BLOCK_N, a.seqlen_k, a.head_dim);
+    load_tile_sw128<Tr, BLOCK_N>(sK_ring + stage * Tr::kStreamBytes, k, a.k_strides[1], n_block * BLOCK_N, span.seqlen_k, a.head_dim);
+    load_tile_sw128<Tr, BLOCK_N>(sV_ring + stage * Tr::kStreamBytes, v, a.v_strides[1], n_block * BLOCK_N, span.seqlen_k, a.head_dim);
   };
   if (n_last >= n_first) {
-    load_tile_sw128<Tr, BM>(sQ, q, a.q_strides[1], m0, a.seqlen_q, a.head_dim);
-    load_tile_sw128<Tr, BM>(sdO, dout, p.dout_strides[1], m0, a.seqlen_q, a.head_dim);
+    load_tile_sw128<Tr, BM>(sQ, q, a.q_strides[1], m0, span.seqlen_q, a.head_dim);
+    load_tile_sw128<Tr, BM>(sdO, dout, p.dout_strides[1], m0, span.seqlen_q, a.head_dim);
     load_kv(n_last, 0);
     cp_async_commit();
   }
@@ -115,8 +120,9 @@ __global__ void __launch_bounds__(WARPGROUPS * 128, CTAS_PER_SM) backward_wgmma_
     fence_registers(dq);
   }
 
-  T* dq_out = head_rows<T>(p.dq, p.dq_strides, batch, head);
-  store_acc_rows<T, Tr::kDTiles>(dq, a.scale, dq_out, p.dq_strides[1], warp_first_row, a.seqlen_q, a.head_dim, lane);
+  const SeqSpan out_span = seq_span<LAYOUT>(a, batch);  // read again: fewer registers live in the loop
+  T* dq_out = head_rows<T>(p.dq, p.dq_strides, batch, head, out_span.q_row0);
+  store_acc_rows<T, Tr::kDTiles>(dq, a.scale, dq_out, p.dq_strides[1], warp_first_row, out_span.seqlen_q, a.head_dim, lane);
 }
 
 }  // namespace cuattn

@@ -301,6 +301,21 @@ def test_no_query_heads_give_zero_kv_gradients():
     assert bool((dk == 0).all()) and bool((dv == 0).all())
 
 
+def test_no_query_rows_give_zero_kv_gradients_when_replayed():
+    """seqlen_q = 0 with keys: every scratch array (delta) is empty, and the replayed plan of the
+    second call still has an address for it (the dK/dV kernel's parameters name it)."""
+    import cupy
+
+    k = cupy.asarray(randn(np.random.default_rng(), (2, 7, 2, 64), "bfloat16"))
+    q = cupy.empty((2, 0, 4, 64), k.dtype)
+    out, lse = cuattn.attention(q, k, k, return_lse=True)
+    for _ in range(2):
+        poison_cupy_pool(k.nbytes * 4)
+        dq, dk, dv = cuattn.attention_backward(out, q, k, k, out, lse)
+        assert dq.shape == q.shape and dk.shape == dv.shape == k.shape
+        assert bool((dk == 0).all()) and bool((dv == 0).all())
+
+
 @pytest.mark.parametrize("d", [128, 160, 192, 224, 256])
 def test_backward_tiles_fit_a_99kb_device(monkeypatch, d):
     """RTX 30xx / 40xx, A10, L4, L40S opt in to 99 KB of shared memory per block: the portable

@@ -43,6 +43,10 @@ def test_row_kernel_geometry_matches_the_sources():
     for name, constant in (("backward_prep.cu", "kPrepWarps"), ("backward_dq_finish.cu", "kFinishWarps")):
         warps = re.search(rf"constexpr int {constant} = (\d+);", (src / name).read_text())
         assert warps and int(warps.group(1)) == variants.BACKWARD_ROW_WARPS
+    from cuattn import backward
+
+    tile_rows = re.search(r"constexpr int kDqTileRows = (\d+);", (src / "backward" / "dq_accum.cuh").read_text())
+    assert tile_rows and int(tile_rows.group(1)) == backward.DQ_TILE_ROWS  # the accumulator's shape and tile strides
 
 
 def test_variant_uris_are_unique():

@@ -1,5 +1,5 @@
 // The dK/dV loop of the Hopper (sm_90a) backward kernels, FlashAttention-2's scheme on warpgroup
-// tensor cores. One CTA per (key block of 64 keys per warpgroup, KV head, batch) keeps K, V and
+// tensor cores. One CTA per (key block of 64 keys per warpgroup, KV head, sequence) keeps K, V and
 // the fp32 dK / dV accumulators on chip and streams the query blocks of every query head of the
 // KV head's group (GQA sums in registers; dK and dV written once, deterministic). Per query
 // block each warpgroup forms S^T = K Q^T and dP^T = V dO^T for its keys, P^T and dS^T,
@@ -14,6 +14,7 @@
 #include "../common/bulk_async.cuh"
 #include "../common/mask.cuh"
 #include "../common/params.cuh"
+#include "../common/seq_layout.cuh"
 #include "../common/tile_copy.cuh"
 #include "../common/vector_io.cuh"
 #include "../common/wgmma.cuh"
@@ -39,7 +40,7 @@ __device__ __forceinline__ void store_ds_transposed(unsigned char* sdS, const u3
     }
 }
 
-template <typename T, int HEAD_DIM, int BLOCK_M, int WARPGROUPS, int CTAS_PER_SM, bool SOFTCAP, bool FUSE_DQ>
+template <typename T, int HEAD_DIM, int BLOCK_M, int WARPGROUPS, int CTAS_PER_SM, bool SOFTCAP, bool FUSE_DQ, SeqLayout LAYOUT>
 __device__ __forceinline__ void backward_wgmma_dkdv_body(const BackwardParams& p) {
   using Tr = WgmmaFusedTraits<HEAD_DIM, BLOCK_M, WARPGROUPS>;
   constexpr int BN = Tr::kBlockResident;  // keys per CTA
@@ -61,23 +62,26 @@ __device__ __forceinline__ void backward_wgmma_dkdv_body(const BackwardParams& p
   const int n0 = n_block * BN;
   const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
+  const SeqSpan span = seq_span<LAYOUT>(a, batch);
+  if (!grid_covers<LAYOUT, BN>(span.seqlen_k) && n_block == 0) mark_uncovered_key_grads<T>(p, batch, kv_head, span, int(gridDim.x) * BN);
+  if (!block_in_sequence<LAYOUT>(n0, span.seqlen_k)) return;
 
-  const T* k = head_rows<T>(a.k, a.k_strides, batch, kv_head);
-  const T* v = head_rows<T>(a.v, a.v_strides, batch, kv_head);
-  const KeyBand band(a);
-  const QuerySteps<BLOCK_M> plan(a, band, n0, BN);
+  const T* k = head_rows<T>(a.k, a.k_strides, batch, kv_head, span.k_row0);
+  const T* v = head_rows<T>(a.v, a.v_strides, batch, kv_head, span.k_row0);
+  const KeyBand band(a, span);
+  const QuerySteps<BLOCK_M> plan(a, span, band, n0, BN);
 
   const auto load_step = [&](int step, int stage) {
     const int head = plan.head(kv_head, step), m0 = plan.m0(step);
-    const T* q = head_rows<T>(a.q, a.q_strides, batch, head);
-    const T* dout = head_rows<T>(p.dout, p.dout_strides, batch, head);
-    load_tile_sw128<Tr, BLOCK_M>(sQ_ring + stage * Tr::kStreamBytes, q, a.q_strides[1], m0, a.seqlen_q, a.head_dim);
-    load_tile_sw128<Tr, BLOCK_M>(sdO_ring + stage * Tr::kStreamBytes, dout, p.dout_strides[1], m0, a.seqlen_q, a.head_dim);
-    RowStats(p, batch, head).load<BLOCK_M>(sLse_ring + stage * BLOCK_M, sDelta_ring + stage * BLOCK_M, m0, a.seqlen_q);
+    const T* q = head_rows<T>(a.q, a.q_strides, batch, head, span.q_row0);
+    const T* dout = head_rows<T>(p.dout, p.dout_strides, batch, head, span.q_row0);
+    load_tile_sw128<Tr, BLOCK_M>(sQ_ring + stage * Tr::kStreamBytes, q, a.q_strides[1], m0, span.seqlen_q, a.head_dim);
+    load_tile_sw128<Tr, BLOCK_M>(sdO_ring + stage * Tr::kStreamBytes, dout, p.dout_strides[1], m0, span.seqlen_q, a.head_dim);
+    RowStats(p, batch, head, span).load<BLOCK_M>(sLse_ring + stage * BLOCK_M, sDelta_ring + stage * BLOCK_M, m0, span.seqlen_q);
   };
 
-  load_tile_sw128<Tr, BN>(sK, k, a.k_strides[1], n0, a.seqlen_k, a.head_dim);
-  load_tile_sw128<Tr, BN>(sV, v, a.v_strides[1], n0, a.seqlen_k, a.head_dim);
+  load_tile_sw128<Tr, BN>(sK, k, a.k_strides[1], n0, span.seqlen_k, a.head_dim);
+  load_tile_sw128<Tr, BN>(sV, v, a.v_strides[1], n0, span.seqlen_k, a.head_dim);
   if (plan.steps > 0) load_step(0, 0);
   cp_async_commit();
 
@@ -122,8 +126,8 @@ __device__ __forceinline__ void backward_wgmma_dkdv_body(const BackwardParams& p
       }
     fence_proxy_async();
     named_barrier_sync(1 + wg, 128);  // the piece is staged
-    if (issuer && dq_m0 + row_piece * 64 < a.seqlen_q) {
-      bulk_reduce_add_f32(dq_accum_tile(p, batch, dq_head, dq_m0 / 64 + row_piece, col0 / 64), stage_dq, Tr::kDqStageBytes);
+    if (issuer && dq_m0 + row_piece * 64 < span.seqlen_q) {
+      bulk_reduce_add_f32(dq_accum_tile(p, batch, dq_head, span, dq_m0 / 64 + row_piece, col0 / 64), stage_dq, Tr::kDqStageBytes);
       bulk_commit();
     }
   };
@@ -141,7 +145,7 @@ __device__ __forceinline__ void backward_wgmma_dkdv_body(const BackwardParams& p
       cp_async_commit();
     }
     const int head = plan.head(kv_head, step), m0 = plan.m0(step);
-    const int m_last = min(m0 + BLOCK_M, a.seqlen_q) - 1;
+    const int m_last = min(m0 + BLOCK_M, span.seqlen_q) - 1;
     const bool masked = !band.all_visible(m0, m_last, warp_key0, warp_key0 + 15);
     const u32 q_addr = smem_addr(sQ_ring + stage * Tr::kStreamBytes), do_addr = smem_addr(sdO_ring + stage * Tr::kStreamBytes);
     const float* sLse = sLse_ring + stage * BLOCK_M;
@@ -217,10 +221,10 @@ __device__ __forceinline__ void backward_wgmma_dkdv_body(const BackwardParams& p
   }
   if (FUSE_DQ && issuer) bulk_wait<0>();
 
-  T* dk_out = head_rows<T>(p.dk, p.dk_strides, batch, kv_head);
-  T* dv_out = head_rows<T>(p.dv, p.dv_strides, batch, kv_head);
-  store_acc_rows<T, Tr::kDTiles>(dk, a.scale, dk_out, p.dk_strides[1], warp_key0, a.seqlen_k, a.head_dim, lane);
-  store_acc_rows<T, Tr::kDTiles>(dv, 1.f, dv_out, p.dv_strides[1], warp_key0, a.seqlen_k, a.head_dim, lane);
+  T* dk_out = head_rows<T>(p.dk, p.dk_strides, batch, kv_head, span.k_row0);
+  T* dv_out = head_rows<T>(p.dv, p.dv_strides, batch, kv_head, span.k_row0);
+  store_acc_rows<T, Tr::kDTiles>(dk, a.scale, dk_out, p.dk_strides[1], warp_key0, span.seqlen_k, a.head_dim, lane);
+  store_acc_rows<T, Tr::kDTiles>(dv, 1.f, dv_out, p.dv_strides[1], warp_key0, span.seqlen_k, a.head_dim, lane);
 }
 
 }  // namespace cuattn

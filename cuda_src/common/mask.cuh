@@ -12,8 +12,6 @@ struct KeyBand {
   int right;   // -1: unbounded
   int seqlen_k;
 
-  __device__ __forceinline__ explicit KeyBand(const AttnParams& p)
-      : offset(p.diagonal_offset), left(p.window_left), right(p.window_right), seqlen_k(p.seqlen_k) {}
   // The band of one sequence (common/seq_layout.cuh): positions within the sequence.
   __device__ __forceinline__ KeyBand(const AttnParams& p, const SeqSpan& span)
       : offset(span.diagonal_offset), left(p.window_left), right(p.window_right), seqlen_k(span.seqlen_k) {}

@@ -70,7 +70,7 @@ struct BackwardParams {
   void* dq;
   void* dk;
   void* dv;
-  float* delta;                             // (batch, heads_q, seqlen_q), contiguous
+  float* delta;                             // like lse: delta_strides, row stride 1
   float* dq_accum;                          // null, or unscaled fp32 dQ summed by atomics (backward_wgmma_fused)
                                             // in 64 x 64 tiles: backward/dq_accum.cuh
   const float* dlse;                        // null: no gradient flows into lse
@@ -79,6 +79,8 @@ struct BackwardParams {
   i64 dk_strides[3];
   i64 dv_strides[3];
   i64 dlse_strides[2];                      // batch, head; row stride 1
+  i64 delta_strides[2];                     // batch, head; row stride 1
+  i64 dq_accum_tile_strides[2];             // batch, head, in row blocks (backward/dq_accum.cuh)
   int dq_accum_cols;                        // the head-dim bucket of the dQ accumulator
 };
 

@@ -39,6 +39,34 @@ __device__ __forceinline__ SeqSpan seq_span(const AttnParams& p, int seq) {
   }
 }
 
+// The packed sequence holding query row `row` of the packed tensors (binary search of the
+// clamped offsets), its span in `span`; -1 when no sequence holds it (offsets that do not cover
+// every row).
+__device__ __forceinline__ int packed_sequence_of_row(const AttnParams& p, int row, SeqSpan& span) {
+  int lo = 0, hi = p.batch - 1;  // the last sequence whose first row is <= row
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (min(max(p.cu_seqlens_q[mid], 0), p.total_q) <= row) lo = mid; else hi = mid - 1;
+  }
+  span = seq_span<SeqLayout::kPacked>(p, lo);
+  return row >= span.q_row0 && row < span.q_row0 + span.seqlen_q ? lo : -1;
+}
+
+// Whether a CTA whose block starts at row `first_row` of a sequence of `length` rows has work:
+// a packed grid is sized from a bound on the lengths, so blocks past a shorter sequence exit.
+template <SeqLayout LAYOUT>
+__device__ __forceinline__ bool block_in_sequence(int first_row, int length) {
+  return LAYOUT == SeqLayout::kDense || first_row < length;
+}
+
+// Whether the grid's blocks of BLOCK_ROWS rows (on x) reach every row of a sequence of `length`;
+// always for dense grids. Rows past the grid are marked (mark_uncovered_rows) by the CTA of
+// blockIdx.x == 0.
+template <SeqLayout LAYOUT, int BLOCK_ROWS>
+__device__ __forceinline__ bool grid_covers(int length) {
+  return LAYOUT == SeqLayout::kDense || length <= int(gridDim.x) * BLOCK_ROWS;
+}
+
 // Runs body(m_block) for this CTA's block of BLOCK_ROWS query rows, the grid's last (heaviest
 // under a causal mask) first; one block per CTA. A packed grid is sized from a bound on the
 // lengths (max_seqlen_q, the caller's word): blocks past it return false from here, and the
@@ -51,7 +79,7 @@ __device__ __forceinline__ bool for_each_row_block(int seqlen_q, Body&& body) {
     return true;
   } else {
     if (m_block * BLOCK_ROWS < seqlen_q) body(m_block);
-    return seqlen_q <= int(gridDim.x) * BLOCK_ROWS;
+    return grid_covers<LAYOUT, BLOCK_ROWS>(seqlen_q);
   }
 }
 
