@@ -3,23 +3,7 @@ time the host alone; long loops time whichever of host and GPU is slower."""
 import sys, time, cProfile, io, pstats
 import numpy as np
 
-def rate(fn, sync, calls=2000):
-    fn(); sync()
-    s = time.perf_counter()
-    for _ in range(calls): fn()
-    sync()
-    return (time.perf_counter() - s) / calls * 1e6
-
-def host(fn, sync, burst=40, bursts=60):
-    fn(); sync()
-    ts = []
-    for _ in range(bursts):
-        sync()
-        s = time.perf_counter()
-        for _ in range(burst): fn()
-        ts.append((time.perf_counter() - s) / burst * 1e6)
-    sync()
-    return float(np.median(ts))
+from host_timing import host, rate
 
 def show(section, fns, sync, calls=2000, burst=40):
     for name, fn in fns.items():

@@ -5,16 +5,11 @@ import cupy, ml_dtypes
 import cuattn
 from cuattn import replay
 
-def host(fn, sync, burst=40, bursts=80):
-    fn(); sync()
-    ts = []
-    for _ in range(bursts):
-        sync()
-        s = time.perf_counter_ns()
-        for _ in range(burst): fn()
-        ts.append((time.perf_counter_ns() - s) / burst / 1e3)
-    sync()
-    return float(np.median(ts))
+from host_timing import host as _host
+
+
+def host(fn, sync):
+    return _host(fn, sync, bursts=80)
 
 SHAPE = (1, 128, 4, 64)
 q, k, v = (cupy.random.standard_normal(SHAPE, dtype=np.float32).astype(ml_dtypes.bfloat16) for _ in range(3))

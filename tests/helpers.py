@@ -158,3 +158,15 @@ def kernel_path(path: str):
             os.environ.pop("CUATTN_WGMMA", None)
         else:
             os.environ["CUATTN_WGMMA"] = saved
+
+
+def ragged_lengths(values, max_size):
+    """A hypothesis strategy of packed batches: (query lengths, key lengths), as many of each,
+    drawn from ``values`` (varlen tests)."""
+    from hypothesis import strategies as st
+
+    lengths = st.lists(st.sampled_from(values), min_size=1, max_size=max_size)
+    return st.tuples(lengths, lengths).map(lambda ab: (ab[0], (ab[1] * len(ab[0]))[: len(ab[0])]))
+
+
+VARLEN_HEADS = [(1, 1), (4, 4), (8, 1), (6, 2)]  # (heads_q, heads_kv) the varlen tests draw
