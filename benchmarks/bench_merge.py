@@ -53,7 +53,7 @@ def main() -> None:
         ("float16", 8, (4, 4096, 16, 128)),
         ("float32", 2, (4, 4096, 16, 128)),
     ]:
-        np_dtype = cuattn.variants.BFLOAT16 if dtype == "bfloat16" else np.dtype(dtype)
+        np_dtype = cuattn.dtypes.BFLOAT16 if dtype == "bfloat16" else np.dtype(dtype)
         outs = rng.standard_normal((n, b, s, h, d), dtype=np.float32).astype(np_dtype)
         lses = rng.standard_normal((n, b, h, s), dtype=np.float32)
         call_ms = median_ms(lambda _: cuattn.merge(outs, lses))

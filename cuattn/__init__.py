@@ -8,7 +8,10 @@ from cuattn import reference
 from cuattn.attention import attention
 from cuattn.backward import attention_backward
 from cuattn.merge import merge, merge_
-from cuattn.varlen import attention_varlen, attention_varlen_backward
+from cuattn.varlen import attention_varlen, attention_varlen_backward, check_varlen_offsets
 
 __version__ = "0.1.0"
-__all__ = ["attention", "attention_backward", "attention_varlen", "attention_varlen_backward", "merge", "merge_", "reference", "__version__"]
+__all__ = [
+    "attention", "attention_backward", "attention_varlen", "attention_varlen_backward", "check_varlen_offsets", "merge", "merge_", "reference",
+    "__version__",
+]

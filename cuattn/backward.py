@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 
-from cuattn import boundary, params, plans, replay, validation
-from cuattn.attention import _LAYOUT, attn_params, check_bool, check_qkv, mask_options, require_arrays, score_options
+from cuattn import boundary, params, replay, validation
+from cuattn.attention import _LAYOUT, attn_params, check_qkv, require_arrays
+from cuattn.kernels import backward
+from cuattn.kernels.backward import BackwardGrid
+from cuattn.kernels.variant import head_dim_bucket
 from cuattn.loader import device_smem_limit, wgmma_enabled
-from cuattn.variants import (
-    BACKWARD_ROW_WARPS, BACKWARD_ROWS_PER_CTA, backward_row_variant, head_dim_bucket, select_backward_variant,
-    select_fused_backward_variant,
-)
+from cuattn.options import AttnOptions
+from cuattn.validation import check_bool
 
 _LSE_LAYOUT = "(batch, heads_q, seqlen_q)"
 
@@ -74,15 +73,14 @@ def attention_backward(
         validation.check_shape(name, x, (batch, heads_q, seqlen_q), _LSE_LAYOUT)
         validation.check_float32(name, x)
         validation.check_unit_last_stride(name, x)
-    mask = mask_options(causal, window, align, seqlen_q, a["k"].shape[1])
-    scale, softcap = score_options(scale, softcap, head_dim)
+    options = AttnOptions.from_user(causal, window, align, scale, softcap, head_dim=head_dim)
 
     ctx.stage(*a.values())
     grads = [ctx.empty(a[n].shape, a[n].dtype) for n in ("q", "k", "v")]
     delta = ctx.empty((batch, heads_q, seqlen_q), np.float32)
     seqlen_k, heads_kv = a["k"].shape[1], a["k"].shape[2]
     if batch and heads_q and (seqlen_q or seqlen_k):
-        p = backward_params(a, grads, delta, attn_params(a["q"], a["k"], a["v"], a["out"], a["lse"], mask, scale, softcap))
+        p = backward_params(a, grads, delta, attn_params(a["q"], a["k"], a["v"], a["out"], a["lse"], options))
         grid = BackwardGrid("dense", batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, batch * seqlen_q, batch * seqlen_k)
         launch_backward(ctx, c_type, p, grid, deterministic)
     elif grads[1].size:  # no query head (heads_q = 0): K and V had no influence
@@ -106,39 +104,6 @@ _REQUIRED = {
 }
 
 
-DQ_TILE_ROWS = 64  # rows per tile of the fused kernel's dQ accumulator (backward/dq_accum.cuh kDqTileRows)
-
-
-@dataclasses.dataclass(frozen=True)
-class BackwardGrid:
-    """The extents of one backward call's launches, for either sequence layout."""
-
-    layout: str  # "dense" or "packed" (cuattn.variants.SEQ_LAYOUTS)
-    batch: int  # sequences
-    seqlen_q: int  # query rows per sequence that the dQ grid covers (packed: a bound)
-    seqlen_k: int  # key rows per sequence that the dK / dV grid covers (packed: a bound)
-    heads_q: int
-    heads_kv: int
-    head_dim: int
-    rows: int  # query rows of all sequences (the row kernels run rows x heads_q lane groups)
-    keys: int  # key rows of all sequences
-
-    def dq_accumulator(self, bucket: int) -> tuple[tuple[int, ...], tuple[int, int]]:
-        """(shape, tile strides) of the fused kernel's fp32 dQ accumulator
-        (cuda_src/backward/dq_accum.cuh): dense, a run of 64-row tiles per (batch, head);
-        packed, one run per head with sequence b's tiles from q_row0 // 64 + b."""
-        if self.layout == "dense":
-            row_blocks = -(-self.seqlen_q // DQ_TILE_ROWS)
-            return (self.batch, self.heads_q, row_blocks * DQ_TILE_ROWS, bucket), (self.heads_q * row_blocks, row_blocks)
-        tiles = -(-self.rows // DQ_TILE_ROWS) + self.batch
-        return (self.heads_q, tiles * DQ_TILE_ROWS, bucket), (1, tiles)
-
-    def accumulator_fits(self) -> bool:
-        """Whether the accumulator is at most about twice dQ's rows: packed batches of many
-        short sequences (more sequences than 64-row blocks) take the deterministic kernels."""
-        return self.layout == "dense" or self.batch <= max(1, -(-self.rows // DQ_TILE_ROWS))
-
-
 def backward_params(a, grads, delta, attn: np.void) -> np.void:
     """BackwardParams from the kernels' views (4-D tensors, 3-D statistics) of ``a`` (dout,
     dlse), the gradients and delta."""
@@ -157,8 +122,6 @@ def backward_params(a, grads, delta, attn: np.void) -> np.void:
 
 def launch_backward(ctx, c_type: str, p: np.void, g: BackwardGrid, deterministic: bool) -> None:
     bucket, softcap, layout = head_dim_bucket(g.head_dim), bool(p["attn"]["softcap"] > 0), g.layout
-    row_groups = g.rows * g.heads_q
-    row_launch = [((-(-row_groups // BACKWARD_ROWS_PER_CTA), 1, 1), (32 * BACKWARD_ROW_WARPS, 1, 1), None)]
     # Whether dQ goes through an fp32 accumulator is decided once: a traced JAX call replays
     # the decision that sized its buffers, whatever CUATTN_WGMMA says by then; a device that
     # cannot run the fused kernel (not Hopper) takes the deterministic kernels and leaves the
@@ -166,36 +129,17 @@ def launch_backward(ctx, c_type: str, p: np.void, g: BackwardGrid, deterministic
     use_accum = ctx.decide(
         "dq_accumulator",
         lambda: not deterministic and g.accumulator_fits()
-        and select_fused_backward_variant(c_type, bucket, softcap, ctx.arch(), wgmma_enabled(), layout) is not None,
+        and backward.select_fused(c_type, bucket, softcap, ctx.arch(), wgmma_enabled(), layout) is not None,
     )
-    arch, wgmma = ctx.arch(), wgmma_enabled()
-    fused = select_fused_backward_variant(c_type, bucket, softcap, arch, layout=layout) if use_accum else None
-    if use_accum and row_groups:
+    arch = ctx.arch()
+    fused = use_accum and backward.select_fused(c_type, bucket, softcap, arch, layout=layout) is not None
+    if use_accum and g.rows * g.heads_q:
         shape, tile_strides = g.dq_accumulator(bucket)
         accum = ctx.empty(shape, np.float32)
-        if fused is not None:
+        if fused:
             p["dq_accum"], p["dq_accum_tile_strides"], p["dq_accum_cols"] = accum.ptr, tile_strides, bucket
-    # Packed grids cover at least one block, so that rows past a zero bound are marked.
-    grid_q, grid_k = (g.seqlen_q, g.seqlen_k) if layout == "dense" else (max(g.seqlen_q, 1), max(g.seqlen_k, 1))
     with ctx.device, ctx.stream:
-        launches = []
-        if row_groups:
-            launches.append((backward_row_variant("backward_prep", c_type, bucket, layout), row_launch))
-        # dK and dV are written (zeros included) even when no query sees a key.
-        if fused is not None:
-            if g.keys:
-                launches.append((fused, plans.tile_launches(fused, grid_k, g.heads_kv, g.batch)))
-            if row_groups:
-                launches.append((backward_row_variant("backward_dq_finish", c_type, bucket, layout), row_launch))
-        else:
-            smem_limit = device_smem_limit(ctx.device.id)
-            if row_groups:
-                dq = select_backward_variant("backward_dq", c_type, bucket, softcap, arch, wgmma, smem_limit, layout)
-                launches.append((dq, plans.tile_launches(dq, grid_q, g.heads_q, g.batch)))
-            if g.keys:
-                dkdv = select_backward_variant("backward_dkdv", c_type, bucket, softcap, arch, wgmma, smem_limit, layout)
-                launches.append((dkdv, plans.tile_launches(dkdv, grid_k, g.heads_kv * dkdv.column_splits, g.batch)))
-        for variant, variant_launches in launches:
+        for variant, variant_launches in backward.launches(g, c_type, softcap, arch, wgmma_enabled(), device_smem_limit(ctx.device.id), fused):
             for grid, block, batch_offset in variant_launches:
                 if batch_offset is not None:
                     p["attn"]["batch_offset"] = batch_offset

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from cuattn.variants import BFLOAT16
+from cuattn.dtypes import BFLOAT16
 
 CUPY, TORCH, JAX, NUMPY, DLPACK = "cupy", "torch", "jax", "numpy", "dlpack"
 _KDL_CUDA = 2

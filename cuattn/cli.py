@@ -11,7 +11,8 @@ import re
 import sys
 
 import cuattn
-from cuattn import loader, offline, variants
+from cuattn import kernels, loader, offline
+from cuattn.kernels.variant import Variant
 from cuattn.requirements import gpu_problem
 
 DESCRIPTION = "cuattn: exact attention with CUDA kernels compiled at run time. Commands: info, selftest, warmup, compile."
@@ -65,15 +66,15 @@ def cmd_selftest(args) -> int:
     return 0 if ok else 1
 
 
-def _select(names: list[str], everything: bool, arch: str) -> list[variants.Variant]:
+def _select(names: list[str], everything: bool, arch: str) -> list[Variant]:
     """The variants named (substrings of their URIs) that build for ``arch``, tiled for it."""
-    pool = variants.all_variants(arch) if everything or names else variants.common_variants()
+    pool = kernels.all_variants(arch) if everything or names else kernels.common_variants()
     return [v for v in pool if v.builds_for(arch) and (not names or any(n in v.uri for n in names))]
 
 
 def unmatched_names(names: list[str], archs=()) -> list[str]:
     """The names (substrings of variant URIs) that match no variant, for any of ``archs``."""
-    uris = {v.uri for arch in (None, *archs) for v in variants.all_variants(arch)}
+    uris = {v.uri for arch in (None, *archs) for v in kernels.all_variants(arch)}
     return [n for n in names if not any(n in uri for uri in uris)]
 
 
@@ -150,7 +151,7 @@ def cmd_warmup(args) -> int:
     return 0
 
 
-def _compile_one(variant: variants.Variant, device_id: int | None = None) -> float:
+def _compile_one(variant: Variant, device_id: int | None = None) -> float:
     """Seconds to load ``variant`` on the device (compiling it unless cached)."""
     import time
 
@@ -162,7 +163,7 @@ def _compile_one(variant: variants.Variant, device_id: int | None = None) -> flo
     return time.perf_counter() - start
 
 
-def _compile_in_threads(chosen: list[variants.Variant], jobs: int) -> list[float]:
+def _compile_in_threads(chosen: list[Variant], jobs: int) -> list[float]:
     """Each variant compiled by one of ``jobs`` threads (NVRTC releases the GIL) for the
     current device, into the disk cache."""
     import concurrent.futures
@@ -226,7 +227,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     unmatched = unmatched_names(getattr(args, "names", []), getattr(args, "arch", ()))
     if unmatched:
-        uris = [v.uri for v in variants.all_variants()]
+        uris = [v.uri for v in kernels.all_variants()]
         families = dict.fromkeys(u.split("/")[0] for u in uris)
         args.parser.error(
             f"no kernel variant matches {', '.join(map(repr, unmatched))}: names are substrings of variant "

@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from cuattn import boundary, ops, replay, requirements
-from cuattn.attention import check_bool
+from cuattn.options import AttnOptions, flat_seqlen_bounds
+from cuattn.validation import check_bool
 
 requirements.require("jax", "cupy", by="cuattn.jax")  # before importing what older releases lack
 
@@ -30,7 +31,7 @@ __all__ = ["attention", "attention_varlen", "merge", "call"]
 def attention(q, k, v, *, causal=False, window=None, align="bottom_right", scale=None, softcap=None, return_lse=False):
     """:func:`cuattn.attention` on JAX arrays, differentiable in ``q``, ``k``, ``v`` (and
     through ``lse`` when it is returned and used)."""
-    options = ops.flat_mask_options(causal, window, align, scale, softcap, head_dim=q.shape[-1])
+    options = AttnOptions.from_user(causal, window, align, scale, softcap, head_dim=q.shape[-1]).flat()
     out, lse = _differentiable("attention")(tuple(options.items()), q, k, v)
     return (out, lse) if check_bool("return_lse", return_lse) else out
 
@@ -42,8 +43,8 @@ def attention_varlen(
     """:func:`cuattn.attention_varlen` on JAX arrays (``cu_seqlens_*`` int32), differentiable
     in ``q``, ``k``, ``v`` (and through ``lse``). Under ``jax.jit`` the offsets are traced:
     pass ``max_seqlen_*`` as Python ints when known, else the grids are sized by the totals."""
-    options = {**ops.flat_mask_options(causal, window, align, scale, softcap, head_dim=q.shape[-1]),
-               **ops.flat_seqlen_bounds(max_seqlen_q, max_seqlen_k)}
+    options = {**AttnOptions.from_user(causal, window, align, scale, softcap, head_dim=q.shape[-1]).flat(),
+               **flat_seqlen_bounds(max_seqlen_q, max_seqlen_k)}
     out, lse = _differentiable("attention_varlen")(tuple(options.items()), q, k, v, cu_seqlens_q, cu_seqlens_k)
     return (out, lse) if check_bool("return_lse", return_lse) else out
 

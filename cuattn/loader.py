@@ -1,7 +1,7 @@
 """Kernel loader: CUDA source, specialization, NVRTC compile, per-device memo, disk cache.
 
 Kernels are compiled at run time by ``cupy.RawModule`` with NVRTC, one module per variant
-(see :mod:`cuattn.variants`), and cached on disk by CuPy (``CUPY_CACHE_DIR``). CuPy's cache key
+(see :mod:`cuattn.kernels`), and cached on disk by CuPy (``CUPY_CACHE_DIR``). CuPy's cache key
 covers the source string but not headers found through ``-I``, so the source handed to it
 starts with a hash of the whole ``cuda_src/`` tree: any edit there makes a new key.
 """
@@ -16,7 +16,7 @@ import pathlib
 import threading
 import time
 
-from cuattn.variants import Variant
+from cuattn.kernels.variant import Variant
 
 _PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
 BASE_OPTIONS = ("-std=c++17", "-ftz=true")
@@ -41,11 +41,12 @@ def source_hash() -> str:
     return digest.hexdigest()
 
 
-def translation_unit(family: str) -> str:
-    """The source string for one kernel family, keyed by the hash of all of ``cuda_src/``."""
-    if not (source_dir() / f"{family}.cu").is_file():
-        raise FileNotFoundError(f"cuattn: no kernel source {family}.cu in {source_dir()}")
-    return f'// cuattn cuda_src sha256 {source_hash()}\n#include "{family}.cu"\n'
+def translation_unit(source: str) -> str:
+    """The source string for one translation unit (``Variant.source``, a path under
+    ``cuda_src/``), keyed by the hash of all of ``cuda_src/``."""
+    if not (source_dir() / source).is_file():
+        raise FileNotFoundError(f"cuattn: no kernel source {source} in {source_dir()}")
+    return f'// cuattn cuda_src sha256 {source_hash()}\n#include "{source}"\n'
 
 
 def compile_options(arch: str) -> tuple[str, ...]:
@@ -125,7 +126,7 @@ def _kernel_loader():
         arch = device_arch()
         start = time.perf_counter()
         module = cupy.RawModule(
-            code=translation_unit(variant.family),
+            code=translation_unit(variant.source),
             options=compile_options(arch),
             name_expressions=[variant.expression],
         )

@@ -6,9 +6,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from cuattn import boundary, params, plans, replay, validation
+from cuattn import boundary, params, replay, validation
 from cuattn.attention import require_arrays
-from cuattn.variants import MERGE_VEC_WIDTHS, merge_variant
+from cuattn.kernels import merge as merge_plan
 
 _OUT_LAYOUT = "(batch, seqlen, heads, head_dim)"
 _LSE_LAYOUT = "(batch, heads, seqlen)"
@@ -125,16 +125,16 @@ def _check_partials(out_names, outs, lse_names, lses) -> tuple[int, int, int, in
 
 def _launch(ctx, outs, lses, dst, dst_lse) -> None:
     c_type = validation.check_dtype("out", dst)
-    wide = MERGE_VEC_WIDTHS[c_type][0]
+    wide = merge_plan.VEC_WIDTHS[c_type][0]
     head_dim = dst.shape[3]
     vec = wide if validation.aligned(
         [o.ptr for o in outs + [dst]], [s for o in outs + [dst] for s in o.strides[:3]],
         dst.dtype.itemsize, wide, head_dim,
     ) else 1
     batch, seqlen, heads, _ = dst.shape
-    grid = plans.merge_grid(batch * seqlen * heads, head_dim, vec, ctx.device_id)
+    grid = merge_plan.grid(batch * seqlen * heads, head_dim, vec)
     with ctx.device, ctx.stream:
-        variant = merge_variant(c_type, vec)
+        variant = merge_plan.variant(c_type, vec)
         first = 0
         while first < len(outs):
             # After the first group, the running result in dst is partial 0 of the next.
@@ -150,4 +150,4 @@ def _launch(ctx, outs, lses, dst, dst_lse) -> None:
             p["dst_out_strides"], p["dst_lse_strides"] = dst.strides[:3], dst_lse.strides
             p["num_partials"] = len(group)
             p["batch"], p["seqlen"], p["heads"], p["head_dim"] = batch, seqlen, heads, head_dim
-            ctx.launch(variant, grid, (plans.MERGE_THREADS, 1, 1), p)
+            ctx.launch(variant, grid, (variant.threads, 1, 1), p)

@@ -12,7 +12,8 @@ import dataclasses
 import re
 
 from cuattn import loader
-from cuattn.variants import Variant, all_variants, arch_smem_limit
+from cuattn.kernels import all_variants
+from cuattn.kernels.variant import Variant, arch_smem_limit
 
 # sm_86 stands for the 99 KB shared-memory parts (sm_86 / sm_89 / sm_120), which get their own
 # backward tiles.
@@ -69,7 +70,7 @@ def compile_variant(variant: Variant, arch: str) -> CompileReport:
 
     report = CompileReport(variant.uri, arch, variant.hot, ok=False, dynamic_smem=variant.dynamic_smem, smem_limit=arch_smem_limit(arch))
     start = time.perf_counter()
-    prog = nvrtc.createProgram(loader.translation_unit(variant.family), f"cuattn_{variant.family}_unit.cu", [], [])
+    prog = nvrtc.createProgram(loader.translation_unit(variant.source), f"cuattn_{variant.kernel}_unit.cu", [], [])
     try:
         nvrtc.addNameExpression(prog, variant.expression)
         try:

@@ -13,10 +13,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from cuattn.attention import attention, check_bool, score_options, window_bounds
+from cuattn.attention import attention
 from cuattn.backward import attention_backward
 from cuattn.merge import merge
-from cuattn.packed import check_max_seqlen
+from cuattn.options import OP_SCHEMA, SEQLEN_SCHEMA, AttnOptions, user_seqlen_bounds
 from cuattn.varlen import attention_varlen, attention_varlen_backward
 
 # Array arguments: "name" a tensor, "name?" an optional one, "name[]" a list of tensors.
@@ -40,43 +40,8 @@ class OpEntry:
         return tuple(a.rstrip("?[]") for a in self.arrays)
 
 
-MASK_OPTIONS = (("causal", "bool"), ("window_left", "int"), ("window_right", "int"), ("align", "str"), ("scale", "float"), ("softcap", "float"))
-
-
-def core_mask_options(causal, window_left, window_right, align, scale, softcap) -> dict:
-    """The flat, typed options of the op table as the core API's keywords."""
-    return dict(
-        causal=causal, window=(None if window_left == -1 else window_left, None if window_right == -1 else window_right),
-        align=align, scale=scale, softcap=softcap or None,
-    )
-
-
-def flat_mask_options(causal=False, window=None, align="bottom_right", scale=None, softcap=None, head_dim=None) -> dict:
-    """The core API's keywords as the op table's flat options (scale resolved, -1 / 0 for none),
-    checked as the core API checks them."""
-    # A bound past any sequence is unbounded; capped so that it fits the ops' int64 schema.
-    left, right = (min(w, 2**62) for w in window_bounds(window))
-    if not isinstance(align, str):
-        raise TypeError(f"align must be a str, got {type(align).__name__} {align!r}")
-    scale, softcap = score_options(scale, softcap, head_dim)
-    return dict(
-        causal=check_bool("causal", causal), window_left=left, window_right=right, align=align,
-        scale=scale, softcap=softcap,
-    )
-
-
-# Bounds on packed sequence lengths (attention_varlen); -1 derives them as the core API does.
-VARLEN_OPTIONS = MASK_OPTIONS + (("max_seqlen_q", "int"), ("max_seqlen_k", "int"))
-
-
-def flat_seqlen_bounds(max_seqlen_q=None, max_seqlen_k=None) -> dict:
-    """The core API's ``max_seqlen_*`` as the op table's options (-1 for None), checked."""
-    bounds = dict(max_seqlen_q=check_max_seqlen("max_seqlen_q", max_seqlen_q), max_seqlen_k=check_max_seqlen("max_seqlen_k", max_seqlen_k))
-    return {name: -1 if value is None else value for name, value in bounds.items()}
-
-
-def core_seqlen_bounds(max_seqlen_q: int, max_seqlen_k: int) -> dict:
-    return dict(max_seqlen_q=None if max_seqlen_q < 0 else max_seqlen_q, max_seqlen_k=None if max_seqlen_k < 0 else max_seqlen_k)
+MASK_OPTIONS = OP_SCHEMA  # cuattn.options.AttnOptions' fields
+VARLEN_OPTIONS = MASK_OPTIONS + SEQLEN_SCHEMA
 
 
 def _attention_outputs(q, k, v, **_):
@@ -108,7 +73,7 @@ OPS = {
         options=MASK_OPTIONS,
         returns=("out", "lse"),
         outputs=_attention_outputs,
-        call=lambda q, k, v, **o: attention(q, k, v, return_lse=True, **core_mask_options(**o)),
+        call=lambda q, k, v, **o: attention(q, k, v, return_lse=True, **AttnOptions(**o).user_keywords()),
         vjp="attention_backward",
         vjp_arrays=lambda inputs, outputs, grads: (grads[0], *inputs, *outputs, grads[1]),  # dout, q, k, v, out, lse, dlse
         vjp_options=(("deterministic", False),),
@@ -120,7 +85,7 @@ OPS = {
         returns=("dq", "dk", "dv"),
         outputs=_backward_outputs,
         call=lambda dout, q, k, v, out, lse, dlse, deterministic, **o: attention_backward(
-            dout, q, k, v, out, lse, dlse=dlse, deterministic=deterministic, **core_mask_options(**o)
+            dout, q, k, v, out, lse, dlse=dlse, deterministic=deterministic, **AttnOptions(**o).user_keywords()
         ),
     ),
     "attention_varlen": OpEntry(
@@ -130,7 +95,7 @@ OPS = {
         returns=("out", "lse"),
         outputs=_varlen_outputs,
         call=lambda q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **o: attention_varlen(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, return_lse=True, **core_seqlen_bounds(max_seqlen_q, max_seqlen_k), **core_mask_options(**o)
+            q, k, v, cu_seqlens_q, cu_seqlens_k, return_lse=True, **user_seqlen_bounds(max_seqlen_q, max_seqlen_k), **AttnOptions(**o).user_keywords()
         ),
         vjp="attention_varlen_backward",
         # dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dlse
@@ -146,7 +111,7 @@ OPS = {
         call=lambda dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dlse, max_seqlen_q, max_seqlen_k, deterministic, **o: (
             attention_varlen_backward(
                 dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dlse=dlse, deterministic=deterministic,
-                **core_seqlen_bounds(max_seqlen_q, max_seqlen_k), **core_mask_options(**o),
+                **user_seqlen_bounds(max_seqlen_q, max_seqlen_k), **AttnOptions(**o).user_keywords(),
             )
         ),
     ),

@@ -8,7 +8,8 @@ import dataclasses
 
 import numpy as np
 
-from cuattn import boundary, validation
+from cuattn import boundary, params, validation
+from cuattn.kernels import packed as packed_plan
 
 PACKED = "(total, heads, head_dim)"
 PACKED_STATS = "(heads_q, total_q)"
@@ -28,17 +29,6 @@ class PackedSequences:
     total_k: int
     max_seqlen_q: int
     max_seqlen_k: int
-    bottom_right: bool
-
-
-def check_max_seqlen(name: str, value) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int (or None), got {type(value).__name__} {value!r}")
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
-    return int(value)
 
 
 def check_cu_seqlens(cu_q, cu_k, total_q: int, total_k: int) -> int:
@@ -46,7 +36,7 @@ def check_cu_seqlens(cu_q, cu_k, total_q: int, total_k: int) -> int:
     for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
         validation.check_rank(name, cu, 1, _CU_SEQLENS)
         if cu.dtype != np.int32:
-            raise TypeError(f"{name} must be int32, got {validation.dtype_name(cu.dtype)}")
+            raise ValueError(f"{name} must be int32, got {validation.dtype_name(cu.dtype)}")
         if cu.shape[0] < 1:
             raise ValueError(f"{name} must hold batch + 1 >= 1 offsets, got an empty array")
         validation.check_unit_last_stride(name, cu)
@@ -74,12 +64,16 @@ def host_lengths(cu, total: int, name: str) -> np.ndarray | None:
     return lengths
 
 
-def grid_bound(given: int | None, lengths: np.ndarray | None, total: int) -> int:
-    """A bound on the lengths: the caller's, else the longest host length, else ``total``
-    (device offsets are not read on the host: that would synchronize)."""
+def grid_bound(name: str, given: int | None, lengths: np.ndarray | None, total: int) -> int:
+    """A bound on the lengths: the caller's (checked against host lengths), else the longest
+    host length, else ``total`` (device offsets are not read on the host: that would
+    synchronize; the device check reports a sequence longer than the bound)."""
+    longest = None if lengths is None else int(lengths.max(initial=0))
     if given is not None:
+        if longest is not None and given < longest:
+            raise ValueError(f"{name} ({given}) is below the longest sequence ({longest})")
         return given
-    return total if lengths is None else int(lengths.max(initial=0))
+    return total if longest is None else longest
 
 
 def one_sequence_view(x: boundary.DeviceArray | None) -> boundary.DeviceArray | None:
@@ -89,3 +83,63 @@ def one_sequence_view(x: boundary.DeviceArray | None) -> boundary.DeviceArray | 
     if x is None:
         return None
     return boundary.DeviceArray(x.ptr, (1, *x.shape), (0, *x.strides), x.dtype, x.native)
+
+
+# Offsets on the device are checked there (cuda_src/packed/check_offsets.cu): the first bad
+# entry is written into one word of pinned host memory, which every later varlen call reads
+# before anything else (no synchronization) and check_varlen_offsets reads after one.
+_report: np.ndarray | None = None
+_report_memory = None
+NO_BOUND = 2**31 - 1
+
+
+def launch_offset_check(ctx, cu_q, cu_k, batch: int, totals: tuple[int, int], bounds: tuple[int, int]) -> None:
+    """Checks device offsets on the call's stream: starting at 0, non-decreasing, ending at the
+    totals, no sequence longer than its bound (the grid's ``max_seqlen``)."""
+    with ctx.device, ctx.stream:
+        p = params.pack(
+            params.OFFSET_CHECK_PARAMS, cu_seqlens=(cu_q.ptr, cu_k.ptr), report=_report_address(), batch=batch,
+            totals=totals, bounds=bounds,
+        )
+        variant = packed_plan.check_variant()
+        ctx.launch(variant, packed_plan.check_grid(batch), (variant.threads, 1, 1), p)
+
+
+def _report_address() -> int:
+    global _report, _report_memory
+    if _report is None:
+        import cupy
+        from cupy.cuda import runtime
+
+        # Mapped and portable: with unified addressing every device writes it at its host address.
+        memory = cupy.cuda.PinnedMemoryPointer(cupy.cuda.pinned_memory.PinnedMemory(8, runtime.hostAllocPortable | runtime.hostAllocMapped), 0)
+        word = np.frombuffer(memory, np.uint64, 1)
+        word[0] = 0
+        _report_memory, _report = memory, word
+    return _report_memory.ptr
+
+
+def raise_reported() -> None:
+    """Raises (once) the ValueError of bad device offsets that an earlier call's check found."""
+    word = _report
+    if word is None or not word[0]:
+        return
+    found = int(word[0])
+    word[0] = 0
+    raise ValueError(describe_report(found))
+
+
+def describe_report(found: int) -> str:
+    code, entry = found >> 32, found & 0xFFFFFFFF
+    which, rule = divmod(code - 1, 4)
+    name, bound = ("cu_seqlens_q", "max_seqlen_q") if which == 0 else ("cu_seqlens_k", "max_seqlen_k")
+    what = {
+        "kFirstNotZero": "does not start at 0",
+        "kDecreasing": f"decreases at entry {entry}",
+        "kLastNotTotal": f"does not end at the number of rows (its last entry, {entry}, differs)",
+        "kLongerThanBound": f"has sequence {entry - 1} longer than {bound} (the bound its grid covered)",
+    }[packed_plan.RULES[rule]]
+    return (
+        f"{name} {what}: found on the GPU by an earlier attention_varlen / attention_varlen_backward call, whose results "
+        "are not valid (the kernels clamp offsets into the arrays, so nothing outside them was read or written)"
+    )

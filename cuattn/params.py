@@ -86,8 +86,22 @@ BACKWARD_PARAMS = np.dtype(
     align=True,
 )
 
+OFFSET_CHECK_PARAMS = np.dtype(
+    [
+        ("cu_seqlens", _P, (2,)),
+        ("report", _P),
+        ("batch", np.int32),
+        ("totals", np.int32, (2,)),
+        ("bounds", np.int32, (2,)),
+    ],
+    align=True,
+)
+
 # C struct name for each host mirror, for the layout check.
-C_STRUCTS = {"MergeParams": MERGE_PARAMS, "AttnParams": ATTN_PARAMS, "BackwardParams": BACKWARD_PARAMS}
+C_STRUCTS = {
+    "MergeParams": MERGE_PARAMS, "AttnParams": ATTN_PARAMS, "BackwardParams": BACKWARD_PARAMS,
+    "OffsetCheckParams": OFFSET_CHECK_PARAMS,
+}
 
 
 def pack(dtype: np.dtype, **values) -> np.void:

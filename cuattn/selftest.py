@@ -59,7 +59,7 @@ def check_attention(rng: np.random.Generator) -> Check:
     import cupy
 
     import cuattn
-    from cuattn.variants import BFLOAT16
+    from cuattn.dtypes import BFLOAT16
 
     b, s, hq, hk, d = 2, 1000, 8, 2, 128
     q, k, v = (rng.standard_normal((b, s, h, d)).astype(BFLOAT16) for h in (hq, hk, hk))
@@ -78,7 +78,7 @@ def check_attention_varlen(rng: np.random.Generator) -> Check:
     import cupy
 
     import cuattn
-    from cuattn.variants import BFLOAT16
+    from cuattn.dtypes import BFLOAT16
 
     lengths, hq, hk, d = [700, 0, 1, 300], 8, 2, 128
     cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
@@ -99,7 +99,7 @@ def check_attention_varlen_backward(rng: np.random.Generator) -> Check:
     import cupy
 
     import cuattn
-    from cuattn.variants import BFLOAT16
+    from cuattn.dtypes import BFLOAT16
 
     lengths, hq, hk, d = [300, 0, 1, 150], 4, 2, 64
     cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)

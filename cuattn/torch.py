@@ -15,8 +15,9 @@ import torch
 from cuattn import ops, replay, requirements
 from cuattn.attention import attention as core_attention
 from cuattn.backward import attention_backward as core_attention_backward
-from cuattn.attention import check_bool
 from cuattn.merge import merge as core_merge
+from cuattn.options import AttnOptions, flat_seqlen_bounds
+from cuattn.validation import check_bool
 from cuattn.varlen import attention_varlen as core_attention_varlen
 
 requirements.require("torch", "cupy", by="cuattn.torch")  # before any torch.library API is touched
@@ -52,7 +53,7 @@ def attention_varlen(
             window=window, align=align, scale=scale, softcap=softcap, return_lse=return_lse,
         )
     options = _flat_mask_options(causal, window, align, scale, softcap, q.shape[-1])
-    bounds = tuple(ops.flat_seqlen_bounds(max_seqlen_q, max_seqlen_k).values())
+    bounds = tuple(flat_seqlen_bounds(max_seqlen_q, max_seqlen_k).values())
     out, lse = op("attention_varlen")(q, k, v, cu_seqlens_q, cu_seqlens_k, *options, *bounds)
     return (out, lse) if check_bool("return_lse", return_lse) else out
 
@@ -86,13 +87,13 @@ _FLAT_OPTIONS: dict[tuple, tuple] = {}
 
 
 def _flat_mask_options(causal, window, align, scale, softcap, head_dim) -> tuple:
-    """The op's option values (:func:`cuattn.ops.flat_mask_options`), remembered per distinct
+    """The op's option values (:class:`cuattn.options.AttnOptions`), remembered per distinct
     arguments once they passed its checks."""
     try:
         key = replay.option_key((causal, window, align, scale, softcap, head_dim))
         return _FLAT_OPTIONS[key]
     except (KeyError, TypeError):
-        options = tuple(ops.flat_mask_options(causal, window, align, scale, softcap, head_dim=head_dim).values())
+        options = tuple(AttnOptions.from_user(causal, window, align, scale, softcap, head_dim=head_dim).flat().values())
     if len(_FLAT_OPTIONS) < replay.MAX_PLANS:
         _FLAT_OPTIONS[key] = options
     return options

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cuattn.variants import C_TYPE_NAMES, C_TYPES
+from cuattn.dtypes import C_TYPE_NAMES, C_TYPES
 
 ALL_DTYPES = ("float16", "bfloat16", "float32")
 
@@ -96,3 +96,9 @@ def check_writable_output(name: str, out, inputs: dict, same_as_ok: str | None =
         if in_name == same_as_ok and (x.ptr, x.shape, x.strides) == (out.ptr, out.shape, out.strides):
             continue
         raise ValueError(f"{name} overlaps {in_name} in memory; the kernel would overwrite {in_name} while reading it")
+
+
+def check_bool(name: str, x) -> bool:
+    if not isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {type(x).__name__} {x!r}")
+    return bool(x)

@@ -9,11 +9,15 @@ import dataclasses
 import numpy as np
 
 from cuattn import boundary, replay, validation
-from cuattn.attention import NO_LSE, attn_params, check_bool, check_qkv, launch_forward, mask_options, require_arrays, score_options
-from cuattn.backward import BackwardGrid, backward_params, check_dout, launch_backward
+from cuattn.attention import NO_LSE, attn_params, check_qkv, launch_forward, require_arrays
+from cuattn.backward import backward_params, check_dout, launch_backward
+from cuattn.kernels.backward import BackwardGrid
+from cuattn.options import AttnOptions, check_max_seqlen
 from cuattn.packed import (
-    PACKED, PACKED_STATS, PackedSequences, check_cu_seqlens, check_max_seqlen, grid_bound, host_lengths, one_sequence_view,
+    NO_BOUND, PACKED, PACKED_STATS, PackedSequences, check_cu_seqlens, grid_bound, host_lengths, launch_offset_check, one_sequence_view,
+    raise_reported,
 )
+from cuattn.validation import check_bool
 
 
 def attention_varlen(
@@ -33,16 +37,19 @@ def attention_varlen(
         :func:`cuattn.attention`.
     cu_seqlens_q, cu_seqlens_k : ``(batch + 1,)`` int32 arrays of the same framework as ``q``:
         0, then the running totals of the lengths (non-decreasing, last entry ``total``). Empty
-        sequences are allowed and cost nothing. Host (NumPy) offsets are checked; device
-        offsets are not read on the host (that would synchronize): the kernels clamp them into
-        ``[0, total]``, so bad values never move a read or write outside the arrays, and rows
-        outside every sequence are left unwritten.
+        sequences are allowed and cost nothing. Host (NumPy) offsets are checked before any
+        launch. Device offsets are not read on the host (that would synchronize): a small
+        kernel checks them on the GPU, and the next varlen call (or
+        :func:`check_varlen_offsets`) raises the ValueError it found; meanwhile the kernels
+        clamp offsets into ``[0, total]``, so bad values never move a read or write outside
+        the arrays.
     max_seqlen_q : optional int, a bound on the query lengths that sizes the grid. Omitted, it
         is computed from NumPy offsets, and for device offsets it is ``total_q`` (read from the
         shapes: no synchronization; correct for any offsets, but most thread blocks of such a
-        grid exit at once, so pass it when you know it). Rows of a sequence longer than the
-        bound are set to NaN (out and lse): too small a bound shows, and never reads or
-        writes outside the arrays.
+        grid exit at once, so pass it when you know it). A bound below a NumPy offsets'
+        longest sequence is a ValueError; with device offsets the GPU check reports it, and
+        the rows past the bound are set to NaN (out and lse), never read or written outside
+        the arrays.
     max_seqlen_k : optional int, accepted for FlashAttention's signature (the forward does not
         need it).
     causal, window, align, scale, softcap, out : as :func:`cuattn.attention`; ``out`` is
@@ -53,6 +60,7 @@ def attention_varlen(
     -------
     ``out`` ``(total_q, heads_q, head_dim)`` (or ``(out, lse)``) as the caller's array type.
     """
+    raise_reported()
     if out is None:
         result = replay.run(
             "attention_varlen",
@@ -70,13 +78,15 @@ def attention_varlen(
     ctx, a = boundary.import_arrays(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, out=out)
     if out is not None and ctx.framework in (boundary.JAX, boundary.NUMPY):
         raise TypeError(f"out= is written in place, which {ctx.framework} arrays cannot be")
-    call = _PackedCall(ctx, a, max_seqlen_q, max_seqlen_k, causal, window, align, scale, softcap)
+    call = _PackedCall(a, max_seqlen_q, max_seqlen_k, causal, window, align, scale, softcap)
     if out is not None:  # out=q is safe: each CTA reads its query rows before it writes them
         validation.check_writable_output("out", a["out"], {"q": a["q"], "k": a["k"], "v": a["v"]}, same_as_ok="q")
 
     ctx.stage(*a.values())
     dst = a["out"] if out is not None else ctx.empty(a["q"].shape, a["q"].dtype)
     lse = ctx.empty((call.heads_q, call.seqs.total_q), np.float32) if return_lse else NO_LSE
+    if call.offsets_on_device:
+        launch_offset_check(ctx, a["cu_seqlens_q"], a["cu_seqlens_k"], call.seqs.batch, call.totals, (call.seqs.max_seqlen_q, NO_BOUND))
     if call.seqs.batch and call.seqs.total_q and call.heads_q:
         p = call.attn_params(a, dst, lse)
         launch_forward(ctx, call.c_type, p, max(call.seqs.max_seqlen_q, 1), call.heads_q, call.seqs.batch, layout="packed")
@@ -98,7 +108,8 @@ def attention_varlen_backward(
         total_q)`` from ``return_lse=True``).
     max_seqlen_q, max_seqlen_k : optional ints, bounds on the lengths that size the dQ and the
         dK / dV grids; omitted, as in :func:`attention_varlen` (from NumPy offsets, else the
-        totals). Gradient rows of a sequence longer than a bound are set to NaN.
+        totals), checked as there. Gradient rows of a sequence longer than a bound (device
+        offsets: also reported by the GPU check) are set to NaN.
     causal, window, align, scale, softcap : exactly as given to the forward.
     dlse : optional ``(heads_q, total_q)`` float32, the gradient that flowed into ``lse``.
     deterministic : bool, as :func:`cuattn.attention_backward`. Batches of more sequences than
@@ -109,6 +120,7 @@ def attention_varlen_backward(
     -------
     ``(dq, dk, dv)`` shaped and typed like ``q``, ``k`` and ``v``.
     """
+    raise_reported()
     result = replay.run(
         "attention_varlen_backward",
         lambda: attention_varlen_backward(
@@ -128,7 +140,7 @@ def attention_varlen_backward(
     ctx, a = boundary.import_arrays(
         dout=dout, q=q, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, dlse=dlse,
     )
-    call = _PackedCall(ctx, a, max_seqlen_q, max_seqlen_k, causal, window, align, scale, softcap)
+    call = _PackedCall(a, max_seqlen_q, max_seqlen_k, causal, window, align, scale, softcap)
     check_dout(a["dout"], a["q"], call.c_type, PACKED)
     for name in ("lse", "dlse"):
         if a[name] is not None:
@@ -141,6 +153,8 @@ def attention_varlen_backward(
     grads = [ctx.empty(a[n].shape, a[n].dtype) for n in ("q", "k", "v")]
     delta = ctx.empty((call.heads_q, call.seqs.total_q), np.float32)
     seqs = call.seqs
+    if call.offsets_on_device:
+        launch_offset_check(ctx, a["cu_seqlens_q"], a["cu_seqlens_k"], seqs.batch, call.totals, (seqs.max_seqlen_q, seqs.max_seqlen_k))
     if seqs.batch and call.heads_q and (seqs.total_q or seqs.total_k):
         views = {n: one_sequence_view(x) for n, x in a.items()}
         p = backward_params(
@@ -165,7 +179,7 @@ _REQUIRED = {
 class _PackedCall:
     """The checks and settings that the forward and backward of packed sequences share."""
 
-    def __init__(self, ctx, a: dict, max_seqlen_q, max_seqlen_k, causal, window, align, scale, softcap):
+    def __init__(self, a: dict, max_seqlen_q, max_seqlen_k, causal, window, align, scale, softcap):
         max_seqlen_q = check_max_seqlen("max_seqlen_q", max_seqlen_q)
         max_seqlen_k = check_max_seqlen("max_seqlen_k", max_seqlen_k)
         for name in ("q", "k", "v", "out"):
@@ -178,16 +192,31 @@ class _PackedCall:
         self.c_type = check_qkv(views["q"], views["k"], views["v"], views["out"])
         lengths_q = host_lengths(a["cu_seqlens_q"], total_q, "cu_seqlens_q")
         lengths_k = host_lengths(a["cu_seqlens_k"], total_k, "cu_seqlens_k")
-        self.mask = mask_options(causal, window, align, total_q, total_k)[:2] + (0,)  # the diagonal is per sequence
-        self.scale, self.softcap = score_options(scale, softcap, self.head_dim)
+        self.offsets_on_device, self.totals = lengths_q is None or lengths_k is None, (total_q, total_k)
+        self.options = AttnOptions.from_user(causal, window, align, scale, softcap, head_dim=self.head_dim)
         self.seqs = PackedSequences(  # the offsets' addresses once staged: attn_params
             0, 0, batch, total_q, total_k,
-            grid_bound(max_seqlen_q, lengths_q, total_q), grid_bound(max_seqlen_k, lengths_k, total_k),
-            align == "bottom_right",  # checked by mask_options
+            grid_bound("max_seqlen_q", max_seqlen_q, lengths_q, total_q), grid_bound("max_seqlen_k", max_seqlen_k, lengths_k, total_k),
         )
 
     def attn_params(self, a: dict, out, lse) -> np.void:
         """AttnParams over the staged arrays of ``a`` with ``out`` and ``lse`` (packed)."""
         views = [one_sequence_view(x) for x in (a["q"], a["k"], a["v"], out, lse)]
         seqs = dataclasses.replace(self.seqs, cu_seqlens_q=a["cu_seqlens_q"].ptr, cu_seqlens_k=a["cu_seqlens_k"].ptr)
-        return attn_params(*views, self.mask, self.scale, self.softcap, packed=seqs)
+        return attn_params(*views, self.options, packed=seqs)
+
+
+def check_varlen_offsets(synchronize: bool = True) -> None:
+    """Raises the ValueError of bad device ``cu_seqlens`` (not starting at 0, decreasing, not
+    ending at the total, or a sequence longer than its ``max_seqlen``) that the GPU found in an
+    earlier :func:`attention_varlen` / :func:`attention_varlen_backward` call; the next such call
+    raises it otherwise. ``synchronize``: first wait for the current device's work to finish
+    (pass False after synchronizing yourself, e.g. ``torch.cuda.synchronize()``)."""
+    if synchronize:
+        from cuattn import requirements
+
+        requirements.check_cupy()
+        import cupy
+
+        cupy.cuda.runtime.deviceSynchronize()
+    raise_reported()

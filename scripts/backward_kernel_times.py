@@ -20,13 +20,13 @@ def timed_launch(self, variant, grid, block, p):
     start.record()
     launch(self, variant, grid, block, p)
     stop.record()
-    times.setdefault(variant.family, []).append((start, stop))
+    times.setdefault(variant.kernel, []).append((start, stop))
 
 
 boundary.CallContext.launch = timed_launch
 for d, s, causal in ((64, 1024, False), (64, 4096, True), (128, 1024, False)):
     b, h = 16384 // s, 2048 // d
-    q, k, v, do = (cupy.random.standard_normal((b, s, h, d), dtype=np.float32).astype(cuattn.variants.BFLOAT16) for _ in range(4))
+    q, k, v, do = (cupy.random.standard_normal((b, s, h, d), dtype=np.float32).astype(cuattn.dtypes.BFLOAT16) for _ in range(4))
     out, lse = cuattn.attention(q, k, v, causal=causal, return_lse=True)
     for _ in range(3):
         cuattn.attention_backward(do, q, k, v, out, lse, causal=causal)

@@ -12,7 +12,7 @@ from benchmarks.timing import median_ms
 for d in (64, 128):
     for s, causal in ((1024, False), (4096, True), (16384, False)):
         b, h = 16384 // s, 2048 // d
-        q, k, v, do = (cupy.random.standard_normal((b, s, h, d), dtype=np.float32).astype(cuattn.variants.BFLOAT16) for _ in range(4))
+        q, k, v, do = (cupy.random.standard_normal((b, s, h, d), dtype=np.float32).astype(cuattn.dtypes.BFLOAT16) for _ in range(4))
         out, lse = cuattn.attention(q, k, v, causal=causal, return_lse=True)
         flops = 2.5 * 4 * b * h * s * s * d / (2 if causal else 1)
         line = f"d{d} s{s} causal={causal}:"

@@ -22,7 +22,7 @@ def tflops(flops, ms):
 for d in (64, 128):
     for s, causal in ((1024, False), (4096, True), (16384, False)):
         b, h = 16384 // s, 2048 // d
-        q, k, v = (cupy.random.standard_normal((b, s, h, d), dtype=np.float32).astype(cuattn.variants.BFLOAT16) for _ in range(3))
+        q, k, v = (cupy.random.standard_normal((b, s, h, d), dtype=np.float32).astype(cuattn.dtypes.BFLOAT16) for _ in range(3))
         flops = 4 * b * h * s * s * d / (2 if causal else 1)
         dense = tflops(flops, median_ms(lambda i: cuattn.attention(q, k, v, causal=causal)))
         line = f"d{d} s{s} b{b} causal={causal}: dense {dense:6.1f}"
@@ -39,8 +39,8 @@ if not dense_only:
     d, h = 128, 16
     cu = cupy.asarray(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
     total, longest = int(lengths.sum()), int(lengths.max())
-    qp, kp, vp = (cupy.random.standard_normal((total, h, d), dtype=np.float32).astype(cuattn.variants.BFLOAT16) for _ in range(3))
-    qd, kd, vd = (cupy.random.standard_normal((len(lengths), longest, h, d), dtype=np.float32).astype(cuattn.variants.BFLOAT16) for _ in range(3))
+    qp, kp, vp = (cupy.random.standard_normal((total, h, d), dtype=np.float32).astype(cuattn.dtypes.BFLOAT16) for _ in range(3))
+    qd, kd, vd = (cupy.random.standard_normal((len(lengths), longest, h, d), dtype=np.float32).astype(cuattn.dtypes.BFLOAT16) for _ in range(3))
     flops = sum(4 * h * int(n) * int(n) * d / 2 for n in lengths)
     varlen_ms = median_ms(lambda i: cuattn.attention_varlen(qp, kp, vp, cu, cu, max_seqlen_q=longest, causal=True))
     padded_ms = median_ms(lambda i: cuattn.attention(qd, kd, vd, causal=True))

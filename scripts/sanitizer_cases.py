@@ -10,7 +10,7 @@ import cupy
 import numpy as np
 
 import cuattn
-from cuattn.variants import BFLOAT16
+from cuattn.dtypes import BFLOAT16
 
 rng = np.random.default_rng(0)
 

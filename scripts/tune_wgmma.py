@@ -1,5 +1,5 @@
 """Times candidate tilings of the Hopper kernels on the bench_forward / bench_backward grid, to
-choose variants.WGMMA_FORWARD_TILES and WGMMA_BACKWARD_TILES. A candidate is
+choose cuattn.kernels.forward.WGMMA_TILES and cuattn.kernels.backward.WGMMA_TILES / WGMMA_FUSED_TILES. A candidate is
 ``table:head_dim:tiles``: ``forward:64:64,2,2`` (BLOCK_N, WARPGROUPS, CTAS_PER_SM), or
 ``backward_dq:128:64,2,1`` / ``backward_dkdv:128:64,1,2`` (stream rows, WARPGROUPS, CTAS_PER_SM;
 timed with deterministic=True) / ``backward_fused:128:64,1,2`` (the default backward's one-pass
@@ -16,20 +16,20 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import cuattn  # noqa: E402
-from cuattn import variants  # noqa: E402
+from cuattn.kernels import backward as backward_plan, forward as forward_plan  # noqa: E402
 from benchmarks.timing import grid_arguments, grid_configs, torch_tflops  # noqa: E402
 
 
 def _table(name: str) -> dict:
     if name == "forward":
-        return variants.WGMMA_FORWARD_TILES
-    return variants.WGMMA_FUSED_TILES if name == "backward_fused" else variants.WGMMA_BACKWARD_TILES[name]
+        return forward_plan.WGMMA_TILES
+    return backward_plan.WGMMA_FUSED_TILES if name == "backward_fused" else backward_plan.WGMMA_TILES[name]
 
 
 def _clear() -> None:
-    variants.wgmma_forward_variant.cache_clear()
-    variants.wgmma_backward_variant.cache_clear()
-    variants.wgmma_fused_variant.cache_clear()
+    forward_plan.wgmma_variant.cache_clear()
+    backward_plan.wgmma_variant.cache_clear()
+    backward_plan.fused_variant.cache_clear()
 
 
 def main() -> None:

@@ -7,7 +7,7 @@ import os
 
 import numpy as np
 
-from cuattn.variants import BFLOAT16
+from cuattn.dtypes import BFLOAT16
 
 DTYPES = {"float16": np.dtype(np.float16), "bfloat16": BFLOAT16, "float32": np.dtype(np.float32)}
 

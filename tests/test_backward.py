@@ -188,7 +188,7 @@ def test_hopper_default_backward_runs_the_fused_kernel(monkeypatch):
 
     launched = []
     load = loader.load_kernel
-    monkeypatch.setattr(loader, "load_kernel", lambda variant: launched.append(variant.family) or load(variant))
+    monkeypatch.setattr(loader, "load_kernel", lambda variant: launched.append(variant.kernel) or load(variant))
     rng = np.random.default_rng()
     q, k, v, do = (cupy.asarray(randn(rng, (1, 70, 2, 128), "bfloat16")) for _ in range(4))
     out, lse = cuattn.attention(q, k, v, return_lse=True)
@@ -321,8 +321,9 @@ def test_backward_tiles_fit_a_99kb_device(monkeypatch, d):
     """RTX 30xx / 40xx, A10, L4, L40S opt in to 99 KB of shared memory per block: the portable
     backward picks smaller streamed blocks there (and, at head_dim 256, reads dK/dV's row
     statistics from global memory). Run here under that limit and checked like any other."""
-    from cuattn import backward, loader, variants
-    from cuattn.variants import head_dim_bucket
+    from cuattn import backward, loader
+    from cuattn.kernels import backward as backward_plan
+    from cuattn.kernels.variant import head_dim_bucket
 
     monkeypatch.setattr(backward, "device_smem_limit", lambda device_id: 101376)
     launched = []
@@ -330,8 +331,8 @@ def test_backward_tiles_fit_a_99kb_device(monkeypatch, d):
     monkeypatch.setattr(loader, "load_kernel", lambda variant: launched.append(variant) or load(variant))
     _run(np.random.default_rng(), 1, 200, 333, 4, 2, d, "bfloat16", path="portable", causal=True, with_dlse=True)
     _run(np.random.default_rng(), 2, 113, 65, 2, 1, d, "float16", path="portable", window=(40, 8), softcap=5.0)
-    tiled = [v for v in launched if v.family in ("backward_dq", "backward_dkdv")]
+    tiled = [v for v in launched if v.kernel in ("backward_dq", "backward_dkdv")]
     assert tiled and all(v.dynamic_smem <= 101376 for v in tiled)
     bucket = head_dim_bucket(d)
-    defaults = [variants.backward_variant(f, "bf16", bucket, False) for f in ("backward_dq", "backward_dkdv")]
+    defaults = [backward_plan.variant(f, "bf16", bucket, False) for f in ("backward_dq", "backward_dkdv")]
     assert any(v.dynamic_smem > 101376 for v in defaults) == (d != 160)  # the limit changed the tiles

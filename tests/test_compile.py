@@ -7,7 +7,9 @@ import subprocess
 
 import pytest
 
-from cuattn import loader, offline, params, variants
+from cuattn import kernels, loader, offline, params
+from cuattn.kernels import backward, forward
+from cuattn.kernels.variant import HEAD_DIM_BUCKETS, Variant
 
 
 def test_source_hash_tracks_every_header(tmp_path, monkeypatch):
@@ -16,10 +18,10 @@ def test_source_hash_tracks_every_header(tmp_path, monkeypatch):
     shutil.copytree(loader.source_dir(), copy)
     monkeypatch.setattr(loader, "source_dir", lambda: copy)
     loader.source_hash.cache_clear()
-    before = loader.translation_unit("merge")
+    before = loader.translation_unit("merge/merge.cu")
     (copy / "common" / "dtypes.cuh").write_text((copy / "common" / "dtypes.cuh").read_text() + "\n// edit\n")
     loader.source_hash.cache_clear()
-    after = loader.translation_unit("merge")
+    after = loader.translation_unit("merge/merge.cu")
     loader.source_hash.cache_clear()
     assert before != after
 
@@ -32,28 +34,49 @@ def test_arch_selection():
         loader.arch_for(75)
 
 
-def test_row_kernel_geometry_matches_the_sources():
-    """The row kernels' launch (variants.BACKWARD_ROW_*) matches their constants in cuda_src: a
-    mismatch would leave query rows without delta or dQ."""
-    import re
+def _contract_errors(source: str, contract) -> str | None:
+    """NVRTC's log when a static_assert of ``contract`` fails against ``source``, else None."""
+    from cupy.cuda import nvrtc
 
-    src = loader.source_dir()
-    lanes = re.search(r"constexpr int kRowLanes = (\d+);", (src / "backward" / "head_rows.cuh").read_text())
-    assert lanes and int(lanes.group(1)) == variants.BACKWARD_ROW_LANES
-    for name, constant in (("backward_prep.cu", "kPrepWarps"), ("backward_dq_finish.cu", "kFinishWarps")):
-        warps = re.search(rf"constexpr int {constant} = (\d+);", (src / name).read_text())
-        assert warps and int(warps.group(1)) == variants.BACKWARD_ROW_WARPS
-    from cuattn import backward
+    checks = [f'static_assert({expr} == {value}, "{source}: {expr} != {value}");' for expr, value in sorted(contract)]
+    prog = nvrtc.createProgram(loader.translation_unit(source) + "\n".join(checks) + "\n", "contract.cu", [], [])
+    try:
+        nvrtc.compileProgram(prog, list(loader.compile_options("sm_90a")) + ["-fdevice-syntax-only"])
+        return None
+    except nvrtc.NVRTCError:
+        return nvrtc.getProgramLog(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
 
-    tile_rows = re.search(r"constexpr int kDqTileRows = (\d+);", (src / "backward" / "dq_accum.cuh").read_text())
-    assert tile_rows and int(tile_rows.group(1)) == backward.DQ_TILE_ROWS  # the accumulator's shape and tile strides
+
+@pytest.mark.offline
+def test_launch_plans_agree_with_the_kernel_sources():
+    """Every constant a launch plan shares with its kernel's source (shared memory, threads,
+    rows per CTA, dQ accumulator tiles: Variant.contract) is static_asserted against the C++
+    in one NVRTC compile per translation unit; a wrong value fails it."""
+    by_source: dict[str, set] = {}
+    for v in kernels.all_variants() + kernels.all_variants("sm_86"):
+        by_source.setdefault(v.source, set()).update(v.contract)
+    assert all(by_source.values()), [src for src, checks in by_source.items() if not checks]
+    for source, contract in sorted(by_source.items()):
+        errors = _contract_errors(source, contract)
+        assert errors is None, errors
+    expr, value = forward.variant("bf16", 128, False).contract[0]
+    assert expr.endswith("::kSmemBytes") and "kSmemBytes" in _contract_errors("forward/forward.cu", [(expr, value + 16)])
+
+
+def test_tile_tables_cover_the_head_dim_buckets():
+    assert tuple(sorted(forward.TILES)) == HEAD_DIM_BUCKETS
+    assert set(forward.WGMMA_TILES) <= set(HEAD_DIM_BUCKETS) and set(backward.WGMMA_FUSED_TILES) <= set(HEAD_DIM_BUCKETS)
 
 
 def test_variant_uris_are_unique():
-    all_v = variants.all_variants()
+    all_v = kernels.all_variants()
     assert len({v.uri for v in all_v}) == len(all_v)
     assert len({v.expression for v in all_v}) == len(all_v)
-    assert set(variants.common_variants()) <= set(all_v)
+    assert set(kernels.common_variants()) <= set(all_v)
+    assert all((loader.source_dir() / v.source).is_file() for v in all_v)
+    assert {v.family for v in all_v} == {family.FAMILY for family in kernels.FAMILIES}
 
 
 @pytest.mark.skipif(shutil.which("c++") is None, reason="needs a host C++ compiler")
@@ -78,7 +101,7 @@ def test_every_variant_compiles_without_hot_spills(arch, tmp_path):
     table = offline.format_table(reports)
     print(table)
     (tmp_path / f"compile-{arch}.txt").write_text(table)
-    assert len(reports) == sum(v.builds_for(arch) for v in variants.all_variants(arch))
+    assert len(reports) == sum(v.builds_for(arch) for v in kernels.all_variants(arch))
     assert any(r.uri.startswith("forward_wgmma/") for r in reports) == (arch == "sm_90a")
     failed = [f"{r.uri}: {'error' if not r.ok else 'spills'}\n{r.log}" for r in reports if r.failed]
     assert not failed, "\n".join(failed)
@@ -90,8 +113,9 @@ def test_compile_report_flags_errors_and_hot_spills(monkeypatch, tmp_path):
     """The CI gate can fail: a broken kernel and a spilling hot kernel are both reported failed."""
     src = tmp_path / "cuda_src"
     (src / "common").mkdir(parents=True)
-    (src / "broken.cu").write_text("__global__ void k() { this is not C++; }\n")
-    (src / "spilly.cu").write_text(
+    (src / "test").mkdir()
+    (src / "test" / "broken.cu").write_text("__global__ void k() { this is not C++; }\n")
+    (src / "test" / "spilly.cu").write_text(
         "extern \"C\" __global__ void __launch_bounds__(1024, 2) k(float* x, int n) {\n"
         "  float a[96];\n#pragma unroll\n  for (int i = 0; i < 96; ++i) a[i] = x[i * n];\n"
         "  float s = 0;\n#pragma unroll\n  for (int i = 0; i < 96; ++i) s += a[i] * a[95 - i] / (a[(i * 7) % 96] + 1);\n"
@@ -100,8 +124,8 @@ def test_compile_report_flags_errors_and_hot_spills(monkeypatch, tmp_path):
     monkeypatch.setattr(loader, "source_dir", lambda: src)
     loader.source_hash.cache_clear()
     try:
-        broken = offline.compile_variant(variants.Variant("broken", "k", "test/broken", hot=True), "sm_80")
-        spilly = offline.compile_variant(variants.Variant("spilly", "k", "test/spilly", hot=True), "sm_80")
+        broken = offline.compile_variant(Variant("test", "broken", "k", "test/broken", hot=True), "sm_80")
+        spilly = offline.compile_variant(Variant("test", "spilly", "k", "test/spilly", hot=True), "sm_80")
     finally:
         loader.source_hash.cache_clear()
     assert not broken.ok and broken.failed
@@ -120,26 +144,26 @@ def test_compile_report_flags_serialized_wgmma():
 
 
 def test_forward_kernel_selection():
-    select = variants.select_forward_variant
-    assert select("bf16", 128, False, "sm_90a").family == "forward_wgmma"
+    select = forward.select
+    assert select("bf16", 128, False, "sm_90a").kernel == "forward_wgmma"
     assert select("f16", 64, True, "sm_90a").uri.endswith("/softcap")
-    assert select("bf16", 128, False, "sm_90a", allow_wgmma=False).family == "forward"
-    assert select("bf16", 128, False, "sm_80").family == "forward"
-    assert select("bf16", 96, False, "sm_90a").family == "forward"  # no Hopper kernel for that bucket
-    assert select("float", 128, False, "sm_90a").family == "forward_fp32"
-    assert variants.wgmma_forward_variant("bf16", 128, False).builds_for("sm_90a")
-    assert not variants.wgmma_forward_variant("bf16", 128, False).builds_for("sm_80")
+    assert select("bf16", 128, False, "sm_90a", allow_wgmma=False).kernel == "forward"
+    assert select("bf16", 128, False, "sm_80").kernel == "forward"
+    assert select("bf16", 96, False, "sm_90a").kernel == "forward"  # no Hopper kernel for that bucket
+    assert select("float", 128, False, "sm_90a").kernel == "forward_fp32"
+    assert forward.wgmma_variant("bf16", 128, False).builds_for("sm_90a")
+    assert not forward.wgmma_variant("bf16", 128, False).builds_for("sm_80")
 
 
 def test_backward_kernel_selection():
-    fused = variants.select_fused_backward_variant
-    assert fused("bf16", 128, False, "sm_90a").family == "backward_wgmma_fused"
+    fused = backward.select_fused
+    assert fused("bf16", 128, False, "sm_90a").kernel == "backward_wgmma_fused"
     assert fused("f16", 64, True, "sm_90a").uri.endswith("/softcap")
     assert fused("bf16", 128, False, "sm_90a", allow_wgmma=False) is None
     assert fused("bf16", 128, False, "sm_80") is None
     assert fused("bf16", 96, False, "sm_90a") is None
     assert fused("float", 64, False, "sm_90a") is None
-    select = variants.select_backward_variant
-    assert select("backward_dq", "bf16", 128, False, "sm_90a").family == "backward_wgmma_dq"
-    assert select("backward_dkdv", "bf16", 64, False, "sm_80").family == "backward_dkdv"
-    assert not variants.wgmma_fused_variant("bf16", 64, False).builds_for("sm_80")
+    select = backward.select
+    assert select("backward_dq", "bf16", 128, False, "sm_90a").kernel == "backward_wgmma_dq"
+    assert select("backward_dkdv", "bf16", 64, False, "sm_80").kernel == "backward_dkdv"
+    assert not backward.fused_variant("bf16", 64, False).builds_for("sm_80")

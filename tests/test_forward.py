@@ -73,14 +73,15 @@ def test_hopper_kernel_buckets_match_reference(batch, sq, sk, heads, d, dtype, c
 
 
 def test_hopper_devices_run_the_wgmma_kernel():
-    from cuattn import loader, variants
+    from cuattn import loader
+    from cuattn.kernels import forward
 
     arch = loader.device_arch()
     for bucket in (64, 128, 256):
-        picked = variants.select_forward_variant("bf16", bucket, False, arch, loader.wgmma_enabled())
-        assert (picked.family == "forward_wgmma") == (arch == "sm_90a")
+        picked = forward.select("bf16", bucket, False, arch, loader.wgmma_enabled())
+        assert (picked.kernel == "forward_wgmma") == (arch == "sm_90a")
     with kernel_path("portable"):
-        assert variants.select_forward_variant("bf16", 128, False, arch, loader.wgmma_enabled()).family == "forward"
+        assert forward.select("bf16", 128, False, arch, loader.wgmma_enabled()).kernel == "forward"
 
 
 @pytest.mark.parametrize("path", KERNEL_PATHS)

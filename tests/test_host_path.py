@@ -16,6 +16,7 @@ import pytest
 
 import cuattn
 from cuattn import boundary, loader, params, replay
+from cuattn.options import AttnOptions
 
 attention_module = importlib.import_module("cuattn.attention")  # the package exports the function
 backward_module = importlib.import_module("cuattn.backward")
@@ -145,9 +146,8 @@ def test_replayed_parameters_are_the_full_paths_with_this_calls_addresses(fake):
     q, k, v = _arrays(fake, q.shape, k.shape, v.shape)
     out, lse = cuattn.attention(q, k, v, window=(5, 3), softcap=30.0, return_lse=True)
     wrap = lambda x: boundary.DeviceArray(x.ptr, x.shape, x.strides, x.dtype, x)  # noqa: E731
-    mask = attention_module.mask_options(False, (5, 3), "bottom_right", 77, 50)
-    scale, softcap = attention_module.score_options(None, 30.0, 96)
-    expected = attention_module.attn_params(*map(wrap, (q, k, v, out, lse)), mask, scale, softcap)
+    options = AttnOptions.from_user(False, (5, 3), "bottom_right", None, 30.0, head_dim=96)
+    expected = attention_module.attn_params(*map(wrap, (q, k, v, out, lse)), options)
     assert fake["launched"][-1][-1] == expected.tobytes()
 
 
@@ -199,7 +199,7 @@ def test_a_repeated_call_stays_within_its_python_call_budget(fake):
         sys.setprofile(None)
     # The fast path: attention, run, the option key, the plan's run and result picking; no
     # checks, no variant lookup, no struct packing.
-    assert not {"check_qkv", "score_options", "mask_options", "attn_params", "pack", "select_forward_variant"} & set(calls)
+    assert not {"check_qkv", "from_user", "kernel_fields", "attn_params", "pack", "select"} & set(calls)
     assert len(calls) <= BUDGET, calls
 
 

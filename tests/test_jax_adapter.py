@@ -93,7 +93,7 @@ def test_xla_determinism_flag_picks_the_atomic_free_backward(monkeypatch, flags)
 
     launched = []  # the variants each new launch plan loads (plans are recorded afresh per test)
     load = loader.load_kernel
-    monkeypatch.setattr(loader, "load_kernel", lambda variant: launched.append(variant.family) or load(variant))
+    monkeypatch.setattr(loader, "load_kernel", lambda variant: launched.append(variant.kernel) or load(variant))
     monkeypatch.setenv("XLA_FLAGS", flags)
     deterministic = bool(flags)
     assert cj.xla_deterministic_ops() == deterministic

@@ -154,7 +154,7 @@ def test_deterministic_algorithms_pick_the_atomic_free_backward(monkeypatch, det
 
     launched = []  # the variants each new launch plan loads (plans are recorded afresh per test)
     load = loader.load_kernel
-    monkeypatch.setattr(loader, "load_kernel", lambda variant: launched.append(variant.family) or load(variant))
+    monkeypatch.setattr(loader, "load_kernel", lambda variant: launched.append(variant.kernel) or load(variant))
     q, k, v = (torch.randn(1, 300, 4, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     dout = torch.randn(1, 300, 4, 128, device="cuda", dtype=torch.bfloat16)
     saved = torch.are_deterministic_algorithms_enabled()

@@ -6,6 +6,20 @@ import pytest
 
 import cuattn
 from cuattn import boundary
+from cuattn.kernels import forward
+from cuattn.kernels.variant import MAX_GRID_YZ, Variant, tile_launches
+from cuattn.options import LOG2E, AttnOptions, score_factors
+
+
+def flat_mask_options(**user) -> dict:
+    """The op table's options from the public keywords, as the adapters form them."""
+    return AttnOptions.from_user(**user).flat()
+
+
+def _kernel_bounds(causal, window, seqlen_q, seqlen_k) -> tuple[int, int, int]:
+    """(window_left, window_right, diagonal_offset) as AttnParams gets them."""
+    fields = AttnOptions.from_user(causal, window, head_dim=64).kernel_fields(seqlen_q, seqlen_k)
+    return fields["window_left"], fields["window_right"], fields["diagonal_offset"]
 
 
 def _merge_inputs(n=2, b=1, s=3, h=2, d=8, dtype=np.float32):
@@ -176,7 +190,7 @@ def test_validation_only_runs_report_allocations_and_errors_without_a_gpu(monkey
     monkeypatch.setattr(boundary._ValidationContext, "arch", lambda self: "sm_80")
 
     q, kv = _Meta((2, 5, 4, 64), np.float16), _Meta((2, 7, 2, 64), np.float16)
-    options = ops.flat_mask_options(causal=True, head_dim=64)
+    options = flat_mask_options(causal=True, head_dim=64)
     assert boundary.validate(ops.OPS["attention"].call, q, kv, kv, **options) == [((2, 5, 4, 64), np.float16), ((2, 4, 5), np.float32)]
     lse = _Meta((2, 4, 5), np.float32)
     allocations = boundary.validate(ops.OPS["attention_backward"].call, q, q, kv, kv, q, lse, None, deterministic=False, **options)
@@ -194,7 +208,7 @@ def test_validation_reports_the_fused_backward_scratch_on_hopper(monkeypatch):
     monkeypatch.setattr(boundary._ValidationContext, "arch", lambda self: "sm_90a")
     monkeypatch.delenv("CUATTN_WGMMA", raising=False)
     q, kv, lse = _Meta((2, 5, 4, 40), np.float16), _Meta((2, 7, 2, 40), np.float16), _Meta((2, 4, 5), np.float32)
-    options = ops.flat_mask_options(causal=True, head_dim=40)
+    options = flat_mask_options(causal=True, head_dim=40)
     run = lambda deterministic: boundary.validate(  # noqa: E731
         ops.OPS["attention_backward"].call, q, q, kv, kv, q, lse, None, deterministic=deterministic, **options)
     assert run(False)[4:] == [((2, 4, 64, 64), np.float32)]
@@ -226,11 +240,9 @@ def test_attention_options_are_checked_as_the_kernels_use_them(kwargs, exc, matc
 
 
 def test_float32_options_reach_the_kernels_unchanged():
-    from cuattn.attention import score_options
-
-    assert score_options(None, None, 64) == (0.125, 0.0)
-    assert score_options(2.0, 30.0, 64) == (2.0, 30.0)
-    assert score_options(np.float32(0.5), None, 64) == (0.5, 0.0)
+    assert score_factors(None, None, 64) == (0.125, 0.0)
+    assert score_factors(2.0, 30.0, 64) == (2.0, 30.0)
+    assert score_factors(np.float32(0.5), None, 64) == (0.5, 0.0)
 
 
 @pytest.mark.parametrize(
@@ -245,9 +257,7 @@ def test_float32_options_reach_the_kernels_unchanged():
 )
 def test_window_bounds_are_clamped_to_the_sequences(window, causal, expected):
     """What reaches the kernels' int32 index arithmetic is at most seqlen_q + seqlen_k."""
-    from cuattn.attention import mask_options
-
-    assert mask_options(causal, window, "bottom_right", 4, 5)[:2] == expected
+    assert _kernel_bounds(causal, window, 4, 5)[:2] == expected
 
 
 def test_backward_names_missing_arguments():
@@ -259,13 +269,11 @@ def test_backward_names_missing_arguments():
 
 def test_launch_plans_slice_large_batches():
     """gridDim.z holds at most 65535: larger batches launch in slices with a batch offset."""
-    from cuattn import plans, variants
-
-    v = variants.forward_variant("f16", 64, False)
-    launches = plans.tile_launches(v, 16, 1, 70000)
+    v = forward.variant("f16", 64, False)
+    launches = tile_launches(v, 16, 1, 70000)
     assert [(grid, offset) for grid, _, offset in launches] == [((1, 1, 65535), 0), ((1, 1, 4465), 65535)]
-    assert all(grid[1] <= 65535 and grid[2] <= 65535 for grid, _, _ in plans.tile_launches(v, 1000, 40, 200000))
-    assert sum(grid[2] for grid, _, _ in plans.tile_launches(v, 1000, 40, 200000)) == 200000
+    assert all(grid[1] <= 65535 and grid[2] <= 65535 for grid, _, _ in tile_launches(v, 1000, 40, 200000))
+    assert sum(grid[2] for grid, _, _ in tile_launches(v, 1000, 40, 200000)) == 200000
 
 
 class _Dev:
@@ -298,18 +306,18 @@ def test_out_may_not_overlap_k_v_or_itself():
 
 
 def test_adapter_options_are_checked_not_coerced():
-    """The torch / JAX adapters flatten options through ops.flat_mask_options: bad values are
+    """The torch / JAX adapters flatten options through AttnOptions.from_user: bad values are
     refused there as in the core API, never truncated or cast."""
     from cuattn import ops
 
     with pytest.raises(TypeError, match="window bounds must be integers"):
-        ops.flat_mask_options(window=(1.5, 2), head_dim=64)
+        flat_mask_options(window=(1.5, 2), head_dim=64)
     with pytest.raises(TypeError, match="causal must be a bool"):
-        ops.flat_mask_options(causal="yes", head_dim=64)
+        flat_mask_options(causal="yes", head_dim=64)
     with pytest.raises(ValueError, match="softcap"):
-        ops.flat_mask_options(softcap=float("inf"), head_dim=64)
+        flat_mask_options(softcap=float("inf"), head_dim=64)
     with pytest.raises(TypeError, match="align must be a str"):
-        ops.flat_mask_options(align=None, head_dim=64)
+        flat_mask_options(align=None, head_dim=64)
 
 
 # Drawn edge cases, all checked without a GPU: big batches, extreme bounds and scales, aliasing.
@@ -320,14 +328,12 @@ from hypothesis import strategies as st  # noqa: E402
 @settings(max_examples=200, deadline=None)
 @given(rows=st.integers(1, 10**6), heads=st.integers(1, 2000), batch=st.integers(0, 10**6), block_m=st.sampled_from([16, 64, 128]))
 def test_drawn_launch_plans_cover_every_batch_once(rows, heads, batch, block_m):
-    from cuattn import plans, variants
-
-    v = variants.Variant("forward", "k", "test/k", block_m=block_m, threads=128)
-    launches = plans.tile_launches(v, rows, heads, batch)
+    v = Variant("test", "k", "k", "test/k", block_m=block_m, threads=128)
+    launches = tile_launches(v, rows, heads, batch)
     offsets = [offset for _, _, offset in launches]
-    assert offsets == list(range(0, batch, plans.MAX_GRID_YZ))
+    assert offsets == list(range(0, batch, MAX_GRID_YZ))
     assert sum(grid[2] for grid, _, _ in launches) == batch
-    assert all(grid == (-(-rows // block_m), heads, grid[2]) and 1 <= grid[2] <= plans.MAX_GRID_YZ for grid, _, _ in launches)
+    assert all(grid == (-(-rows // block_m), heads, grid[2]) and 1 <= grid[2] <= MAX_GRID_YZ for grid, _, _ in launches)
 
 
 @settings(max_examples=200, deadline=None)
@@ -339,9 +345,7 @@ def test_drawn_window_bounds_fit_int32_and_keep_their_meaning(left, right, causa
     """Whatever integers are given, the kernels get bounds in [-1, seqlen_q + seqlen_k] that see
     the same keys as the reference's unclamped ones."""
     from cuattn import reference
-    from cuattn.attention import mask_options
-
-    l, r, offset = mask_options(causal, (left, right), "bottom_right", sq, sk)
+    l, r, offset = _kernel_bounds(causal, (left, right), sq, sk)
     assert -1 <= l <= sq + sk and -1 <= r <= sq + sk
     ref_l, ref_r = reference.window_bounds(causal, (left, right))
     rows, cols = np.array([0, sq // 2, max(sq - 1, 0)]), np.array([0, sk // 3, sk // 2, max(sk - 1, 0)])
@@ -351,16 +355,12 @@ def test_drawn_window_bounds_fit_int32_and_keep_their_meaning(left, right, causa
 @settings(max_examples=200, deadline=None)
 @given(value=st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-10, 10**40)), which=st.sampled_from(["scale", "softcap"]))
 def test_drawn_scales_are_accepted_only_where_float32_holds_them(value, which):
-    from cuattn.attention import score_options
-
     kwargs = {"scale": None, "softcap": None, which: value}
-    from cuattn.attention import LOG2E
-
     largest = float(np.finfo(np.float32).max)
     fits = float(np.finfo(np.float32).tiny) <= float(value) <= largest
     fits = fits and (which != "scale" or float(value) * LOG2E <= largest)  # the kernels use scale * log2(e) too
     try:
-        scale, softcap = score_options(kwargs["scale"], kwargs["softcap"], 64)
+        scale, softcap = score_factors(kwargs["scale"], kwargs["softcap"], 64)
     except ValueError:
         assert not fits or (which == "softcap" and not 1.4e-38 < 0.125 / float(value))
         return
@@ -424,7 +424,7 @@ def test_op_table_options_keep_their_checks():
     from cuattn import ops
 
     q, k, v = _qkv()
-    options = ops.flat_mask_options(head_dim=64)
+    options = flat_mask_options(head_dim=64)
     with pytest.raises(ValueError, match="window bounds"):
         ops.OPS["attention"].call(q, k, v, **{**options, "window_left": -7})
-    assert ops.flat_mask_options(window=(10**20, None), head_dim=64)["window_left"] == 2**62
+    assert flat_mask_options(window=(10**20, None), head_dim=64)["window_left"] == 2**62

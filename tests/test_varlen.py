@@ -104,6 +104,8 @@ def test_varlen_too_small_max_seqlen_marks_rows_nan(dtype):
     rng = np.random.default_rng(0)
     q, k, v, cu_q, cu_k = _packed_inputs(rng, [300, 20], [300, 20], 2, 2, 64, dtype)
     out, lse = cuattn.attention_varlen(*map(cupy.asarray, (q, k, v, cu_q, cu_k)), max_seqlen_q=100, return_lse=True, causal=True)
+    with pytest.raises(ValueError, match=r"cu_seqlens_q has sequence 0 longer than max_seqlen_q"):
+        cuattn.check_varlen_offsets()
     out, lse = out.get().astype(np.float64), lse.get()
     block = 128 if dtype == "bfloat16" else 16  # rows per CTA: the covered rows are whole blocks
     covered = -(-100 // block) * block
@@ -158,7 +160,7 @@ def _host_args(lengths_q=(3, 0, 4), lengths_k=(5, 1, 0), dtype=np.float16):
 
 @pytest.mark.parametrize("change, error, match", [
     (lambda a: {**a, "q": a["q"][None]}, ValueError, r"q must have 3 dimensions"),
-    (lambda a: {**a, "cu_seqlens_q": a["cu_seqlens_q"].astype(np.int64)}, TypeError, r"cu_seqlens_q must be int32, got int64"),
+    (lambda a: {**a, "cu_seqlens_q": a["cu_seqlens_q"].astype(np.int64)}, ValueError, r"cu_seqlens_q must be int32, got int64"),
     (lambda a: {**a, "cu_seqlens_k": a["cu_seqlens_k"][None]}, ValueError, r"cu_seqlens_k must have 1 dimension"),
     (lambda a: {**a, "cu_seqlens_k": a["cu_seqlens_k"][:-1]}, ValueError, r"cu_seqlens_q has 4 offsets and cu_seqlens_k 3"),
     (lambda a: {**a, "cu_seqlens_q": a["cu_seqlens_q"] + 1}, ValueError, r"cu_seqlens_q must start at 0, got 1"),
@@ -167,6 +169,7 @@ def _host_args(lengths_q=(3, 0, 4), lengths_k=(5, 1, 0), dtype=np.float16):
     (lambda a: {**a, "cu_seqlens_q": np.array([0], np.int32), "cu_seqlens_k": np.array([0], np.int32)}, ValueError, r"no sequences"),
     (lambda a: {**a, "cu_seqlens_q": np.zeros(0, np.int32), "cu_seqlens_k": np.zeros(0, np.int32)}, ValueError, r"batch \+ 1 >= 1"),
     (lambda a: {**a, "max_seqlen_q": -1}, ValueError, r"max_seqlen_q must be >= 0"),
+    (lambda a: {**a, "max_seqlen_q": 3}, ValueError, r"max_seqlen_q \(3\) is below the longest sequence \(4\)"),
     (lambda a: {**a, "max_seqlen_k": 2.0}, TypeError, r"max_seqlen_k must be an int"),
     (lambda a: {**a, "max_seqlen_q": True}, TypeError, r"max_seqlen_q must be an int"),
     (lambda a: {**a, "v": a["v"][:, :, :4]}, ValueError, r"v has shape"),
@@ -191,3 +194,44 @@ def test_varlen_reference_is_attention_per_sequence():
     np.testing.assert_array_equal(lse[:, 4:], l[0])
     o, l = reference.attention(q[None, :4], k[None, :2], v[None, :2], causal=True, return_lse=True)
     np.testing.assert_array_equal(out[:4], o[0])
+
+
+@gpu
+@pytest.mark.parametrize("which", ["q", "k"])
+@pytest.mark.parametrize("offsets, message", [
+    ([1, 3, 7, 7], "does not start at 0"),
+    ([0, 5, 3, 7], "decreases at entry 2"),
+    ([0, 3, 3, 6], r"does not end at the number of rows \(its last entry, 3, differs\)"),
+])
+def test_bad_device_offsets_are_reported_without_reading_out_of_bounds(which, offsets, message):
+    """Device offsets are checked on the GPU: the kernels clamp them (every row outside the
+    arrays stays untouched: poison around the outputs survives), the next varlen call raises
+    the ValueError naming the argument, once; check_varlen_offsets raises it at once."""
+    import cupy
+
+    rng = np.random.default_rng(5)
+    q, k, v, cu_q, cu_k = _packed_inputs(rng, [3, 0, 4], [3, 0, 4], 2, 1, 64, "float16")
+    bad = np.array(offsets, np.int32)
+    cu = {"q": cupy.asarray(bad if which == "q" else cu_q), "k": cupy.asarray(bad if which == "k" else cu_k)}
+    poisoned = cupy.full((9, 2, 64), np.nan, np.float16)  # a row of poison on either side of out
+    qd, kd, vd = map(cupy.asarray, (q, k, v))
+    cuattn.attention_varlen(qd, kd, vd, cu["q"], cu["k"], out=poisoned[1:8])
+    assert cupy.isnan(poisoned[0]).all() and cupy.isnan(poisoned[8]).all()
+    cupy.cuda.runtime.deviceSynchronize()
+    name = f"cu_seqlens_{which}"
+    with pytest.raises(ValueError, match=f"{name} {message}: found on the GPU"):
+        cuattn.attention_varlen(qd, kd, vd, *map(cupy.asarray, (cu_q, cu_k)))
+    cuattn.attention_varlen(qd, kd, vd, *map(cupy.asarray, (cu_q, cu_k)))  # reported once; good offsets pass
+    cuattn.check_varlen_offsets()
+    cuattn.attention_varlen(qd, kd, vd, cu["q"], cu["k"])
+    with pytest.raises(ValueError, match=f"{name} {message}"):
+        cuattn.check_varlen_offsets()
+
+
+def test_offset_reports_name_the_argument_and_the_rule():
+    from cuattn.packed import describe_report
+
+    assert describe_report((1 << 32) | 0).startswith("cu_seqlens_q does not start at 0")
+    assert describe_report((6 << 32) | 4).startswith("cu_seqlens_k decreases at entry 4")
+    assert describe_report((3 << 32) | 9).startswith("cu_seqlens_q does not end at the number of rows (its last entry, 9")
+    assert describe_report((8 << 32) | 2).startswith("cu_seqlens_k has sequence 1 longer than max_seqlen_k")

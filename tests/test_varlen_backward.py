@@ -176,6 +176,9 @@ def _too_small_bound(path, **bounds):
             cupy.asarray(dout), *args, out, lse, cupy.asarray(cu), cupy.asarray(cu), causal=True,
             deterministic=path == "deterministic", **bounds,
         )
+    name = "q" if "max_seqlen_q" in bounds else "k"
+    with pytest.raises(ValueError, match=f"cu_seqlens_{name} has sequence 0 longer than max_seqlen_{name}"):
+        cuattn.check_varlen_offsets()
     ref_out, ref_lse = reference.attention_varlen(q, k, v, cu, cu, causal=True, return_lse=True)
     ref = reference.attention_varlen_backward(dout, q, k, v, ref_out, ref_lse, cu, cu, causal=True)
     return [g.get().astype(np.float64) for g in grads], ref
@@ -276,7 +279,7 @@ def _host_args(dtype=np.float16):
     (lambda a: {**a, "dlse": np.zeros((2, 6), np.float32)}, ValueError, r"dlse has shape"),
     (lambda a: {**a, "lse": None}, TypeError, r"lse is required"),
     (lambda a: {**a, "cu_seqlens_k": np.array([0, 5, 4, 6], np.int32)}, ValueError, r"cu_seqlens_k must be non-decreasing"),
-    (lambda a: {**a, "cu_seqlens_q": a["cu_seqlens_q"].astype(np.int64)}, TypeError, r"cu_seqlens_q must be int32"),
+    (lambda a: {**a, "cu_seqlens_q": a["cu_seqlens_q"].astype(np.int64)}, ValueError, r"cu_seqlens_q must be int32"),
     (lambda a: {**a, "max_seqlen_k": -2}, ValueError, r"max_seqlen_k must be >= 0"),
     (lambda a: {**a, "deterministic": 1}, TypeError, r"deterministic must be a bool"),
     (lambda a: {**a, "window": (1, 2, 3)}, ValueError, r"window must be"),

@@ -4,7 +4,7 @@
 // dK/dV kernel splits the gradient columns over SPLITS CTAs (each recomputes the scores): two
 // 16 x head_dim fp32 accumulators would not fit in registers. STREAM_ROW_STATS: each stage also
 // holds the streamed rows' lse and delta (the dK/dV kernel, unless the device's shared memory
-// only fits the tiles; cuattn/variants.py picks BLOCK_STREAM and it by that limit).
+// only fits the tiles; cuattn/kernels/backward.py picks BLOCK_STREAM and it by that limit).
 #pragma once
 #include "../common/dtypes.cuh"
 

@@ -1,7 +1,8 @@
 // Tile shapes of the Hopper backward kernels (backward_wgmma_dq.cu, backward_wgmma_dkdv.cu).
 // WARPGROUPS of 64 resident rows each (queries for dQ, keys for dK/dV); the other operand pair
 // streams through a two-stage ring in blocks of BLOCK_STREAM rows, in the 128-byte-swizzled
-// layout of common/wgmma.cuh. cuattn/variants.py computes the same shared-memory size.
+// layout of common/wgmma.cuh. cuattn/kernels/backward.py computes the same shared-memory size
+// (Variant.contract: tests/test_compile.py asserts they agree).
 #pragma once
 #include "../common/wgmma.cuh"
 

@@ -1,5 +1,5 @@
 // Where a CTA sits in an attention launch: (block of rows, head, batch) = (blockIdx.x,
-// blockIdx.y, blockIdx.z + batch_offset). gridDim.z is at most 65535, so cuattn/plans.py
+// blockIdx.y, blockIdx.z + batch_offset). gridDim.z is at most 65535, so cuattn/kernels/variant.py
 // launches larger batches in slices of that many, each with its batch_offset.
 #pragma once
 #include "params.cuh"

@@ -84,4 +84,14 @@ struct BackwardParams {
   int dq_accum_cols;                        // the head-dim bucket of the dQ accumulator
 };
 
+// The packed-sequence offsets of a varlen call, checked on the device (packed/check_offsets.cu):
+// the first bad entry is reported into a word of pinned host memory.
+struct OffsetCheckParams {
+  const int* cu_seqlens[2];                 // query, key offsets: (batch + 1,)
+  u64* report;                              // 0, or (code << 32) | entry of the first bad entry
+  int batch;
+  int totals[2];                            // the last entry each must have
+  int bounds[2];                            // the longest sequence each grid covers (max_seqlen_*)
+};
+
 }  // namespace cuattn

@@ -1,4 +1,4 @@
-// Tile shapes of the tensor-core forward kernel. cuattn/variants.py holds the table that picks
+// Tile shapes of the tensor-core forward kernel. cuattn/kernels/forward.py holds the table that picks
 // (BLOCK_M, BLOCK_N, WARPS) per head-dim bucket and computes the same shared-memory size; the
 // kernel checks at entry that it was launched with at least kSmemBytes.
 #pragma once

@@ -1,5 +1,5 @@
-// Tile shapes of the Hopper forward kernel (forward_wgmma.cu). cuattn/variants.py computes the same
-// shared-memory size (WGMMA_FORWARD_TILES); the kernel traps if launched with less.
+// Tile shapes of the Hopper forward kernel (forward_wgmma.cu). cuattn/kernels/forward.py computes the same
+// shared-memory size (WGMMA_TILES; Variant.contract asserts they agree); the kernel traps if launched with less.
 #pragma once
 #include "../common/wgmma.cuh"
 

@@ -5,12 +5,14 @@
 
 namespace cuattn {
 
+constexpr int kMergeThreads = 256;
+
 /// \brief Merges num_partials partial results into dst. Each row (b, s, h) is handled by a
 /// group of lanes of one warp (the power of two <= 32 that covers head_dim / VEC), each lane
 /// VEC contiguous elements at a time; the grid strides over rows. dst may alias partial 0
 /// (in-place accumulation).
 template <typename T, int VEC>
-__global__ void __launch_bounds__(256) merge_kernel(const __grid_constant__ MergeParams p) {
+__global__ void __launch_bounds__(kMergeThreads) merge_kernel(const __grid_constant__ MergeParams p) {
   int group = 1;
   while (group < 32 && group * VEC < p.head_dim) group *= 2;
   const int rows_per_warp = 32 / group;

@@ -1,0 +1,280 @@
+"""Launch plan of the backward family (cuda_src/backward/): the row kernels (backward_prep,
+backward_dq_finish), the tensor-core dQ and dK/dV kernels, their Hopper twins and the Hopper
+fused kernel, the float32 kernels; their tiles, shared memory, grids and selection."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from cuattn.dtypes import cxx_type
+from cuattn.kernels.variant import (
+    HEAD_DIM_BUCKETS, MAX_SMEM_OPTIN, SEQ_LAYOUTS, WGMMA_ARCH, Variant, arch_smem_limit, head_dim_bucket, layout_arg, layout_uri,
+    softcap_arg, softcap_uri, tile_launches,
+)
+
+FAMILY = "backward"
+
+# Tensor-core kernels (backward/traits.cuh): 4 warps of 16 resident rows per CTA; the other
+# operand streams through a two-stage ring.
+BLOCK = 64  # resident rows per CTA
+STAGES = 2
+# Row kernels: warps per CTA (kPrepWarps, kFinishWarps) and lanes per query row
+# (backward/head_rows.cuh kRowLanes), so 32 rows per CTA.
+ROW_WARPS, ROW_LANES = 8, 8
+ROWS_PER_CTA = ROW_WARPS * 32 // ROW_LANES
+# Float32 kernels (backward/fp32_tiles.cuh): resident rows per warp, warps, streamed rows per step.
+FP32_ROWS_PER_WARP, FP32_WARPS, FP32_TILE = 4, 4, 32
+DQ_TILE_ROWS = 64  # rows per tile of the fused kernel's dQ accumulator (backward/dq_accum.cuh)
+
+# Hopper kernels per head-dim bucket: (rows per streamed block, WARPGROUPS, CTAS_PER_SM); keys
+# stream for dQ, queries for dK/dV and the fused kernel; every warpgroup owns 64 resident rows
+# (scripts/tune_wgmma.py).
+WGMMA_TILES = {
+    "backward_dq": {64: (64, 2, 2), 128: (64, 1, 2)},
+    "backward_dkdv": {64: (64, 1, 2), 128: (64, 1, 2)},
+}
+WGMMA_FUSED_TILES = {64: (64, 1, 3), 128: (64, 2, 1)}
+
+
+def dkdv_splits(bucket: int) -> int:
+    """CTAs per key block, each with a slice of dK / dV's columns (backward_dkdv.cu kDkdvSplits)."""
+    return 2 if bucket > 128 else 1
+
+
+def stream_rows(kernel: str, bucket: int) -> int:
+    """Rows per streamed block where shared memory allows: queries in backward_dkdv (32 above
+    d64, where dK and dV take head_dim registers), keys in backward_dq (32 above d128, where the
+    dQ accumulator alone takes 128 registers)."""
+    return 32 if bucket > (64 if kernel == "backward_dkdv" else 128) else 64
+
+
+def smem_bytes(bucket: int, stream: int, stats_in_smem: bool) -> int:
+    row = bucket + 8
+    stats = 2 * STAGES * stream * 4 if stats_in_smem else 0
+    return (2 * BLOCK * row + 2 * STAGES * stream * row) * 2 + stats
+
+
+def tile(kernel: str, bucket: int, smem_limit: int) -> tuple[int, bool]:
+    """(rows per streamed block, lse / delta staged in shared memory) of a tensor-core kernel
+    under a per-block shared-memory limit: the preferred tile, else halved down to 16 rows, else
+    (backward_dkdv, head_dim 256 on a 99 KB device) the row stats left in global memory.
+    backward_dq reads its rows' statistics once, never through shared memory."""
+    for stats in (True, False) if kernel == "backward_dkdv" else (False,):
+        stream = stream_rows(kernel, bucket)
+        while stream >= 16:
+            if smem_bytes(bucket, stream, stats) <= smem_limit:
+                return stream, stats
+            stream //= 2
+    raise ValueError(f"{kernel} at head_dim bucket {bucket} needs more than {smem_limit} bytes of shared memory per block")
+
+
+def wgmma_smem_bytes(kernel: str, bucket: int) -> int:
+    stream, warpgroups, _ = WGMMA_TILES[kernel][bucket]
+    resident, swizzle_alignment = 64 * warpgroups, 1024
+    return (2 * resident + 2 * STAGES * stream) * bucket * 2 + 2 * STAGES * stream * 4 + swizzle_alignment
+
+
+def fused_smem_bytes(bucket: int) -> int:
+    stream, warpgroups, _ = WGMMA_FUSED_TILES[bucket]
+    resident, swizzle_alignment = 64 * warpgroups, 1024
+    ds_tile = resident * stream * 2
+    dq_cols = bucket if stream // 64 >= warpgroups else bucket * (stream // 64) // warpgroups
+    dq_stages = warpgroups * 64 * dq_cols * 4
+    return (2 * resident + 2 * STAGES * stream) * bucket * 2 + 2 * STAGES * stream * 4 + ds_tile + dq_stages + swizzle_alignment
+
+
+@functools.cache
+def row_variant(kernel: str, c_type: str, bucket: int, layout: str = "dense") -> Variant:
+    """``backward_prep`` or ``backward_dq_finish``: ROW_LANES lanes per query row, ROWS_PER_CTA
+    rows per CTA, each lane's loads of a row issued at once."""
+    warps = "cuattn::kPrepWarps" if kernel == "backward_prep" else "cuattn::kFinishWarps"
+    contract = ((warps, ROW_WARPS), ("cuattn::kRowLanes", ROW_LANES))
+    if kernel == "backward_dq_finish":
+        contract += (("cuattn::kDqTileRows", DQ_TILE_ROWS),)
+    return Variant(
+        family=FAMILY, kernel=kernel,
+        expression=f"cuattn::{kernel}_kernel<{cxx_type(c_type)}, {bucket}, {layout_arg(layout)}>",
+        uri=f"{kernel}/{c_type}/d{bucket}" + layout_uri(layout),
+        hot=True,
+        threads=ROW_WARPS * 32,
+        block_m=ROWS_PER_CTA,
+        contract=contract,
+    )
+
+
+@functools.cache
+def variant(kernel: str, c_type: str, bucket: int, softcap: bool, smem_limit: int = MAX_SMEM_OPTIN, layout: str = "dense") -> Variant:
+    """``kernel`` is backward_dkdv or backward_dq, tiled for ``smem_limit`` bytes of shared
+    memory per block; float32 runs their CUDA-core twins (backward_fp32_dkdv, backward_fp32_dq)."""
+    cap, layout_tail = softcap_arg(softcap), softcap_uri(softcap) + layout_uri(layout)
+    if c_type == "float":
+        fp32_kernel = kernel.replace("backward_", "backward_fp32_")
+        return Variant(
+            family=FAMILY, kernel=fp32_kernel,
+            expression=f"cuattn::{fp32_kernel}_kernel<{bucket}, {cap}, {layout_arg(layout)}>",
+            uri=f"{fp32_kernel}/d{bucket}" + layout_tail,
+            dynamic_smem=2 * FP32_TILE * (bucket + 1) * 4,
+            threads=FP32_WARPS * 32,
+            block_m=FP32_ROWS_PER_WARP * FP32_WARPS,
+            contract=(
+                ("cuattn::kF32BwdWarps", FP32_WARPS), ("cuattn::kF32BwdRowsPerWarp", FP32_ROWS_PER_WARP), ("cuattn::kF32BwdTile", FP32_TILE),
+            ),
+        )
+    stream, stats = tile(kernel, bucket, smem_limit)
+    splits = dkdv_splits(bucket) if kernel == "backward_dkdv" else 1
+    traits = f"cuattn::BackwardTraits<{bucket}, {stream}, {splits}, {'true' if stats else 'false'}>"
+    tile_args = f"{stream}, {'true' if stats else 'false'}" if kernel == "backward_dkdv" else f"{stream}"
+    contract = ((f"{traits}::kSmemBytes", smem_bytes(bucket, stream, stats)), (f"{traits}::kBlockResident", BLOCK), (f"{traits}::kThreads", 128))
+    if kernel == "backward_dkdv":
+        contract += ((f"cuattn::kDkdvSplits<{bucket}>", splits),)
+    return Variant(
+        family=FAMILY, kernel=kernel,
+        expression=f"cuattn::{kernel}_kernel<{cxx_type(c_type)}, {bucket}, {tile_args}, {cap}, {layout_arg(layout)}>",
+        uri=f"{kernel}/{c_type}/d{bucket}/s{stream}" + ("" if stats or kernel == "backward_dq" else "g") + layout_tail,
+        hot=True,
+        dynamic_smem=smem_bytes(bucket, stream, stats),
+        threads=128,
+        block_m=BLOCK,
+        column_splits=splits,
+        contract=contract,
+    )
+
+
+def _wgmma(kernel: str, c_type: str, bucket: int, softcap: bool, layout: str, tiles: tuple, smem: int, traits: str) -> Variant:
+    stream, warpgroups, ctas = tiles
+    traits = f"cuattn::{traits}<{bucket}, {stream}, {warpgroups}>"
+    return Variant(
+        family=FAMILY, kernel=kernel,
+        expression=f"cuattn::{kernel}_kernel<{cxx_type(c_type)}, {bucket}, {stream}, {warpgroups}, {ctas}, {softcap_arg(softcap)}, {layout_arg(layout)}>",
+        uri=f"{kernel}/{c_type}/d{bucket}/s{stream}wg{warpgroups}c{ctas}" + softcap_uri(softcap) + layout_uri(layout),
+        hot=True,
+        dynamic_smem=smem,
+        threads=128 * warpgroups,
+        block_m=64 * warpgroups,
+        archs=(WGMMA_ARCH,),
+        contract=((f"{traits}::kSmemBytes", smem), (f"{traits}::kThreads", 128 * warpgroups), (f"{traits}::kBlockResident", 64 * warpgroups)),
+    )
+
+
+@functools.cache
+def wgmma_variant(kernel: str, c_type: str, bucket: int, softcap: bool, layout: str = "dense") -> Variant:
+    """``kernel`` is backward_dq or backward_dkdv; the variant is its backward_wgmma_* twin."""
+    return _wgmma(
+        kernel.replace("backward_", "backward_wgmma_"), c_type, bucket, softcap, layout, WGMMA_TILES[kernel][bucket],
+        wgmma_smem_bytes(kernel, bucket), "WgmmaBackwardTraits",
+    )
+
+
+@functools.cache
+def fused_variant(c_type: str, bucket: int, softcap: bool, layout: str = "dense") -> Variant:
+    """dK / dV plus dQ by fp32 atomics into the accumulator (backward_wgmma_fused.cu)."""
+    v = _wgmma("backward_wgmma_fused", c_type, bucket, softcap, layout, WGMMA_FUSED_TILES[bucket], fused_smem_bytes(bucket), "WgmmaFusedTraits")
+    return dataclasses.replace(v, contract=v.contract + (("cuattn::kDqTileRows", DQ_TILE_ROWS),))
+
+
+def select_fused(c_type: str, bucket: int, softcap: bool, arch: str, allow_wgmma: bool = True, layout: str = "dense") -> Variant | None:
+    """The one-pass backward (dQ by atomics) where it serves the problem on the target, else None."""
+    if allow_wgmma and arch == WGMMA_ARCH and c_type != "float" and bucket in WGMMA_FUSED_TILES:
+        return fused_variant(c_type, bucket, softcap, layout)
+    return None
+
+
+def select(
+    kernel: str, c_type: str, bucket: int, softcap: bool, arch: str, allow_wgmma: bool = True, smem_limit: int | None = None,
+    layout: str = "dense",
+) -> Variant:
+    """backward_dq or backward_dkdv for a problem on a target: the Hopper twin where one exists,
+    else the portable kernel tiled for ``smem_limit`` (default: the target's)."""
+    if allow_wgmma and arch == WGMMA_ARCH and c_type != "float" and bucket in WGMMA_TILES[kernel]:
+        return wgmma_variant(kernel, c_type, bucket, softcap, layout)
+    return variant(kernel, c_type, bucket, softcap, arch_smem_limit(arch) if smem_limit is None else smem_limit, layout)
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardGrid:
+    """The extents of one backward call's launches, for either sequence layout."""
+
+    layout: str  # "dense" or "packed" (cuattn.kernels.variant.SEQ_LAYOUTS)
+    batch: int  # sequences
+    seqlen_q: int  # query rows per sequence that the dQ grid covers (packed: a bound)
+    seqlen_k: int  # key rows per sequence that the dK / dV grid covers (packed: a bound)
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    rows: int  # query rows of all sequences (the row kernels run rows x heads_q lane groups)
+    keys: int  # key rows of all sequences
+
+    def dq_accumulator(self, bucket: int) -> tuple[tuple[int, ...], tuple[int, int]]:
+        """(shape, tile strides) of the fused kernel's fp32 dQ accumulator
+        (cuda_src/backward/dq_accum.cuh): dense, a run of 64-row tiles per (batch, head);
+        packed, one run per head with sequence b's tiles from q_row0 // 64 + b."""
+        if self.layout == "dense":
+            row_blocks = -(-self.seqlen_q // DQ_TILE_ROWS)
+            return (self.batch, self.heads_q, row_blocks * DQ_TILE_ROWS, bucket), (self.heads_q * row_blocks, row_blocks)
+        tiles = -(-self.rows // DQ_TILE_ROWS) + self.batch
+        return (self.heads_q, tiles * DQ_TILE_ROWS, bucket), (1, tiles)
+
+    def accumulator_fits(self) -> bool:
+        """Whether the accumulator is at most about twice dQ's rows: packed batches of many
+        short sequences (more sequences than 64-row blocks) take the deterministic kernels."""
+        return self.layout == "dense" or self.batch <= max(1, -(-self.rows // DQ_TILE_ROWS))
+
+
+Launches = list[tuple[Variant, list[tuple[tuple, tuple, int | None]]]]
+
+
+def launches(g: BackwardGrid, c_type: str, softcap: bool, arch: str, allow_wgmma: bool, smem_limit: int, fused: bool) -> Launches:
+    """Every launch of one backward call, in order: (variant, [(grid, block, batch_offset)]);
+    ``fused``: dQ through the accumulator by the fused kernel (``select_fused`` serves it)."""
+    bucket, layout = head_dim_bucket(g.head_dim), g.layout
+    row_groups = g.rows * g.heads_q
+    row_launch = [((-(-row_groups // ROWS_PER_CTA), 1, 1), (32 * ROW_WARPS, 1, 1), None)]
+    # Packed grids cover at least one block, so that rows past a zero bound are marked.
+    grid_q, grid_k = (g.seqlen_q, g.seqlen_k) if layout == "dense" else (max(g.seqlen_q, 1), max(g.seqlen_k, 1))
+    out: Launches = []
+    if row_groups:
+        out.append((row_variant("backward_prep", c_type, bucket, layout), row_launch))
+    # dK and dV are written (zeros included) even when no query sees a key.
+    if fused:
+        one_pass = select_fused(c_type, bucket, softcap, arch, layout=layout)
+        if g.keys:
+            out.append((one_pass, tile_launches(one_pass, grid_k, g.heads_kv, g.batch)))
+        if row_groups:
+            out.append((row_variant("backward_dq_finish", c_type, bucket, layout), row_launch))
+        return out
+    if row_groups:
+        dq = select("backward_dq", c_type, bucket, softcap, arch, allow_wgmma, smem_limit, layout)
+        out.append((dq, tile_launches(dq, grid_q, g.heads_q, g.batch)))
+    if g.keys:
+        dkdv = select("backward_dkdv", c_type, bucket, softcap, arch, allow_wgmma, smem_limit, layout)
+        out.append((dkdv, tile_launches(dkdv, grid_k, g.heads_kv * dkdv.column_splits, g.batch)))
+    return out
+
+
+def variants(arch: str | None = None) -> list[Variant]:
+    """Every backward variant; with ``arch``, the portable tiles chosen under its shared-memory limit."""
+    smem_limit = MAX_SMEM_OPTIN if arch is None else arch_smem_limit(arch)
+    out = []
+    for layout in SEQ_LAYOUTS:
+        for c_type in ("f16", "bf16", "float"):
+            for bucket in HEAD_DIM_BUCKETS:
+                out.append(row_variant("backward_prep", c_type, bucket, layout))
+            for kernel in ("backward_dkdv", "backward_dq"):
+                for bucket in HEAD_DIM_BUCKETS:
+                    for softcap in (False, True):
+                        out.append(variant(kernel, c_type, bucket, softcap, smem_limit, layout))
+        for c_type in ("f16", "bf16"):
+            for kernel, buckets in WGMMA_TILES.items():
+                for bucket in buckets:
+                    for softcap in (False, True):
+                        out.append(wgmma_variant(kernel, c_type, bucket, softcap, layout))
+            for bucket in WGMMA_FUSED_TILES:
+                out.append(row_variant("backward_dq_finish", c_type, bucket, layout))
+                for softcap in (False, True):
+                    out.append(fused_variant(c_type, bucket, softcap, layout))
+    return out
+
+
+def common_variants() -> list[Variant]:
+    return []

@@ -1,0 +1,121 @@
+"""Launch plan of the forward family (cuda_src/forward/): tile shapes, shared memory, grid and
+variant selection of the tensor-core (forward.cu), Hopper (forward_wgmma.cu) and float32
+(forward_fp32.cu) kernels."""
+
+from __future__ import annotations
+
+import functools
+
+from cuattn.dtypes import cxx_type
+from cuattn.kernels.variant import (
+    HEAD_DIM_BUCKETS, SEQ_LAYOUTS, WGMMA_ARCH, Variant, layout_arg, layout_uri, softcap_arg, softcap_uri, tile_launches,
+)
+
+FAMILY = "forward"
+
+# Tensor-core tiles per head-dim bucket: (BLOCK_M, BLOCK_N, WARPS), template arguments of
+# forward_kernel; its ForwardTraits derive the shared memory (the kernel traps below it).
+TILES = {
+    32: (128, 64, 4),
+    64: (128, 64, 4),
+    96: (128, 32, 4),
+    128: (128, 32, 4),
+    160: (64, 32, 4),
+    192: (64, 32, 4),
+    224: (64, 32, 4),
+    256: (64, 32, 4),
+}
+STAGES = 2  # K/V tiles in flight (ForwardTraits::kStages)
+FP32_ROWS_PER_WARP, FP32_WARPS = 4, 4  # forward_fp32.cu: kF32RowsPerWarp, kF32Warps
+
+# Hopper tiles per head-dim bucket: (BLOCK_N, WARPGROUPS, CTAS_PER_SM); every warpgroup owns 64
+# query rows (scripts/tune_wgmma.py).
+WGMMA_TILES = {64: (64, 2, 2), 128: (128, 2, 1), 256: (64, 2, 1)}
+
+
+def smem_bytes(bucket: int) -> int:
+    block_m, block_n, _ = TILES[bucket]
+    return (block_m + 2 * STAGES * block_n) * (bucket + 8) * 2
+
+
+def wgmma_smem_bytes(bucket: int) -> int:
+    block_n, warpgroups, _ = WGMMA_TILES[bucket]
+    swizzle_alignment = 1024
+    return (64 * warpgroups + 2 * STAGES * block_n) * bucket * 2 + swizzle_alignment
+
+
+@functools.cache
+def variant(c_type: str, bucket: int, softcap: bool, layout: str = "dense") -> Variant:
+    """The portable kernel: tensor cores (mma.sync) for float16 / bfloat16, CUDA cores for float32."""
+    if c_type == "float":
+        return Variant(
+            family=FAMILY, kernel="forward_fp32",
+            expression=f"cuattn::forward_fp32_kernel<{bucket}, {softcap_arg(softcap)}, {layout_arg(layout)}>",
+            uri=f"forward_fp32/d{bucket}" + softcap_uri(softcap) + layout_uri(layout),
+            threads=FP32_WARPS * 32,
+            block_m=FP32_ROWS_PER_WARP * FP32_WARPS,
+            contract=(("cuattn::kF32Warps", FP32_WARPS), ("cuattn::kF32RowsPerWarp", FP32_ROWS_PER_WARP)),
+        )
+    block_m, block_n, warps = TILES[bucket]
+    traits = f"cuattn::ForwardTraits<{bucket}, {block_m}, {block_n}, {warps}>"
+    return Variant(
+        family=FAMILY, kernel="forward",
+        expression=f"cuattn::forward_kernel<{cxx_type(c_type)}, {bucket}, {block_m}, {block_n}, {warps}, {softcap_arg(softcap)}, {layout_arg(layout)}>",
+        uri=f"forward/{c_type}/d{bucket}/m{block_m}n{block_n}w{warps}" + softcap_uri(softcap) + layout_uri(layout),
+        hot=True,
+        dynamic_smem=smem_bytes(bucket),
+        threads=warps * 32,
+        block_m=block_m,
+        contract=((f"{traits}::kSmemBytes", smem_bytes(bucket)), (f"{traits}::kThreads", warps * 32)),
+    )
+
+
+@functools.cache
+def wgmma_variant(c_type: str, bucket: int, softcap: bool, layout: str = "dense") -> Variant:
+    block_n, warpgroups, ctas = WGMMA_TILES[bucket]
+    traits = f"cuattn::WgmmaForwardTraits<{bucket}, {block_n}, {warpgroups}>"
+    return Variant(
+        family=FAMILY, kernel="forward_wgmma",
+        expression=f"cuattn::forward_wgmma_kernel<{cxx_type(c_type)}, {bucket}, {block_n}, {warpgroups}, {ctas}, {softcap_arg(softcap)}, {layout_arg(layout)}>",
+        uri=f"forward_wgmma/{c_type}/d{bucket}/n{block_n}wg{warpgroups}c{ctas}" + softcap_uri(softcap) + layout_uri(layout),
+        hot=True,
+        dynamic_smem=wgmma_smem_bytes(bucket),
+        threads=128 * warpgroups,
+        block_m=64 * warpgroups,
+        archs=(WGMMA_ARCH,),
+        contract=(
+            (f"{traits}::kSmemBytes", wgmma_smem_bytes(bucket)), (f"{traits}::kThreads", 128 * warpgroups),
+            (f"{traits}::kBlockM", 64 * warpgroups),
+        ),
+    )
+
+
+def select(c_type: str, bucket: int, softcap: bool, arch: str, allow_wgmma: bool = True, layout: str = "dense") -> Variant:
+    """The forward kernel for a problem on a target: the Hopper kernel where one exists for it,
+    else the portable one."""
+    if allow_wgmma and arch == WGMMA_ARCH and c_type != "float" and bucket in WGMMA_TILES:
+        return wgmma_variant(c_type, bucket, softcap, layout)
+    return variant(c_type, bucket, softcap, layout)
+
+
+def launches(v: Variant, rows: int, heads_q: int, batch: int) -> list[tuple[tuple, tuple, int]]:
+    """One CTA per (block of query rows, query head, sequence)."""
+    return tile_launches(v, rows, heads_q, batch)
+
+
+def variants(arch: str | None = None) -> list[Variant]:
+    out = []
+    for layout in SEQ_LAYOUTS:
+        for c_type in ("f16", "bf16", "float"):
+            for bucket in HEAD_DIM_BUCKETS:
+                for softcap in (False, True):
+                    out.append(variant(c_type, bucket, softcap, layout))
+        for c_type in ("f16", "bf16"):
+            for bucket in WGMMA_TILES:
+                for softcap in (False, True):
+                    out.append(wgmma_variant(c_type, bucket, softcap, layout))
+    return out
+
+
+def common_variants() -> list[Variant]:
+    return [make(c, d, False) for make in (variant, wgmma_variant) for c in ("f16", "bf16") for d in (64, 128)]
