@@ -166,7 +166,20 @@ CPU_TRIGGERS = [
     (ValueError, "below -1", "window", lambda: _attention(window=(-4, 2))),
     (ValueError, "not a pair", "window", lambda: _attention(window=(3,))),
     (ValueError, "`align`", "align", lambda: _attention(align="center")),
+    (ValueError, "`cu_seqlens` not int32", "cu_seqlens_q must be int32", lambda: _varlen(cu_seqlens_q=np.array([0, 4], np.int64))),
+    (ValueError, "not starting at 0", "cu_seqlens_k must start at 0", lambda: _varlen(cu_seqlens_k=np.array([1, 5], np.int32))),
+    (ValueError, "decreasing", "cu_seqlens_q must be non-decreasing", lambda: _varlen(cu_seqlens_q=np.array([0, 4, 2, 4], np.int32), cu_seqlens_k=np.array([0, 5, 5, 5], np.int32))),
+    (ValueError, "not ending at the row count", "cu_seqlens_k must end at the number of rows", lambda: _varlen(cu_seqlens_k=np.array([0, 3], np.int32))),
+    (ValueError, "a `max_seqlen` below a sequence's length", "max_seqlen_q", lambda: _varlen(max_seqlen_q=3)),
 ]
+
+
+def _varlen(**changes):
+    """cuattn.attention_varlen on one NumPy sequence of 4 queries and 5 keys, ``changes`` applied."""
+    q, k, v = (x[0] for x in _qkv())
+    args = {"q": q, "k": k, "v": v, "cu_seqlens_q": np.array([0, 4], np.int32), "cu_seqlens_k": np.array([0, 5], np.int32)}
+    options = {key: changes.pop(key) for key in ("max_seqlen_q",) if key in changes}
+    return cuattn.attention_varlen(*{**args, **changes}.values(), **options)
 
 
 def _cupy_qkv(shape=(1, 5, 2, 64)):
@@ -190,13 +203,22 @@ def _overlapping_out(which):
     return cuattn.attention(q, k, v, out=out)
 
 
+def _bad_device_offsets():
+    import cupy
+
+    q, k, v = (x[0] for x in _cupy_qkv())
+    cuattn.attention_varlen(q, k, v, cupy.array([0, 3, 1, 5], np.int32), cupy.array([0, 2, 4, 5], np.int32))
+    cuattn.check_varlen_offsets()
+
 # What only device arrays can show (NumPy arrays are uploaded contiguous, and cannot be out=).
 GPU_TRIGGERS = [
     (ValueError, "multiples of 8 elements", "q strides", lambda: cuattn.attention(*(x[..., :64] for x in _cupy_qkv((1, 5, 2, 68))))),
     (ValueError, "16-byte aligned", "q strides", _misaligned),
     (ValueError, "overlaps `k`, `v`", "out overlaps k", lambda: _overlapping_out("k")),
     (ValueError, "or itself", "out has overlapping elements", lambda: _overlapping_out("itself")),
+    (ValueError, "checked on the GPU", "cu_seqlens_q decreases at entry 2", _bad_device_offsets),
 ]
+
 ALLOWED = [(ValueError, "`out=q`, the very same array, is allowed")]
 
 
