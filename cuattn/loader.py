@@ -82,6 +82,13 @@ def device_smem_limit(device_id: int) -> int:
     return int(cupy.cuda.Device(device_id).attributes["MaxSharedMemoryPerBlockOptin"])
 
 
+@functools.cache
+def device_sm_count(device_id: int) -> int:
+    import cupy
+
+    return int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
+
+
 def wgmma_enabled() -> bool:
     """Whether Hopper devices run the wgmma kernels; ``CUATTN_WGMMA=0`` keeps them on the
     portable mma.sync kernels (to compare the two, or to rule one out)."""

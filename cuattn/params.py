@@ -86,6 +86,42 @@ BACKWARD_PARAMS = np.dtype(
     align=True,
 )
 
+DECODE_PARAMS = np.dtype(
+    [
+        ("q", _P),
+        ("k", _P),
+        ("v", _P),
+        ("out", _P),
+        ("lse", _P),
+        ("partial_out", _P),
+        ("partial_lse", _P),
+        ("cache_seqlens", _P),
+        ("block_table", _P),
+        ("cache_batch_idx", _P),
+        ("q_strides", *_S3),
+        ("k_strides", *_S3),
+        ("v_strides", *_S3),
+        ("out_strides", *_S3),
+        ("lse_strides", np.int64, (2,)),
+        ("block_table_stride", np.int64),
+        ("batch", np.int32),
+        ("seqlen_q", np.int32),
+        ("heads_q", np.int32),
+        ("heads_kv", np.int32),
+        ("head_dim", np.int32),
+        ("capacity", np.int32),
+        ("cache_rows", np.int32),
+        ("page_size", np.int32),
+        ("num_splits", np.int32),
+        ("window_left", np.int32),
+        ("window_right", np.int32),
+        ("scale", np.float32),
+        ("softcap", np.float32),
+        ("exp2_scale", np.float32),
+    ],
+    align=True,
+)
+
 OFFSET_CHECK_PARAMS = np.dtype(
     [
         ("cu_seqlens", _P, (2,)),
@@ -100,7 +136,7 @@ OFFSET_CHECK_PARAMS = np.dtype(
 # C struct name for each host mirror, for the layout check.
 C_STRUCTS = {
     "MergeParams": MERGE_PARAMS, "AttnParams": ATTN_PARAMS, "BackwardParams": BACKWARD_PARAMS,
-    "OffsetCheckParams": OFFSET_CHECK_PARAMS,
+    "OffsetCheckParams": OFFSET_CHECK_PARAMS, "DecodeParams": DECODE_PARAMS,
 }
 
 

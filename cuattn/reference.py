@@ -115,6 +115,28 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, windo
     return (out, lse) if return_lse else out
 
 
+def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=None, cache_batch_idx=None, causal=True,
+                           window=None, scale=None, softcap=None, return_lse=False, **_):
+    """Reference of :func:`cuattn.attention_with_kvcache`: each sequence's cached keys gathered
+    (rows of a contiguous cache, or pages through the block table), then :func:`attention`
+    bottom-right aligned. Returns float64 ``out`` (and ``lse``)."""
+    q = _f64(q)
+    lengths = np.asarray(cache_seqlens, dtype=np.int64)
+    out = np.zeros(q.shape)
+    lse = np.full((q.shape[0], q.shape[2], q.shape[1]), -np.inf)
+    for b in range(q.shape[0]):
+        if block_table is None:
+            row = b if cache_batch_idx is None else int(cache_batch_idx[b])
+            keys, values = k_cache[row, :lengths[b]], v_cache[row, :lengths[b]]
+        else:
+            pages = np.asarray(block_table[b], dtype=np.int64)
+            keys = np.concatenate(list(k_cache[pages]))[:lengths[b]]
+            values = np.concatenate(list(v_cache[pages]))[:lengths[b]]
+        o, l = attention(q[b:b + 1], keys[None], values[None], causal=causal, window=window, scale=scale, softcap=softcap, return_lse=True)
+        out[b], lse[b] = o[0], l[0]
+    return (out, lse) if return_lse else out
+
+
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, align="bottom_right", scale=None, softcap=None, dlse=None, deterministic=False):
     """Reference gradients ``(dq, dk, dv)`` of :func:`attention`, from the saved ``lse``.
 

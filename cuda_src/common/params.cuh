@@ -84,6 +84,44 @@ struct BackwardParams {
   int dq_accum_cols;                        // the head-dim bucket of the dQ accumulator
 };
 
+// Decoding against a KV cache (decode/decode.cu): the new query rows of each sequence attend
+// to the first cache_seqlens[b] keys of its cache, bottom-right aligned. The cache is contiguous
+// (batch_cache, capacity, heads_kv, head_dim), sequence b in row cache_batch_idx[b] (or b), or
+// paged (num_pages, page_size, heads_kv, head_dim) through block_table (batch, max_pages):
+// common/seq_layout.cuh CacheRows. Device-side lengths, pages and batch rows are clamped.
+struct DecodeParams {
+  const void* q;                            // (batch, seqlen_q, heads_q, head_dim)
+  const void* k;
+  const void* v;
+  void* out;                                // like q
+  float* lse;                               // (batch, heads_q, seqlen_q), row stride 1; may be null
+  float* partial_out;                       // (splits, batch, seqlen_q, heads_q, head_dim) fp32, contiguous
+  float* partial_lse;                       // (splits, batch, heads_q, seqlen_q), contiguous
+  const int* cache_seqlens;                 // (batch,)
+  const int* block_table;                   // null: contiguous cache
+  const int* cache_batch_idx;               // null: sequence b uses cache row b
+  i64 q_strides[3];                         // batch, row, head
+  i64 k_strides[3];                         // cache row (or page), position (in page), head
+  i64 v_strides[3];
+  i64 out_strides[3];
+  i64 lse_strides[2];                       // batch, head
+  i64 block_table_stride;                   // between sequences' rows of block_table
+  int batch;
+  int seqlen_q;
+  int heads_q;
+  int heads_kv;
+  int head_dim;
+  int capacity;                             // keys a sequence's cache holds: max_seqlen or max_pages * page_size
+  int cache_rows;                           // batch_cache (contiguous) or num_pages (paged)
+  int page_size;                            // 1 for a contiguous cache
+  int num_splits;                           // CTAs per (row block, KV head, sequence) on x
+  int window_left;                          // -1: unbounded
+  int window_right;                         // -1: unbounded; causal is 0
+  float scale;
+  float softcap;                            // 0: none
+  float exp2_scale;
+};
+
 // The packed-sequence offsets of a varlen call, checked on the device (packed/check_offsets.cu):
 // the first bad entry is reported into a word of pinned host memory.
 struct OffsetCheckParams {

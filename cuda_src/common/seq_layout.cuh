@@ -95,4 +95,41 @@ __device__ __forceinline__ void mark_uncovered_rows(T* out, i64 row_stride, floa
   }
 }
 
+// Where key j of a sequence's KV cache lives (attention_with_kvcache): a contiguous cache row,
+// or a page of a paged cache through the block table, for any page size. Lengths, table
+// entries and cache rows are clamped into the arrays: bad device values move no access outside.
+template <bool PAGED>
+struct CacheRows {
+  i64 base;        // element offset of position 0 (contiguous) or 0 (paged), head included
+  i64 row_stride;  // between positions (contiguous) or within a page (paged)
+  i64 page_stride;
+  const int* table;  // this sequence's block-table row (paged)
+  int page_size;
+  int last_page;
+
+  __device__ __forceinline__ CacheRows(const DecodeParams& p, const i64 (&strides)[3], int seq, int head) {
+    row_stride = strides[1];
+    page_stride = strides[0];
+    page_size = p.page_size;
+    last_page = p.cache_rows - 1;
+    if constexpr (PAGED) {
+      table = p.block_table + seq * p.block_table_stride;
+      base = head * strides[2];
+    } else {
+      const int row = p.cache_batch_idx == nullptr ? seq : min(max(p.cache_batch_idx[seq], 0), p.cache_rows - 1);
+      table = nullptr;
+      base = row * strides[0] + head * strides[2];
+    }
+  }
+  // Element offset of key position j (0 <= j < capacity).
+  __device__ __forceinline__ i64 offset(int j) const {
+    if constexpr (PAGED) {
+      const int page = min(max(table[j / page_size], 0), last_page);
+      return base + page * page_stride + (j % page_size) * row_stride;
+    } else {
+      return base + j * row_stride;
+    }
+  }
+};
+
 }  // namespace cuattn

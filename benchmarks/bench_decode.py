@@ -1,0 +1,142 @@
+"""Decoding against a KV cache (``attention_with_kvcache``): one new token per sequence, GQA 32:8,
+head_dim 128, bf16, every cached token attended to. GB/s of K and V read, for cuattn on a
+contiguous cache and on paged caches (page 16 and page 1, pages shuffled), next to PyTorch SDPA's
+flash and cuDNN backends on the same contiguous cache in the same run, and the GPU's measured
+copy bandwidth (read + write). Kernel time only (a sleep kernel ahead hides the host); the last
+table is one batch-1 step with the host included.
+
+Bars (issue 21): >= 1.0x the best SDPA backend on every row; >= 90% of copy bandwidth whenever
+K/V is at least 128 MB; page size 1 within 10% of page size 16.
+
+    PYTHONPATH=. python -m benchmarks decode [--csv docs/bench/decode.csv] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+import cuattn
+from benchmarks.timing import copy_bandwidth_gbs, environment, torch_kernel_ms, write_csv
+
+HEADS_Q, HEADS_KV, HEAD_DIM = 32, 8, 128
+MAX_KV_BYTES = 20 << 30  # rows whose K/V exceed this are left out (three copies are resident)
+
+
+def _gbs(nbytes: int, fn) -> float:
+    try:
+        return round(nbytes / torch_kernel_ms(fn) / 1e6, 1)
+    except RuntimeError as exc:  # a peer that refuses the case
+        print(f"failed: {str(exc).splitlines()[0][:100]}")
+        return float("nan")
+
+
+def _paged(k, v, page_size: int, rng):
+    """The contiguous cache's sequences as shuffled pages, and the block table."""
+    import torch
+
+    b, s = k.shape[:2]
+    per_seq = s // page_size
+    order = torch.from_numpy(rng.permutation(b * per_seq).astype(np.int64)).to(k.device)
+    pages_k = torch.empty((b * per_seq, page_size, HEADS_KV, HEAD_DIM), dtype=k.dtype, device=k.device)
+    pages_v = torch.empty_like(pages_k)
+    pages_k[order] = k.reshape(b * per_seq, page_size, HEADS_KV, HEAD_DIM)
+    pages_v[order] = v.reshape(b * per_seq, page_size, HEADS_KV, HEAD_DIM)
+    table = order.reshape(b, per_seq).to(torch.int32)
+    return pages_k, pages_v, table
+
+
+def row(batch: int, seqlen: int, rng) -> dict:
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    q = torch.randn(batch, 1, HEADS_Q, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(batch, seqlen, HEADS_KV, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    lengths = torch.full((batch,), seqlen, dtype=torch.int32, device="cuda")
+    nbytes = 2 * k.numel() * k.element_size()
+    result = {"batch": batch, "cached_tokens": seqlen, "kv_mb": round(nbytes / 2**20, 1)}
+    result["cuattn_contiguous"] = _gbs(nbytes, lambda: cuattn.attention_with_kvcache(q, k, v, cache_seqlens=lengths))
+    for page_size in (16, 1):
+        pk, pv, table = _paged(k, v, page_size, rng)
+        result[f"cuattn_page{page_size}"] = _gbs(
+            nbytes, lambda: cuattn.attention_with_kvcache(q, pk, pv, cache_seqlens=lengths, block_table=table))
+        del pk, pv, table
+    views = [x.transpose(1, 2) for x in (q, k, v)]
+    for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
+        def run(backend=backend):
+            with sdpa_kernel(backend), torch.no_grad():
+                return sdpa(*views, enable_gqa=True)
+
+        result[name] = _gbs(nbytes, run)
+    peers = [result[n] for n in ("sdpa_flash", "sdpa_cudnn") if result[n] == result[n]]
+    result["vs_best_sdpa"] = round(result["cuattn_contiguous"] / max(peers), 2) if peers else float("nan")
+    result["page1_vs_page16"] = round(result["cuattn_page1"] / result["cuattn_page16"], 2)
+    return result
+
+
+def step_latency_us(batch: int = 1, seqlen: int = 1024, calls: int = 200) -> dict:
+    """One decode step with the host included: back-to-back calls, synchronized at the end."""
+    import torch
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    q = torch.randn(batch, 1, HEADS_Q, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(batch, seqlen, HEADS_KV, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    lengths = torch.full((batch,), seqlen, dtype=torch.int32, device="cuda")
+    views = [x.transpose(1, 2) for x in (q, k, v)]
+
+    def wall(fn) -> float:
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        return round((time.perf_counter() - start) / calls * 1e6, 1)
+
+    with torch.no_grad():
+        return {
+            "batch": batch, "cached_tokens": seqlen,
+            "cuattn_us": wall(lambda: cuattn.attention_with_kvcache(q, k, v, cache_seqlens=lengths)),
+            "sdpa_us": wall(lambda: sdpa(*views, enable_gqa=True)),
+        }
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--csv", default="results/decode.csv")
+    parser.add_argument("--quick", action="store_true", help="batch 1 and 16, 8k and 32k tokens")
+    args = parser.parse_args(argv)
+    import torch
+
+    rng = np.random.default_rng(0)
+    copy = round(copy_bandwidth_gbs(), 1)
+    batches, lengths = ((1, 16), (8192, 32768)) if args.quick else ((1, 4, 16, 64), (1024, 8192, 32768, 131072))
+    rows = []
+    for batch in batches:
+        for seqlen in lengths:
+            if 2 * batch * seqlen * HEADS_KV * HEAD_DIM * 2 > MAX_KV_BYTES:
+                print(f"batch {batch} x {seqlen} tokens: K/V over {MAX_KV_BYTES >> 30} GB, left out")
+                continue
+            r = {**row(batch, seqlen, rng), "copy_gbs": copy}
+            r["contiguous_vs_copy"] = round(r["cuattn_contiguous"] / copy, 2)
+            rows.append(r)
+            print(" ".join(f"{k}={v}" for k, v in r.items()), flush=True)
+            torch.cuda.empty_cache()
+    latency = step_latency_us()
+    env = environment()
+    write_csv(args.csv, [{**r, **env} for r in rows] + [{"latency_" + k: v for k, v in latency.items()} | env])
+    cols = ("batch", "cached_tokens", "kv_mb", "cuattn_contiguous", "cuattn_page16", "cuattn_page1", "sdpa_flash", "sdpa_cudnn",
+            "vs_best_sdpa", "contiguous_vs_copy", "page1_vs_page16")
+    print(f"\nGB/s of K/V read ({env['gpu']}, copy {copy} GB/s)")
+    print("".join(f"{c:>19}" for c in cols))
+    for r in rows:
+        print("".join(f"{r[c]:>19}" for c in cols))
+    print(f"\none step, host included (batch 1, 1024 tokens): cuattn {latency['cuattn_us']} us, SDPA {latency['sdpa_us']} us")
+
+
+if __name__ == "__main__":
+    main()

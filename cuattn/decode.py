@@ -1,0 +1,202 @@
+"""Decoding against a KV cache: the new query rows of each sequence attend to its cached keys,
+the keys split over CTAs and merged by lse (``cuda_src/decode/``, plan in
+:mod:`cuattn.kernels.decode`)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cuattn import boundary, params, replay, validation
+from cuattn.attention import NO_LSE, require_arrays
+from cuattn.kernels import decode as plan
+from cuattn.kernels.variant import head_dim_bucket
+from cuattn.loader import device_sm_count
+from cuattn.options import AttnOptions
+from cuattn.validation import check_bool
+
+_Q = "(batch, seqlen_q, heads_q, head_dim)"
+_CACHE = "(batch_cache, max_seqlen, heads_kv, head_dim), or (num_pages, page_size, heads_kv, head_dim) with block_table"
+_DTYPES = ("float16", "bfloat16")
+
+
+def attention_with_kvcache(
+    q, k_cache, v_cache, *, cache_seqlens, block_table=None, cache_batch_idx=None, causal=True, window=None, scale=None,
+    softcap=None, num_splits=None, return_lse=False, out=None,
+):
+    """Attention of new query rows over each sequence's KV cache (decoding, speculative
+    decoding, chunked prefill), without copying the cache.
+
+    Parameters
+    ----------
+    q : ``(batch, seqlen_q, heads_q, head_dim)`` float16 / bfloat16: the new tokens of each
+        sequence, bottom-right aligned to its cache (token ``t`` sits at position
+        ``cache_seqlens[b] - seqlen_q + t``).
+    k_cache, v_cache : a contiguous cache ``(batch_cache, max_seqlen, heads_kv, head_dim)``
+        (sequence ``b`` in row ``cache_batch_idx[b]``, or ``b``), or with ``block_table`` a paged
+        cache ``(num_pages, page_size, heads_kv, head_dim)`` of any page size. ``q``'s dtype;
+        ``heads_q`` a multiple of ``heads_kv`` (the query heads of a KV head are computed
+        together from one read of its keys and values).
+    cache_seqlens : ``(batch,)`` int32: the keys of sequence ``b`` are its first
+        ``cache_seqlens[b]`` positions (0 allowed).
+    block_table : optional ``(batch, max_pages)`` int32: page ``i`` of sequence ``b`` is
+        ``k_cache[block_table[b, i]]``.
+    cache_batch_idx : optional ``(batch,)`` int32, contiguous caches only.
+    causal, window, scale, softcap : as :func:`cuattn.attention` (``causal`` defaults to True:
+        a new token sees the cache and the new tokens before it).
+    num_splits : optional int >= 1: CTAs over each sequence's keys. None chooses from the
+        shapes and the SM count only, so a CUDA graph of the call serves any lengths and page
+        tables.
+    return_lse : bool. Also return ``lse`` ``(batch, heads_q, seqlen_q)`` float32.
+    out : optional array like ``q``, written in place.
+
+    NumPy ``cache_seqlens`` / ``block_table`` / ``cache_batch_idx`` are checked on the host.
+    Device values are not read there: the kernels clamp lengths into ``[0, capacity]`` (the
+    cache's ``max_seqlen``, or ``max_pages * page_size``), page numbers and cache rows into the
+    cache, so no value reads outside it. The cache is only read.
+
+    Returns ``out`` (or ``(out, lse)``) as the caller's array type.
+    """
+    if out is None:
+        result = replay.run(
+            "attention_with_kvcache",
+            lambda: attention_with_kvcache(
+                q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, cache_batch_idx=cache_batch_idx,
+                causal=causal, window=window, scale=scale, softcap=softcap, num_splits=num_splits, return_lse=return_lse,
+            ),
+            (q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx),
+            (causal, window, scale, softcap, num_splits, return_lse),
+        )
+        if result is not replay.MISS:
+            return result
+    require_arrays({"q": q, "k_cache": k_cache, "v_cache": v_cache, "cache_seqlens": cache_seqlens})
+    return_lse = check_bool("return_lse", return_lse)
+    ctx, a = boundary.import_arrays(
+        q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens, block_table=block_table,
+        cache_batch_idx=cache_batch_idx, out=out,
+    )
+    if out is not None and ctx.framework in (boundary.JAX, boundary.NUMPY):
+        raise TypeError(f"out= is written in place, which {ctx.framework} arrays cannot be")
+    cache = _check(a)
+    batch, seqlen_q, heads_q, head_dim = a["q"].shape
+    heads_kv = a["k_cache"].shape[2]
+    options = AttnOptions.from_user(causal, window, "bottom_right", scale, softcap, head_dim=head_dim)
+    splits = _check_splits(num_splits)
+    if out is not None:
+        validation.check_writable_output("out", a["out"], {"q": a["q"], "k_cache": a["k_cache"], "v_cache": a["v_cache"]}, same_as_ok="q")
+
+    ctx.stage(*a.values())
+    dst = a["out"] if out is not None else ctx.empty(a["q"].shape, a["q"].dtype)
+    lse = ctx.empty((batch, heads_q, seqlen_q), np.float32) if return_lse else NO_LSE
+    if batch and seqlen_q and heads_q:
+        row_blocks = -(-(heads_q // heads_kv) * seqlen_q // plan.ROWS)
+        with ctx.device, ctx.stream:
+            if splits is None:
+                splits = plan.num_splits(batch, heads_kv, row_blocks, cache["capacity"], device_sm_count(ctx.device.id))
+            partial_out = partial_lse = NO_LSE
+            if splits > 1:
+                partial_out = ctx.empty((splits, batch, seqlen_q, heads_q, head_dim), np.float32)
+                partial_lse = ctx.empty((splits, batch, heads_q, seqlen_q), np.float32)
+            fields = options.kernel_fields(seqlen_q, cache["capacity"])
+            p = params.pack(
+                params.DECODE_PARAMS,
+                q=a["q"].ptr, k=a["k_cache"].ptr, v=a["v_cache"].ptr, out=dst.ptr, lse=lse.ptr,
+                partial_out=partial_out.ptr, partial_lse=partial_lse.ptr, cache_seqlens=a["cache_seqlens"].ptr,
+                block_table=0 if a["block_table"] is None else a["block_table"].ptr,
+                cache_batch_idx=0 if a["cache_batch_idx"] is None else a["cache_batch_idx"].ptr,
+                q_strides=a["q"].strides[:3], k_strides=a["k_cache"].strides[:3], v_strides=a["v_cache"].strides[:3],
+                out_strides=dst.strides[:3], lse_strides=lse.strides[:2],
+                block_table_stride=0 if a["block_table"] is None else a["block_table"].strides[0],
+                batch=batch, seqlen_q=seqlen_q, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim,
+                capacity=cache["capacity"], cache_rows=a["k_cache"].shape[0], page_size=cache["page_size"], num_splits=splits,
+                window_left=fields["window_left"], window_right=fields["window_right"], scale=fields["scale"],
+                softcap=fields["softcap"], exp2_scale=fields["exp2_scale"],
+            )
+            c_type, bucket = validation.check_dtype("q", a["q"], _DTYPES), head_dim_bucket(head_dim)
+            attend = plan.variant(c_type, bucket, a["block_table"] is not None, options.softcap > 0)
+            ctx.launch(attend, plan.grid(splits, heads_kv, row_blocks, batch), (attend.threads, 1, 1), p)
+            if splits > 1:
+                combine = plan.combine_variant(c_type, bucket)
+                ctx.launch(combine, plan.combine_grid(batch * seqlen_q * heads_q), (combine.threads, 1, 1), p)
+    result = out if out is not None else ctx.export(dst)
+    return (result, ctx.export(lse)) if return_lse else result
+
+
+def _check(a: dict) -> dict:
+    """Shapes, dtypes and strides of the call's arrays; host index arrays' values. Returns the
+    cache's capacity (keys per sequence) and page size."""
+    q, k, v = a["q"], a["k_cache"], a["v_cache"]
+    validation.check_rank("q", q, 4, _Q)
+    validation.check_rank("k_cache", k, 4, _CACHE)
+    validation.check_dtype("q", q, _DTYPES)
+    validation.check_same_dtype("k_cache", k, "q", q)
+    validation.check_same_dtype("v_cache", v, "q", q)
+    validation.check_shape("v_cache", v, k.shape, "(the shape of k_cache)")
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    rows, positions, heads_kv = k.shape[0], k.shape[1], k.shape[2]
+    if k.shape[3] != head_dim:
+        raise ValueError(f"k_cache has head_dim {k.shape[3]} but q has {head_dim}")
+    if heads_kv == 0 or heads_q % heads_kv:
+        raise ValueError(f"heads_q ({heads_q}, from q) must be a multiple of heads_kv ({heads_kv}, from k_cache)")
+    if head_dim % 8 or not 8 <= head_dim <= 256:
+        raise ValueError(f"head_dim {head_dim} is not supported: use a multiple of 8 from 8 to 256")
+    _check_index("cache_seqlens", a["cache_seqlens"], (batch,), "(batch,) int32")
+    table, idx = a["block_table"], a["cache_batch_idx"]
+    if table is not None:
+        if idx is not None:
+            raise ValueError("cache_batch_idx is for contiguous caches; a paged cache is addressed by block_table")
+        validation.check_rank("block_table", table, 2, "(batch, max_pages) int32")
+        _check_index("block_table", table, (batch, table.shape[1]), "(batch, max_pages) int32")
+        capacity, page_size = table.shape[1] * positions, positions
+        if positions == 0:
+            raise ValueError("k_cache has pages of 0 positions")
+        _host_range("block_table", table, 0, rows - 1)
+    else:
+        capacity, page_size = positions, 1
+        if idx is not None:
+            _check_index("cache_batch_idx", idx, (batch,), "(batch,) int32")
+            _host_range("cache_batch_idx", idx, 0, rows - 1)
+        elif rows != batch:
+            raise ValueError(f"k_cache holds {rows} sequences but q {batch}; pass cache_batch_idx to pick rows of a larger cache")
+    if capacity >= 2**31:
+        raise ValueError(f"a cache of {capacity} positions per sequence is not supported (at most 2**31 - 1)")
+    _host_range("cache_seqlens", a["cache_seqlens"], 0, capacity)
+    for name in ("q", "k_cache", "v_cache", "out"):
+        x = a[name]
+        if x is None:
+            continue
+        validation.check_unit_last_stride(name, x)
+        if x.size and x.ptr is not None and not validation.aligned([x.ptr], x.strides[:3], x.dtype.itemsize, 8, 8):
+            raise ValueError(f"{name} strides {x.strides} (elements) or its address are not multiples of 8 elements / 16 bytes; make it contiguous")
+    if a["out"] is not None:
+        validation.check_shape("out", a["out"], q.shape, "(the shape of q)")
+        validation.check_same_dtype("out", a["out"], "q", q)
+    return {"capacity": capacity, "page_size": page_size}
+
+
+def _check_index(name: str, x, shape: tuple, layout: str) -> None:
+    validation.check_rank(name, x, len(shape), layout)
+    if x.dtype != np.int32:
+        raise ValueError(f"{name} must be int32, got {validation.dtype_name(x.dtype)}")
+    validation.check_shape(name, x, shape, layout)
+    validation.check_unit_last_stride(name, x)
+
+
+def _host_range(name: str, x, low: int, high: int) -> None:
+    """NumPy index values are checked here; device ones are clamped by the kernels."""
+    if x.ptr is not None or x.size == 0:
+        return
+    values = np.asarray(x.native)
+    bad = (values < low) | (values > high)
+    if bad.any():
+        at = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"{name}{list(at)} is {int(values[at])}, outside [{low}, {high}]")
+
+
+def _check_splits(num_splits) -> int | None:
+    if num_splits is None:
+        return None
+    if isinstance(num_splits, (bool, np.bool_)) or not isinstance(num_splits, (int, np.integer)):
+        raise TypeError(f"num_splits must be an int (or None), got {type(num_splits).__name__} {num_splits!r}")
+    if not 1 <= num_splits <= plan.MAX_SPLITS:
+        raise ValueError(f"num_splits must be from 1 to {plan.MAX_SPLITS}, got {num_splits}")
+    return int(num_splits)

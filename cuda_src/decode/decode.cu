@@ -1,0 +1,230 @@
+// Attention of a few new query rows per sequence over its KV cache (decoding), split over the
+// keys. One CTA per (key split, KV head x block of 16 packed query rows, sequence). The query
+// heads of one KV head are packed into the rows of the tile (row r of the block: new token
+// r / group, query head kv_head * group + r % group), so K and V are read once for the group.
+// Each of the 4 warps takes 16 keys of every 64-key block streamed through a cp.async ring; the
+// warps' softmax states are combined through shared memory at the end. With one split the CTA
+// writes out and lse; with several it writes its fp32 partial (normalized out and lse), which
+// decode_combine.cu merges by lse.
+#include "common/mma.cuh"
+#include "common/params.cuh"
+#include "common/seq_layout.cuh"
+#include "forward/online_softmax.cuh"
+
+namespace cuattn {
+
+constexpr int kDecodeRows = 16;    // packed query rows per CTA
+constexpr int kDecodeWarps = 4;
+constexpr int kDecodeBlockN = 64;  // keys per stage, 16 per warp
+constexpr int kDecodeStages = 2;
+
+template <int HEAD_DIM>
+struct DecodeTraits {
+  static constexpr int kThreads = kDecodeWarps * 32;
+  static constexpr int kRowStride = HEAD_DIM + 8;  // padded shared rows (elements)
+  static constexpr int kChunksPerRow = HEAD_DIM / 8;
+  static constexpr int kSmemQ = kDecodeRows * kRowStride;
+  static constexpr int kSmemKV = kDecodeBlockN * kRowStride;
+  static constexpr int kSmemBytes = (kSmemQ + 2 * kDecodeStages * kSmemKV) * 2;
+  static constexpr int kPartialStride = HEAD_DIM + 4;  // fp32 rows of the warps' outputs, in the ring
+  static_assert(kDecodeWarps * kDecodeRows * kPartialStride * 4 <= 2 * kDecodeStages * kSmemKV * 2, "partials fit the ring");
+};
+
+// The keys the new tokens of one sequence see: token t (of seqlen_q, bottom-right aligned to the
+// cache's `length` keys) sees keys [first(t), last(t)].
+struct CacheBand {
+  int offset, left, right, length;
+  __device__ __forceinline__ int first(int t) const { return left < 0 ? 0 : max(0, t + offset - left); }
+  __device__ __forceinline__ int last(int t) const { return right < 0 ? length - 1 : min(length - 1, t + offset + right); }
+};
+
+// 64 rows of a cache tensor from key n0 into a padded shared tile; keys past `end` and columns
+// past head_dim read as zeros (no load issued).
+template <typename T, int HEAD_DIM, bool PAGED>
+__device__ __forceinline__ void load_cache_tile(T* dst, const T* src, const CacheRows<PAGED>& rows, int n0, int end, int head_dim) {
+  using Tr = DecodeTraits<HEAD_DIM>;
+  constexpr int kRowsPerRound = Tr::kThreads / Tr::kChunksPerRow;
+  const int c = (threadIdx.x % Tr::kChunksPerRow) * 8;
+#pragma unroll
+  for (int r = threadIdx.x / Tr::kChunksPerRow; r < kDecodeBlockN; r += kRowsPerRound) {
+    const int j = n0 + r;
+    const bool valid = j < end && c < head_dim;
+    cp_async_16(dst + r * Tr::kRowStride + c, valid ? src + rows.offset(j) + c : src, valid);
+  }
+}
+
+template <typename T, int HEAD_DIM, bool PAGED, bool SOFTCAP>
+__global__ void __launch_bounds__(kDecodeWarps * 32) decode_kernel(const __grid_constant__ DecodeParams p) {
+  using Tr = DecodeTraits<HEAD_DIM>;
+  constexpr int kDTiles = HEAD_DIM / 8;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  if (dynamic_smem_bytes() < Tr::kSmemBytes) __trap();  // launch contract
+  T* sQ = reinterpret_cast<T*>(smem_raw);
+  T* sK_ring = sQ + Tr::kSmemQ;
+  T* sV_ring = sK_ring + kDecodeStages * Tr::kSmemKV;
+
+  const int seq = blockIdx.z, split = blockIdx.x;
+  const int kv_head = blockIdx.y % p.heads_kv, row_block = blockIdx.y / p.heads_kv;
+  const int group = p.heads_q / p.heads_kv, rows = group * p.seqlen_q;
+  const int row0 = row_block * kDecodeRows;
+  if (row0 >= rows) return;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
+
+  const int length = min(max(p.cache_seqlens[seq], 0), p.capacity);
+  const CacheBand band{length - p.seqlen_q, p.window_left, p.window_right, length};
+  const int token_first = row0 / group, token_last = (min(row0 + kDecodeRows, rows) - 1) / group;
+  const int key_first = band.first(token_first), key_last = band.last(token_last);
+  // Keys seen by every row of the block: blocks inside skip the per-element mask.
+  const int common_first = band.first(token_last), common_last = band.last(token_first);
+
+  // This split's key blocks: an equal share of the sequence's own range (decided on the
+  // device, so one launch serves any lengths).
+  int b_begin = 0, b_end = 0;
+  if (key_last >= key_first) {
+    const int b_first = key_first / kDecodeBlockN, blocks = key_last / kDecodeBlockN - b_first + 1;
+    const int per_split = (blocks + p.num_splits - 1) / p.num_splits;
+    b_begin = b_first + min(split * per_split, blocks);
+    b_end = b_first + min((split + 1) * per_split, blocks);
+  }
+
+  const T* q = static_cast<const T*>(p.q) + seq * p.q_strides[0];
+  const T* k = static_cast<const T*>(p.k);
+  const T* v = static_cast<const T*>(p.v);
+  const CacheRows<PAGED> k_rows(p, p.k_strides, seq, kv_head), v_rows(p, p.v_strides, seq, kv_head);
+
+  float acc[1][kDTiles][4];
+  float row_max[1][2], row_sum[1][2];
+#pragma unroll
+  for (int dt = 0; dt < kDTiles; ++dt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[0][dt][e] = 0.f;
+  row_max[0][0] = row_max[0][1] = neg_inf();
+  row_sum[0][0] = row_sum[0][1] = 0.f;
+
+  if (b_end > b_begin) {
+    for (int i = threadIdx.x; i < kDecodeRows * Tr::kChunksPerRow; i += Tr::kThreads) {
+      const int r = i / Tr::kChunksPerRow, c = (i % Tr::kChunksPerRow) * 8, row = row0 + r;
+      const bool valid = row < rows && c < p.head_dim;
+      const T* src = valid ? q + (row / group) * p.q_strides[1] + (kv_head * group + row % group) * p.q_strides[2] + c : q;
+      cp_async_16(sQ + r * Tr::kRowStride + c, src, valid);
+    }
+    load_cache_tile<T, HEAD_DIM, PAGED>(sK_ring, k, k_rows, b_begin * kDecodeBlockN, length, p.head_dim);
+    load_cache_tile<T, HEAD_DIM, PAGED>(sV_ring, v, v_rows, b_begin * kDecodeBlockN, length, p.head_dim);
+    cp_async_commit();
+  }
+
+  for (int n_block = b_begin, stage = 0; n_block < b_end; ++n_block, stage ^= 1) {
+    cp_async_wait<0>();
+    __syncthreads();  // block n_block (and Q) landed; every warp finished with the other stage
+    if (n_block + 1 < b_end) {
+      load_cache_tile<T, HEAD_DIM, PAGED>(sK_ring + (stage ^ 1) * Tr::kSmemKV, k, k_rows, (n_block + 1) * kDecodeBlockN, length, p.head_dim);
+      load_cache_tile<T, HEAD_DIM, PAGED>(sV_ring + (stage ^ 1) * Tr::kSmemKV, v, v_rows, (n_block + 1) * kDecodeBlockN, length, p.head_dim);
+      cp_async_commit();
+    }
+    const int n0 = n_block * kDecodeBlockN + warp * 16;  // this warp's 16 keys
+    if (n0 > key_last || n0 + 16 <= key_first) continue;
+    const T* sK = sK_ring + stage * Tr::kSmemKV + warp * 16 * Tr::kRowStride;
+    const T* sV = sV_ring + stage * Tr::kSmemKV + warp * 16 * Tr::kRowStride;
+
+    float s[1][2][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < HEAD_DIM; kk += 16) {
+      u32 a[4], b[4];
+      ldmatrix_x4(a, sQ + ((lane % 8) + ((lane / 8) % 2) * 8) * Tr::kRowStride + kk + (lane / 16) * 8);
+      ldmatrix_x4(b, sK + ((lane % 8) + (lane / 16) * 8) * Tr::kRowStride + kk + ((lane / 8) % 2) * 8);
+      mma_16816<T>(s[0][0], a, b[0], b[1]);
+      mma_16816<T>(s[0][1], a, b[2], b[3]);
+    }
+    if (SOFTCAP) {
+      const float pre = p.scale / p.softcap;
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[0][nt][e] = p.softcap * tanhf(s[0][nt][e] * pre);
+    }
+    if (n0 < common_first || n0 + 15 > common_last) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int token = min(row0 + g + h * 8, rows - 1) / group;
+        const int lo = band.first(token), hi = band.last(token);
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int key = n0 + nt * 8 + 2 * t4 + e;
+            if (key < lo || key > hi) s[0][nt][2 * h + e] = neg_inf();
+          }
+      }
+    }
+    online_softmax(s, row_max, row_sum, acc, p.exp2_scale);
+
+    u32 a[4];
+    c_tiles_to_a<T>(s[0], 0, a);  // P (16 rows x this warp's 16 keys) as the A operand
+#pragma unroll
+    for (int dt = 0; dt < kDTiles; dt += 2) {
+      u32 b[4];
+      ldmatrix_x4_trans(b, sV + ((lane % 8) + ((lane / 8) % 2) * 8) * Tr::kRowStride + dt * 8 + (lane / 16) * 8);
+      mma_16816<T>(acc[0][dt], a, b[0], b[1]);
+      mma_16816<T>(acc[0][dt + 1], a, b[2], b[3]);
+    }
+  }
+
+  // Combine the warps: each row's shift and sum per warp, and its unnormalized output, in fp32
+  // through the (now idle) K/V ring.
+  cp_async_wait<0>();
+  __syncthreads();
+  float* sO = reinterpret_cast<float*>(sK_ring);
+  float* s_shift = reinterpret_cast<float*>(sQ);  // kDecodeWarps x 16, then the sums
+  float* s_sum = s_shift + kDecodeWarps * kDecodeRows;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float l = row_sum[0][h];
+    l += __shfl_xor_sync(0xffffffff, l, 1);
+    l += __shfl_xor_sync(0xffffffff, l, 2);
+    const int r = g + h * 8;
+    if (t4 == 0) {
+      s_shift[warp * kDecodeRows + r] = row_max[0][h] == neg_inf() ? neg_inf() : row_max[0][h] * p.exp2_scale;
+      s_sum[warp * kDecodeRows + r] = l;
+    }
+#pragma unroll
+    for (int dt = 0; dt < kDTiles; ++dt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) sO[(warp * kDecodeRows + r) * Tr::kPartialStride + dt * 8 + 2 * t4 + e] = acc[0][dt][2 * h + e];
+  }
+  __syncthreads();
+
+  const int rows_here = min(kDecodeRows, rows - row0);
+  for (int i = threadIdx.x; i < rows_here * HEAD_DIM; i += Tr::kThreads) {
+    const int r = i / HEAD_DIM, c = i % HEAD_DIM;
+    float shift = neg_inf();
+#pragma unroll
+    for (int w = 0; w < kDecodeWarps; ++w) shift = fmaxf(shift, s_shift[w * kDecodeRows + r]);
+    float l = 0.f, o = 0.f;
+    if (shift != neg_inf()) {
+#pragma unroll
+      for (int w = 0; w < kDecodeWarps; ++w) {
+        const float wshift = s_shift[w * kDecodeRows + r];
+        const float f = wshift == neg_inf() ? 0.f : exp2f(wshift - shift);
+        l += f * s_sum[w * kDecodeRows + r];
+        o += f * sO[(w * kDecodeRows + r) * Tr::kPartialStride + c];
+      }
+    }
+    const bool seen = l > 0.f;
+    o = seen ? o / l : 0.f;
+    const float lse = seen ? (shift + log2f(l)) * 0.69314718055994531f : neg_inf();
+    const int row = row0 + r, token = row / group, head = kv_head * group + row % group;
+    if (p.num_splits == 1) {
+      if (c < p.head_dim) {
+        T* out = static_cast<T*>(p.out);
+        out[seq * p.out_strides[0] + token * p.out_strides[1] + head * p.out_strides[2] + c] = from_float<T>(o);
+      }
+      if (c == 0 && p.lse != nullptr) p.lse[seq * p.lse_strides[0] + head * p.lse_strides[1] + token] = lse;
+    } else {
+      const i64 partial_row = ((i64(split) * p.batch + seq) * p.seqlen_q + token) * p.heads_q + head;
+      if (c < p.head_dim) p.partial_out[partial_row * p.head_dim + c] = o;
+      if (c == 0) p.partial_lse[((i64(split) * p.batch + seq) * p.heads_q + head) * p.seqlen_q + token] = lse;
+    }
+  }
+}
+
+}  // namespace cuattn

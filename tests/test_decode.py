@@ -1,0 +1,203 @@
+"""cuattn.attention_with_kvcache: contiguous and paged caches (any page size) against the float64
+reference, split-KV against one split, device values clamped, CUDA-graph replay with new lengths
+and page tables (GPU); argument checks (no GPU needed)."""
+
+import numpy as np
+import pytest
+
+import cuattn
+from cuattn import reference
+from helpers import assert_attention_accuracy, naive_attention, poison_cupy_pool, randn
+
+gpu = pytest.mark.gpu
+
+
+def _cache(rng, lengths, heads_kv, head_dim, dtype, page_size=None, capacity=None, spare_pages=3):
+    """A cache holding len(lengths) sequences: contiguous (batch, capacity, heads_kv, head_dim),
+    or pages of ``page_size`` positions in shuffled order with a few unused pages; returns the
+    cache, its block table (None when contiguous) and the float64 keys/values of each sequence."""
+    capacity = capacity or max(1, max(lengths))
+    if page_size is None:
+        k, v = (randn(rng, (len(lengths), capacity, heads_kv, head_dim), dtype) for _ in range(2))
+        return k, v, None
+    max_pages = -(-capacity // page_size)
+    pages = len(lengths) * max_pages + spare_pages
+    k, v = (randn(rng, (pages, page_size, heads_kv, head_dim), dtype) for _ in range(2))
+    table = rng.permutation(pages)[: len(lengths) * max_pages].reshape(len(lengths), max_pages).astype(np.int32)
+    return k, v, table
+
+
+def _gathered(k, v, table, b, length):
+    if table is None:
+        return k[b, :length], v[b, :length]
+    return np.concatenate(list(k[table[b]]))[:length], np.concatenate(list(v[table[b]]))[:length]
+
+
+def _run(rng, lengths, seqlen_q, heads_q, heads_kv, head_dim, dtype, page_size=None, num_splits=None, **kw):
+    import cupy
+
+    k, v, table = _cache(rng, lengths, heads_kv, head_dim, dtype, page_size)
+    q = randn(rng, (len(lengths), seqlen_q, heads_q, head_dim), dtype)
+    seqlens = np.array(lengths, np.int32)
+    poison_cupy_pool()
+    out, lse = cuattn.attention_with_kvcache(
+        cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), cache_seqlens=cupy.asarray(seqlens),
+        block_table=None if table is None else cupy.asarray(table), num_splits=num_splits, return_lse=True, **kw,
+    )
+    out, lse = out.get(), lse.get()
+    assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (len(lengths), heads_q, seqlen_q)
+    assert not np.isnan(out.astype(np.float32)).any() and not np.isnan(lse).any()
+    ref_out, ref_lse = reference.attention_with_kvcache(q, k, v, cache_seqlens=seqlens, block_table=table, return_lse=True, **kw)
+    for b, length in enumerate(lengths):
+        kb, vb = _gathered(k, v, table, b, length)
+        if length == 0:
+            assert not out[b].astype(np.float32).any() and np.isneginf(lse[b]).all()
+            continue
+        naive = naive_attention(q[b:b + 1], kb[None], vb[None], dtype, **{"causal": True, **kw})
+        assert_attention_accuracy(out[b:b + 1], ref_out[b:b + 1], naive)
+        fin = np.isfinite(ref_lse[b])
+        np.testing.assert_array_equal(np.isneginf(lse[b]), ~fin)
+        np.testing.assert_allclose(lse[b][fin], ref_lse[b][fin], rtol=1e-5, atol=1e-5)
+    return out, lse
+
+
+CASES = [  # (lengths, seqlen_q, heads_q, heads_kv, head_dim, dtype, page_size)
+    ([0, 1, 700, 1500], 1, 8, 1, 128, "bfloat16", None),
+    ([0, 1, 700, 1500], 1, 8, 1, 128, "bfloat16", 16),
+    ([3, 0, 640, 1029], 1, 4, 4, 64, "float16", 1),
+    ([300, 17, 0, 900], 4, 8, 1, 128, "float16", 256),
+    ([1000, 5], 4, 2, 2, 256, "bfloat16", 16),
+    ([64, 1999], 1, 16, 2, 64, "bfloat16", 7),  # a page size that divides nothing
+    ([40, 600], 1, 32, 1, 128, "float16", None),  # 32 query heads per KV head: two row blocks
+]
+
+
+@gpu
+@pytest.mark.parametrize("lengths, seqlen_q, heads_q, heads_kv, head_dim, dtype, page_size", CASES)
+def test_decode_matches_reference(lengths, seqlen_q, heads_q, heads_kv, head_dim, dtype, page_size):
+    _run(np.random.default_rng(sum(lengths) + head_dim), lengths, seqlen_q, heads_q, heads_kv, head_dim, dtype, page_size)
+
+
+@gpu
+@pytest.mark.parametrize("kw", [
+    dict(window=(100, 0)),
+    dict(softcap=20.0),
+    dict(causal=False),
+    dict(window=(64, 3), causal=False, scale=0.05),
+])
+def test_decode_masks_and_scores(kw):
+    _run(np.random.default_rng(7), [1, 400, 1100], 4, 8, 2, 128, "bfloat16", 16, **kw)
+
+
+@gpu
+def test_chunked_prefill_shape():
+    """Hundreds of new tokens against a cache (the chunk's own tokens included in it)."""
+    _run(np.random.default_rng(8), [700, 513], 512, 4, 1, 64, "float16", 64)
+
+
+@gpu
+@pytest.mark.parametrize("splits", [1, 3, 128])
+def test_explicit_splits_agree_with_the_reference(splits):
+    _run(np.random.default_rng(9), [2000, 0, 129], 1, 8, 2, 128, "bfloat16", 16, num_splits=splits)
+
+
+@gpu
+def test_device_values_are_clamped_into_the_cache():
+    """Lengths past the capacity read the whole cache; page numbers past either end read the
+    first / last page; nothing outside the cache is read (it would fault or differ)."""
+    import cupy
+
+    rng = np.random.default_rng(10)
+    k, v, table = _cache(rng, [96, 96], 2, 64, "float16", page_size=32, spare_pages=0)
+    q = randn(rng, (2, 1, 2, 64), "float16")
+    bad_table = table.copy()
+    bad_table[0, 1], bad_table[1, 2] = -7, 10**6
+    out = cuattn.attention_with_kvcache(
+        *map(cupy.asarray, (q, k, v)), cache_seqlens=cupy.asarray(np.array([10**6, 96], np.int32)), block_table=cupy.asarray(bad_table),
+    ).get()
+    clamped = np.clip(bad_table, 0, k.shape[0] - 1)
+    ref = reference.attention_with_kvcache(q, k, v, cache_seqlens=np.array([96, 96]), block_table=clamped)
+    np.testing.assert_allclose(out.astype(np.float64), ref, atol=5e-3)
+
+
+@gpu
+def test_one_captured_graph_serves_new_lengths_and_page_tables():
+    """The call captured in a CuPy stream graph, replayed after the lengths and the block table
+    were rewritten in place, equals the eager call on the new values."""
+    import cupy
+
+    rng = np.random.default_rng(11)
+    k, v, table = _cache(rng, [0, 0, 0], 2, 128, "bfloat16", page_size=16, capacity=2048, spare_pages=40)
+    q = cupy.asarray(randn(rng, (3, 1, 8, 128), "bfloat16"))
+    kd, vd = cupy.asarray(k), cupy.asarray(v)
+    seqlens, table_d = cupy.asarray(np.array([5, 1000, 2048], np.int32)), cupy.asarray(table)
+    cuattn.attention_with_kvcache(q, kd, vd, cache_seqlens=seqlens, block_table=table_d)  # compile outside the capture
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        captured = cuattn.attention_with_kvcache(q, kd, vd, cache_seqlens=seqlens, block_table=table_d)
+        graph = stream.end_capture()
+    for lengths in ([5, 1000, 2048], [2048, 0, 17], [333, 1, 1024]):
+        seqlens[...] = cupy.asarray(np.array(lengths, np.int32))
+        table_d[...] = cupy.asarray(rng.permutation(k.shape[0])[: table.size].reshape(table.shape).astype(np.int32))
+        graph.launch(stream)
+        stream.synchronize()
+        eager = cuattn.attention_with_kvcache(q, kd, vd, cache_seqlens=seqlens, block_table=table_d)
+        np.testing.assert_array_equal(captured.get(), eager.get())
+        ref = reference.attention_with_kvcache(q.get(), k, v, cache_seqlens=np.array(lengths), block_table=table_d.get())
+        np.testing.assert_allclose(captured.get().astype(np.float64), ref, atol=2e-2)
+
+
+# --- argument checks (no GPU: NumPy inputs are uploaded only after validation) ---------------
+
+
+def _host_args(batch=2, seqlen_q=1, heads_q=4, heads_kv=2, head_dim=64, capacity=32, dtype=np.float16):
+    q = np.ones((batch, seqlen_q, heads_q, head_dim), dtype)
+    k = np.ones((batch, capacity, heads_kv, head_dim), dtype)
+    return {"q": q, "k_cache": k, "v_cache": k.copy(), "cache_seqlens": np.array([3, 32], np.int32)[:batch]}
+
+
+def _paged(a):
+    k = np.ones((5, 8, 2, 64), np.float16)
+    return {**a, "k_cache": k, "v_cache": k.copy(), "block_table": np.array([[0, 1, 2, 3], [4, 3, 2, 1]], np.int32)}
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (lambda a: {**a, "q": a["q"].astype(np.float32)}, TypeError, r"q has dtype float32; supported: float16, bfloat16"),
+    (lambda a: {**a, "q": a["q"][0]}, ValueError, r"q must have 4 dimensions"),
+    (lambda a: {**a, "v_cache": a["v_cache"][:, :16]}, ValueError, r"v_cache has shape"),
+    (lambda a: {**a, "k_cache": a["k_cache"][..., :32], "v_cache": a["v_cache"][..., :32]}, ValueError, r"k_cache has head_dim 32"),
+    (lambda a: {**a, "q": np.ones((2, 1, 3, 64), np.float16)}, ValueError, r"multiple of heads_kv"),
+    (lambda a: {**a, "cache_seqlens": a["cache_seqlens"].astype(np.int64)}, ValueError, r"cache_seqlens must be int32"),
+    (lambda a: {**a, "cache_seqlens": np.array([3], np.int32)}, ValueError, r"cache_seqlens has shape"),
+    (lambda a: {**a, "cache_seqlens": np.array([3, 33], np.int32)}, ValueError, r"cache_seqlens\[1\] is 33, outside \[0, 32\]"),
+    (lambda a: {**a, "cache_seqlens": np.array([-1, 3], np.int32)}, ValueError, r"cache_seqlens\[0\] is -1"),
+    (lambda a: {**a, "k_cache": a["k_cache"][:1], "v_cache": a["v_cache"][:1]}, ValueError, r"pass cache_batch_idx"),
+    (lambda a: {**a, "cache_batch_idx": np.array([0, 2], np.int32)}, ValueError, r"cache_batch_idx\[1\] is 2, outside \[0, 1\]"),
+    (lambda a: {**_paged(a), "cache_batch_idx": np.array([0, 1], np.int32)}, ValueError, r"cache_batch_idx is for contiguous caches"),
+    (lambda a: {**_paged(a), "block_table": np.array([[0, 1, 2, 3], [4, 3, 2, 5]], np.int32)}, ValueError, r"block_table\[1, 3\] is 5"),
+    (lambda a: {**_paged(a), "block_table": np.array([0, 1], np.int32)}, ValueError, r"block_table must have 2 dimensions"),
+    (lambda a: {**_paged(a), "cache_seqlens": np.array([3, 33], np.int32)}, ValueError, r"outside \[0, 32\]"),
+    (lambda a: {**a, "num_splits": 0}, ValueError, r"num_splits must be from 1"),
+    (lambda a: {**a, "num_splits": 2.0}, TypeError, r"num_splits must be an int"),
+    (lambda a: {**a, "cache_seqlens": None}, TypeError, r"cache_seqlens is required"),
+    (lambda a: {**a, "causal": 1}, TypeError, r"causal must be a bool"),
+    (lambda a: {**a, "softcap": -1.0}, ValueError, r"softcap"),
+])
+def test_kvcache_rejects_bad_arguments(change, error, match):
+    args = change(_host_args())
+    with pytest.raises(error, match=match):
+        cuattn.attention_with_kvcache(**args)
+
+
+def test_reference_reads_pages_like_a_contiguous_cache():
+    rng = np.random.default_rng(12)
+    k, v, table = _cache(rng, [37, 64], 2, 16, "float32", page_size=8)
+    q = randn(rng, (2, 3, 4, 16), "float32")
+    lengths = np.array([37, 64])
+    paged = reference.attention_with_kvcache(q, k, v, cache_seqlens=lengths, block_table=table)
+    contiguous = np.stack([np.concatenate(list(k[table[b]])) for b in range(2)]), np.stack([np.concatenate(list(v[table[b]])) for b in range(2)])
+    np.testing.assert_array_equal(paged, reference.attention_with_kvcache(q, *contiguous, cache_seqlens=lengths))
+    for b in range(2):
+        kb, vb = contiguous[0][b:b + 1, :lengths[b]], contiguous[1][b:b + 1, :lengths[b]]
+        np.testing.assert_array_equal(paged[b:b + 1], reference.attention(q[b:b + 1], kb, vb, causal=True))
