@@ -6,7 +6,9 @@ copy bandwidth (read + write). Kernel time only (a sleep kernel ahead hides the 
 table is one batch-1 step with the host included.
 
 Bars (issue 21): >= 1.0x the best SDPA backend on every row; >= 90% of copy bandwidth whenever
-K/V is at least 128 MB; page size 1 within 10% of page size 16.
+K/V is at least 128 MB; page size 1 within 10% of page size 16. Also a chunked-prefill row: a
+2048-token chunk against a 32k cache, TFLOP/s next to the dense forward (cuattn.attention) on
+the same work. Writes the CSV and, beside it, a PNG of the table.
 
     PYTHONPATH=. python -m benchmarks decode [--csv docs/bench/decode.csv] [--quick]
 """
@@ -14,6 +16,7 @@ K/V is at least 128 MB; page size 1 within 10% of page size 16.
 from __future__ import annotations
 
 import argparse
+import pathlib
 import time
 
 import numpy as np
@@ -105,6 +108,22 @@ def step_latency_us(batch: int = 1, seqlen: int = 1024, calls: int = 200) -> dic
         }
 
 
+def chunked_prefill(chunk: int = 2048, cached: int = 32768) -> dict:
+    """A chunk of new tokens (already appended) against its cache: attention_with_kvcache next to
+    cuattn.attention on the same q, K and V (contiguous), causal, bottom-right aligned."""
+    import torch
+
+    q = torch.randn(1, chunk, HEADS_Q, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(1, cached, HEADS_KV, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    lengths = torch.full((1,), cached, dtype=torch.int32, device="cuda")
+    # causal work: every query sees the cache before the chunk and its own prefix
+    flops = 4 * HEADS_Q * HEAD_DIM * chunk * (cached - chunk) + 2 * HEADS_Q * HEAD_DIM * chunk * chunk
+    kv_ms = torch_kernel_ms(lambda: cuattn.attention_with_kvcache(q, k, v, cache_seqlens=lengths))
+    dense_ms = torch_kernel_ms(lambda: cuattn.attention(q, k, v, causal=True))
+    return {"chunk": chunk, "cached_tokens": cached, "kvcache_tflops": round(flops / kv_ms / 1e9, 1),
+            "dense_tflops": round(flops / dense_ms / 1e9, 1), "ratio": round(dense_ms / kv_ms, 2)}
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--csv", default="results/decode.csv")
@@ -127,8 +146,16 @@ def main(argv=None) -> None:
             print(" ".join(f"{k}={v}" for k, v in r.items()), flush=True)
             torch.cuda.empty_cache()
     latency = step_latency_us()
+    prefill = chunked_prefill()
     env = environment()
-    write_csv(args.csv, [{**r, **env} for r in rows] + [{"latency_" + k: v for k, v in latency.items()} | env])
+    write_csv(args.csv, [{**r, **env} for r in rows] + [{"latency_" + k: v for k, v in latency.items()} | env]
+              + [{"prefill_" + k: v for k, v in prefill.items()} | env])
+    try:
+        from benchmarks.plots import plot_decode
+
+        print(f"wrote {plot_decode(rows, copy, env, pathlib.Path(args.csv).with_suffix('.png'))}")
+    except ImportError:
+        print("matplotlib is not installed: no plot")
     cols = ("batch", "cached_tokens", "kv_mb", "cuattn_contiguous", "cuattn_page16", "cuattn_page1", "sdpa_flash", "sdpa_cudnn",
             "vs_best_sdpa", "contiguous_vs_copy", "page1_vs_page16")
     print(f"\nGB/s of K/V read ({env['gpu']}, copy {copy} GB/s)")
@@ -136,6 +163,8 @@ def main(argv=None) -> None:
     for r in rows:
         print("".join(f"{r[c]:>19}" for c in cols))
     print(f"\none step, host included (batch 1, 1024 tokens): cuattn {latency['cuattn_us']} us, SDPA {latency['sdpa_us']} us")
+    print(f"chunked prefill ({prefill['chunk']} new tokens, {prefill['cached_tokens']} cached): attention_with_kvcache "
+          f"{prefill['kvcache_tflops']} TFLOP/s, dense forward {prefill['dense_tflops']} TFLOP/s ({prefill['ratio']}x)")
 
 
 if __name__ == "__main__":

@@ -49,3 +49,32 @@ def plot_suite(rows, impl_names, env: dict, out_dir: pathlib.Path, stem: str = "
         plt.close(fig)
         paths.append(path)
     return paths
+
+
+def plot_decode(rows, copy_gbs: float, env: dict, path: pathlib.Path) -> pathlib.Path:
+    """GB/s of K/V read against cached tokens, one panel per batch size: cuattn (contiguous and
+    paged) next to SDPA's backends, and the measured copy bandwidth."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = sorted({r["batch"] for r in rows})
+    fig, axes = plt.subplots(1, len(batches), figsize=(3.6 * len(batches), 3.3), squeeze=False)
+    lines = (("cuattn_contiguous", "cuattn", 2.2), ("cuattn_page16", "cuattn paged (16)", 1.4), ("cuattn_page1", "cuattn paged (1)", 1.0),
+             ("sdpa_flash", "SDPA flash", 1.0), ("sdpa_cudnn", "SDPA cuDNN", 1.0))
+    for ax, batch in zip(axes.flat, batches):
+        pts = sorted((r for r in rows if r["batch"] == batch), key=lambda r: r["cached_tokens"])
+        for key, label, width in lines:
+            ax.plot([r["cached_tokens"] for r in pts], [r[key] for r in pts], marker="o", markersize=3, label=label, linewidth=width)
+        ax.axhline(copy_gbs, color="gray", linestyle=":", linewidth=1, label="copy (read + write)")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("cached tokens")
+        ax.set_ylabel("GB/s of K/V read")
+        ax.set_title(f"batch {batch}", fontsize=9)
+    axes.flat[0].legend(fontsize=6)
+    fig.suptitle(f"decode, GQA 32:8, head_dim 128, bf16; {env['gpu']}, {env['date']}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -10,7 +10,7 @@ from cuattn import boundary, params, replay, validation
 from cuattn.attention import NO_LSE, require_arrays
 from cuattn.kernels import decode as plan
 from cuattn.kernels.variant import head_dim_bucket
-from cuattn.loader import device_sm_count
+from cuattn.loader import device_sm_count, device_smem_limit
 from cuattn.options import AttnOptions
 from cuattn.validation import check_bool
 
@@ -20,8 +20,8 @@ _DTYPES = ("float16", "bfloat16")
 
 
 def attention_with_kvcache(
-    q, k_cache, v_cache, *, cache_seqlens, block_table=None, cache_batch_idx=None, causal=True, window=None, scale=None,
-    softcap=None, num_splits=None, return_lse=False, out=None,
+    q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, block_table=None, cache_batch_idx=None, causal=True,
+    window=None, scale=None, softcap=None, num_splits=None, return_lse=False, out=None,
 ):
     """Attention of new query rows over each sequence's KV cache (decoding, speculative
     decoding, chunked prefill), without copying the cache.
@@ -37,7 +37,11 @@ def attention_with_kvcache(
         ``heads_q`` a multiple of ``heads_kv`` (the query heads of a KV head are computed
         together from one read of its keys and values).
     cache_seqlens : ``(batch,)`` int32: the keys of sequence ``b`` are its first
-        ``cache_seqlens[b]`` positions (0 allowed).
+        ``cache_seqlens[b]`` positions (0 allowed), plus the appended rows.
+    k_new, v_new : optional ``(batch, seqlen_new, heads_kv, head_dim)``: written into the cache
+        in place at positions ``cache_seqlens[b] + t`` first (as :func:`append_kv`), then
+        attended to. ``cache_seqlens`` itself is not changed: add ``seqlen_new`` to it for the
+        next step.
     block_table : optional ``(batch, max_pages)`` int32: page ``i`` of sequence ``b`` is
         ``k_cache[block_table[b, i]]``.
     cache_batch_idx : optional ``(batch,)`` int32, contiguous caches only.
@@ -50,9 +54,10 @@ def attention_with_kvcache(
     out : optional array like ``q``, written in place.
 
     NumPy ``cache_seqlens`` / ``block_table`` / ``cache_batch_idx`` are checked on the host.
-    Device values are not read there: the kernels clamp lengths into ``[0, capacity]`` (the
-    cache's ``max_seqlen``, or ``max_pages * page_size``), page numbers and cache rows into the
-    cache, so no value reads outside it. The cache is only read.
+    Device values are not read there; the kernels clamp them: reads take lengths within
+    ``[0, capacity]`` (the cache's ``max_seqlen``, or ``max_pages * page_size``) and page
+    numbers and cache rows within the cache; appends skip positions past the capacity and
+    pages outside the cache. No value reads or writes outside the cache.
 
     Returns ``out`` (or ``(out, lse)``) as the caller's array type.
     """
@@ -60,10 +65,11 @@ def attention_with_kvcache(
         result = replay.run(
             "attention_with_kvcache",
             lambda: attention_with_kvcache(
-                q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, cache_batch_idx=cache_batch_idx,
-                causal=causal, window=window, scale=scale, softcap=softcap, num_splits=num_splits, return_lse=return_lse,
+                q, k_cache, v_cache, cache_seqlens=cache_seqlens, k_new=k_new, v_new=v_new, block_table=block_table,
+                cache_batch_idx=cache_batch_idx, causal=causal, window=window, scale=scale, softcap=softcap, num_splits=num_splits,
+                return_lse=return_lse,
             ),
-            (q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx),
+            (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, cache_batch_idx),
             (causal, window, scale, softcap, num_splits, return_lse),
         )
         if result is not replay.MISS:
@@ -71,13 +77,15 @@ def attention_with_kvcache(
     require_arrays({"q": q, "k_cache": k_cache, "v_cache": v_cache, "cache_seqlens": cache_seqlens})
     return_lse = check_bool("return_lse", return_lse)
     ctx, a = boundary.import_arrays(
-        q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens, block_table=block_table,
+        q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens, k_new=k_new, v_new=v_new, block_table=block_table,
         cache_batch_idx=cache_batch_idx, out=out,
     )
     if out is not None and ctx.framework in (boundary.JAX, boundary.NUMPY):
         raise TypeError(f"out= is written in place, which {ctx.framework} arrays cannot be")
-    cache = _check(a)
+    _check_q(a)
     batch, seqlen_q, heads_q, head_dim = a["q"].shape
+    cache = _check_cache(a, batch, head_dim)
+    _check_new(ctx, a, cache)
     heads_kv = a["k_cache"].shape[2]
     options = AttnOptions.from_user(causal, window, "bottom_right", scale, softcap, head_dim=head_dim)
     splits = _check_splits(num_splits)
@@ -87,11 +95,19 @@ def attention_with_kvcache(
     ctx.stage(*a.values())
     dst = a["out"] if out is not None else ctx.empty(a["q"].shape, a["q"].dtype)
     lse = ctx.empty((batch, heads_q, seqlen_q), np.float32) if return_lse else NO_LSE
+    if cache["seqlen_new"] and not (seqlen_q and heads_q):  # nothing to attend: the append alone
+        _append_only(ctx, a, cache, batch, heads_kv, head_dim)
     if batch and seqlen_q and heads_q:
         row_blocks = -(-(heads_q // heads_kv) * seqlen_q // plan.ROWS)
         with ctx.device, ctx.stream:
+            bucket, paged, smem_limit = head_dim_bucket(head_dim), a["block_table"] is not None, device_smem_limit(ctx.device.id)
+            if plan.stages(bucket, paged, smem_limit) is None:
+                raise ValueError(
+                    f"attention_with_kvcache at head_dim {head_dim} needs {plan.smem_bytes_for(bucket, 2)} bytes of shared memory "
+                    f"per block; this GPU has {smem_limit}"
+                )
             if splits is None:
-                splits = plan.num_splits(batch, heads_kv, row_blocks, cache["capacity"], device_sm_count(ctx.device.id))
+                splits = plan.num_splits(bucket, paged, batch, heads_kv, row_blocks, cache["capacity"], device_sm_count(ctx.device.id), smem_limit)
             partial_out = partial_lse = NO_LSE
             if splits > 1:
                 partial_out = ctx.empty((splits, batch, seqlen_q, heads_q, head_dim), np.float32)
@@ -103,16 +119,20 @@ def attention_with_kvcache(
                 partial_out=partial_out.ptr, partial_lse=partial_lse.ptr, cache_seqlens=a["cache_seqlens"].ptr,
                 block_table=0 if a["block_table"] is None else a["block_table"].ptr,
                 cache_batch_idx=0 if a["cache_batch_idx"] is None else a["cache_batch_idx"].ptr,
+                k_new=_ptr(a["k_new"]), v_new=_ptr(a["v_new"]),
                 q_strides=a["q"].strides[:3], k_strides=a["k_cache"].strides[:3], v_strides=a["v_cache"].strides[:3],
                 out_strides=dst.strides[:3], lse_strides=lse.strides[:2],
+                k_new_strides=_strides(a["k_new"]), v_new_strides=_strides(a["v_new"]),
                 block_table_stride=0 if a["block_table"] is None else a["block_table"].strides[0],
-                batch=batch, seqlen_q=seqlen_q, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim,
+                batch=batch, seqlen_q=seqlen_q, seqlen_new=cache["seqlen_new"], heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim,
                 capacity=cache["capacity"], cache_rows=a["k_cache"].shape[0], page_size=cache["page_size"], num_splits=splits,
                 window_left=fields["window_left"], window_right=fields["window_right"], scale=fields["scale"],
                 softcap=fields["softcap"], exp2_scale=fields["exp2_scale"],
             )
-            c_type, bucket = validation.check_dtype("q", a["q"], _DTYPES), head_dim_bucket(head_dim)
-            attend = plan.variant(c_type, bucket, a["block_table"] is not None, options.softcap > 0)
+            c_type = validation.check_dtype("q", a["q"], _DTYPES)
+            if cache["seqlen_new"]:
+                _launch_append(ctx, c_type, a, p, batch * cache["seqlen_new"] * heads_kv)
+            attend = plan.variant(c_type, bucket, paged, options.softcap > 0, smem_limit)
             ctx.launch(attend, plan.grid(splits, heads_kv, row_blocks, batch), (attend.threads, 1, 1), p)
             if splits > 1:
                 combine = plan.combine_variant(c_type, bucket)
@@ -121,24 +141,82 @@ def attention_with_kvcache(
     return (result, ctx.export(lse)) if return_lse else result
 
 
-def _check(a: dict) -> dict:
-    """Shapes, dtypes and strides of the call's arrays; host index arrays' values. Returns the
-    cache's capacity (keys per sequence) and page size."""
-    q, k, v = a["q"], a["k_cache"], a["v_cache"]
-    validation.check_rank("q", q, 4, _Q)
-    validation.check_rank("k_cache", k, 4, _CACHE)
-    validation.check_dtype("q", q, _DTYPES)
-    validation.check_same_dtype("k_cache", k, "q", q)
-    validation.check_same_dtype("v_cache", v, "q", q)
-    validation.check_shape("v_cache", v, k.shape, "(the shape of k_cache)")
-    batch, seqlen_q, heads_q, head_dim = q.shape
-    rows, positions, heads_kv = k.shape[0], k.shape[1], k.shape[2]
-    if k.shape[3] != head_dim:
-        raise ValueError(f"k_cache has head_dim {k.shape[3]} but q has {head_dim}")
-    if heads_kv == 0 or heads_q % heads_kv:
-        raise ValueError(f"heads_q ({heads_q}, from q) must be a multiple of heads_kv ({heads_kv}, from k_cache)")
+def append_kv(k_new, v_new, k_cache, v_cache, *, cache_seqlens, block_table=None, cache_batch_idx=None):
+    """Writes ``k_new`` / ``v_new`` ``(batch, seqlen_new, heads_kv, head_dim)`` into the KV cache
+    in place, row ``t`` of sequence ``b`` at position ``cache_seqlens[b] + t`` (crossing pages as
+    needed); the cache, ``block_table`` and ``cache_batch_idx`` as in
+    :func:`attention_with_kvcache`. ``cache_seqlens`` is not changed. Rows whose position passes
+    the capacity, and rows of pages outside the cache, are skipped, never written."""
+    require_arrays({"k_new": k_new, "v_new": v_new, "k_cache": k_cache, "v_cache": v_cache, "cache_seqlens": cache_seqlens})
+    ctx, a = boundary.import_arrays(
+        k_new=k_new, v_new=v_new, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens, block_table=block_table,
+        cache_batch_idx=cache_batch_idx,
+    )
+    validation.check_rank("k_new", a["k_new"], 4, _NEW)
+    validation.check_dtype("k_new", a["k_new"], _DTYPES)
+    batch, _, heads_kv, head_dim = a["k_new"].shape
+    cache = _check_cache(a, batch, head_dim, dtype_of="k_new")
+    _check_new(ctx, a, cache)
+    ctx.stage(*a.values())
+    _append_only(ctx, a, cache, batch, heads_kv, head_dim)
+
+
+_NEW = "(batch, seqlen_new, heads_kv, head_dim)"
+
+
+def _ptr(x) -> int:
+    return 0 if x is None else x.ptr
+
+
+def _strides(x) -> tuple:
+    return (0, 0, 0) if x is None else x.strides[:3]
+
+
+def _launch_append(ctx, c_type: str, a: dict, p: np.void, rows: int) -> None:
+    variant = plan.append_variant(c_type, a["block_table"] is not None)
+    ctx.launch(variant, plan.append_grid(rows), (variant.threads, 1, 1), p)
+
+
+def _append_only(ctx, a: dict, cache: dict, batch: int, heads_kv: int, head_dim: int) -> None:
+    if not (batch and cache["seqlen_new"] and heads_kv):
+        return
+    with ctx.device, ctx.stream:
+        p = params.new(params.DECODE_PARAMS)
+        p["k"], p["v"], p["k_new"], p["v_new"] = a["k_cache"].ptr, a["v_cache"].ptr, a["k_new"].ptr, a["v_new"].ptr
+        p["cache_seqlens"] = a["cache_seqlens"].ptr
+        p["block_table"], p["cache_batch_idx"] = _ptr(a["block_table"]), _ptr(a["cache_batch_idx"])
+        p["k_strides"], p["v_strides"] = a["k_cache"].strides[:3], a["v_cache"].strides[:3]
+        p["k_new_strides"], p["v_new_strides"] = a["k_new"].strides[:3], a["v_new"].strides[:3]
+        p["block_table_stride"] = 0 if a["block_table"] is None else a["block_table"].strides[0]
+        p["batch"], p["seqlen_new"], p["heads_kv"], p["head_dim"] = batch, cache["seqlen_new"], heads_kv, head_dim
+        p["capacity"], p["cache_rows"], p["page_size"] = cache["capacity"], a["k_cache"].shape[0], cache["page_size"]
+        _launch_append(ctx, validation.check_dtype("k_new", a["k_new"], _DTYPES), a, p, batch * cache["seqlen_new"] * heads_kv)
+
+
+def _check_q(a: dict) -> None:
+    validation.check_rank("q", a["q"], 4, _Q)
+    validation.check_dtype("q", a["q"], _DTYPES)
+    head_dim = a["q"].shape[3]
     if head_dim % 8 or not 8 <= head_dim <= 256:
         raise ValueError(f"head_dim {head_dim} is not supported: use a multiple of 8 from 8 to 256")
+    if a["out"] is not None:
+        validation.check_shape("out", a["out"], a["q"].shape, "(the shape of q)")
+        validation.check_same_dtype("out", a["out"], "q", a["q"])
+
+
+def _check_cache(a: dict, batch: int, head_dim: int, dtype_of: str = "q") -> dict:
+    """The cache and its index arrays against ``batch`` sequences of ``head_dim``; host index
+    values. Returns the cache's capacity (keys per sequence) and page size."""
+    k, v = a["k_cache"], a["v_cache"]
+    validation.check_rank("k_cache", k, 4, _CACHE)
+    validation.check_same_dtype("k_cache", k, dtype_of, a[dtype_of])
+    validation.check_same_dtype("v_cache", v, dtype_of, a[dtype_of])
+    validation.check_shape("v_cache", v, k.shape, "(the shape of k_cache)")
+    rows, positions, heads_kv = k.shape[0], k.shape[1], k.shape[2]
+    if k.shape[3] != head_dim:
+        raise ValueError(f"k_cache has head_dim {k.shape[3]} but {dtype_of} has {head_dim}")
+    if "q" in a and (heads_kv == 0 or a["q"].shape[2] % heads_kv):
+        raise ValueError(f"heads_q ({a['q'].shape[2]}, from q) must be a multiple of heads_kv ({heads_kv}, from k_cache)")
     _check_index("cache_seqlens", a["cache_seqlens"], (batch,), "(batch,) int32")
     table, idx = a["block_table"], a["cache_batch_idx"]
     if table is not None:
@@ -156,21 +234,40 @@ def _check(a: dict) -> dict:
             _check_index("cache_batch_idx", idx, (batch,), "(batch,) int32")
             _host_range("cache_batch_idx", idx, 0, rows - 1)
         elif rows != batch:
-            raise ValueError(f"k_cache holds {rows} sequences but q {batch}; pass cache_batch_idx to pick rows of a larger cache")
+            raise ValueError(f"k_cache holds {rows} sequences but {dtype_of} {batch}; pass cache_batch_idx to pick rows of a larger cache")
     if capacity >= 2**31:
         raise ValueError(f"a cache of {capacity} positions per sequence is not supported (at most 2**31 - 1)")
     _host_range("cache_seqlens", a["cache_seqlens"], 0, capacity)
-    for name in ("q", "k_cache", "v_cache", "out"):
-        x = a[name]
+    for name in ("q", "k_cache", "v_cache", "out", "k_new", "v_new"):
+        x = a.get(name)
         if x is None:
             continue
         validation.check_unit_last_stride(name, x)
         if x.size and x.ptr is not None and not validation.aligned([x.ptr], x.strides[:3], x.dtype.itemsize, 8, 8):
             raise ValueError(f"{name} strides {x.strides} (elements) or its address are not multiples of 8 elements / 16 bytes; make it contiguous")
-    if a["out"] is not None:
-        validation.check_shape("out", a["out"], q.shape, "(the shape of q)")
-        validation.check_same_dtype("out", a["out"], "q", q)
-    return {"capacity": capacity, "page_size": page_size}
+    return {"capacity": capacity, "page_size": page_size, "seqlen_new": 0}
+
+
+def _check_new(ctx, a: dict, cache: dict) -> None:
+    """k_new / v_new, both or neither, shaped (batch, seqlen_new, heads_kv, head_dim) like the
+    cache, on the device (the cache is written in place, so its lengths are device arrays too:
+    rows past the capacity are skipped there). Sets cache["seqlen_new"]."""
+    k_new, v_new = a["k_new"], a["v_new"]
+    if (k_new is None) != (v_new is None):
+        raise TypeError("k_new and v_new go together: pass both or neither")
+    if k_new is None:
+        return
+    if ctx.framework in (boundary.JAX, boundary.NUMPY):
+        raise TypeError(f"appending writes the cache in place, which {ctx.framework} arrays cannot be")
+    k = a["k_cache"]
+    batch = a["cache_seqlens"].shape[0]
+    validation.check_rank("k_new", k_new, 4, _NEW)
+    validation.check_same_dtype("k_new", k_new, "k_cache", k)
+    validation.check_same_dtype("v_new", v_new, "k_cache", k)
+    if k_new.shape[0] != batch or k_new.shape[2:] != k.shape[2:]:
+        raise ValueError(f"k_new has shape {k_new.shape}; expected (batch={batch}, seqlen_new, heads_kv={k.shape[2]}, head_dim={k.shape[3]})")
+    validation.check_shape("v_new", v_new, k_new.shape, "(the shape of k_new)")
+    cache["seqlen_new"] = k_new.shape[1]
 
 
 def _check_index(name: str, x, shape: tuple, layout: str) -> None:

@@ -69,6 +69,9 @@ CASES = [  # (lengths, seqlen_q, heads_q, heads_kv, head_dim, dtype, page_size)
     ([1000, 5], 4, 2, 2, 256, "bfloat16", 16),
     ([64, 1999], 1, 16, 2, 64, "bfloat16", 7),  # a page size that divides nothing
     ([40, 600], 1, 32, 1, 128, "float16", None),  # 32 query heads per KV head: two row blocks
+    ([5, 333], 1, 4, 2, 96, "float16", 16),  # buckets whose rows are not a power of two of chunks
+    ([700, 0], 2, 6, 3, 160, "bfloat16", None),
+    ([129, 64], 3, 2, 1, 40, "bfloat16", 1),  # head_dim below its bucket
 ]
 
 
@@ -148,6 +151,103 @@ def test_one_captured_graph_serves_new_lengths_and_page_tables():
         np.testing.assert_allclose(captured.get().astype(np.float64), ref, atol=2e-2)
 
 
+def _expected_append(k, table, lengths, k_new):
+    """The host cache after appending: row t of sequence b at position lengths[b] + t, skipping
+    positions past the capacity and pages outside the cache (as the kernel does)."""
+    k = k.copy()
+    for b in range(k_new.shape[0]):
+        for t in range(k_new.shape[1]):
+            pos = int(lengths[b]) + t
+            if table is None:
+                if pos < k.shape[1]:
+                    k[b, pos] = k_new[b, t]
+            elif pos < table.shape[1] * k.shape[1] and 0 <= table[b, pos // k.shape[1]] < k.shape[0]:
+                k[table[b, pos // k.shape[1]], pos % k.shape[1]] = k_new[b, t]
+    return k
+
+
+@gpu
+@pytest.mark.parametrize("page_size, seqlen_new", [(None, 1), (None, 5), (1, 3), (16, 5), (16, 1), (7, 9)])
+def test_append_then_attend(page_size, seqlen_new):
+    """k_new / v_new land at cache_seqlens[b] + t (across pages), the rest of the cache is
+    untouched, and the new tokens attend to the updated cache; append_kv alone writes the same."""
+    import cupy
+
+    rng = np.random.default_rng(13 + seqlen_new)
+    lengths = np.array([0, 15, 300, 37], np.int32)
+    k, v, table = _cache(rng, [int(x) + seqlen_new for x in lengths], 2, 64, "bfloat16", page_size)
+    q = randn(rng, (4, seqlen_new, 8, 64), "bfloat16")
+    k_new, v_new = (randn(rng, (4, seqlen_new, 2, 64), "bfloat16") for _ in range(2))
+    kd, vd = cupy.asarray(k), cupy.asarray(v)
+    tables = {} if table is None else {"block_table": cupy.asarray(table)}
+    out = cuattn.attention_with_kvcache(
+        cupy.asarray(q), kd, vd, cache_seqlens=cupy.asarray(lengths), k_new=cupy.asarray(k_new), v_new=cupy.asarray(v_new), **tables,
+    ).get()
+    k_after, v_after = _expected_append(k, table, lengths, k_new), _expected_append(v, table, lengths, v_new)
+    np.testing.assert_array_equal(kd.get(), k_after)
+    np.testing.assert_array_equal(vd.get(), v_after)
+    ref = reference.attention_with_kvcache(q, k_after, v_after, cache_seqlens=lengths + seqlen_new, block_table=table)
+    for b in range(4):
+        kb, vb = _gathered(k_after, v_after, table, b, int(lengths[b]) + seqlen_new)
+        assert_attention_accuracy(out[b:b + 1], ref[b:b + 1], naive_attention(q[b:b + 1], kb[None], vb[None], "bfloat16", causal=True))
+    kd2, vd2 = cupy.asarray(k), cupy.asarray(v)
+    cuattn.append_kv(cupy.asarray(k_new), cupy.asarray(v_new), kd2, vd2, cache_seqlens=cupy.asarray(lengths), **tables)
+    np.testing.assert_array_equal(kd2.get(), k_after)
+    np.testing.assert_array_equal(vd2.get(), v_after)
+
+
+@gpu
+def test_appends_past_the_capacity_or_outside_the_pages_are_skipped():
+    """Device lengths near the capacity and table entries out of range: the rows that would
+    land outside are dropped, and every other element of the cache keeps its value."""
+    import cupy
+
+    rng = np.random.default_rng(14)
+    k, v, table = _cache(rng, [64, 64, 64], 1, 32, "float16", page_size=16, spare_pages=2)
+    table[1, 3], table[2, 0] = -1, 10**6
+    lengths = np.array([60, 40, 2], np.int32)  # sequence 0: rows 4, 5 pass the capacity of 64
+    k_new, v_new = (randn(rng, (3, 6, 1, 32), "float16") for _ in range(2))
+    kd, vd = cupy.asarray(k), cupy.asarray(v)
+    cuattn.append_kv(cupy.asarray(k_new), cupy.asarray(v_new), kd, vd, cache_seqlens=cupy.asarray(lengths), block_table=cupy.asarray(table))
+    np.testing.assert_array_equal(kd.get(), _expected_append(k, table, lengths, k_new))
+    np.testing.assert_array_equal(vd.get(), _expected_append(v, table, lengths, v_new))
+    assert (kd.get() != k).sum() > 0
+
+
+@gpu
+def test_one_torch_cuda_graph_serves_new_lengths_and_page_tables():
+    """The same through torch.cuda.CUDAGraph, appending the step's new token in place."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(15)
+    k, v, table = _cache(rng, [0, 0], 8, 128, "bfloat16", page_size=16, capacity=1024, spare_pages=10)
+    q = torch.randn(2, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
+    k_new, v_new = (torch.randn(2, 1, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    kd, vd = torch.tensor(k.astype(np.float32), device="cuda").bfloat16(), torch.tensor(v.astype(np.float32), device="cuda").bfloat16()
+    seqlens, table_d = torch.tensor([3, 500], dtype=torch.int32, device="cuda"), torch.tensor(table, device="cuda")
+
+    def step():
+        return cuattn.attention_with_kvcache(q, kd, vd, cache_seqlens=seqlens, k_new=k_new, v_new=v_new, block_table=table_d)
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for lengths in ([0, 1000], [511, 17], [1023, 64]):
+        seqlens.copy_(torch.tensor(lengths, dtype=torch.int32))
+        table_d.copy_(torch.tensor(rng.permutation(k.shape[0])[: table.size].reshape(table.shape).astype(np.int32)))
+        graph.replay()
+        torch.cuda.synchronize()
+        k_before, v_before = kd.clone(), vd.clone()
+        eager = step()  # appends the same rows again at the same positions: the cache is unchanged
+        torch.testing.assert_close(kd, k_before, rtol=0, atol=0)
+        torch.testing.assert_close(captured, eager, rtol=0, atol=0)
+        ref = reference.attention_with_kvcache(
+            q.float().cpu().numpy(), kd.float().cpu().numpy(), vd.float().cpu().numpy(), cache_seqlens=np.array(lengths) + 1,
+            block_table=table_d.cpu().numpy())
+        np.testing.assert_allclose(captured.float().cpu().numpy(), ref, atol=2e-2)
+
+
 # --- argument checks (no GPU: NumPy inputs are uploaded only after validation) ---------------
 
 
@@ -183,6 +283,9 @@ def _paged(a):
     (lambda a: {**a, "cache_seqlens": None}, TypeError, r"cache_seqlens is required"),
     (lambda a: {**a, "causal": 1}, TypeError, r"causal must be a bool"),
     (lambda a: {**a, "softcap": -1.0}, ValueError, r"softcap"),
+    (lambda a: {**a, "k_new": np.ones((2, 1, 2, 64), np.float16)}, TypeError, r"k_new and v_new go together"),
+    (lambda a: {**a, "k_new": np.ones((2, 1, 2, 64), np.float16), "v_new": np.ones((2, 1, 2, 64), np.float16)}, TypeError,
+     r"appending writes the cache in place, which numpy arrays cannot be"),
 ])
 def test_kvcache_rejects_bad_arguments(change, error, match):
     args = change(_host_args())
@@ -201,3 +304,19 @@ def test_reference_reads_pages_like_a_contiguous_cache():
     for b in range(2):
         kb, vb = contiguous[0][b:b + 1, :lengths[b]], contiguous[1][b:b + 1, :lengths[b]]
         np.testing.assert_array_equal(paged[b:b + 1], reference.attention(q[b:b + 1], kb, vb, causal=True))
+
+
+@gpu
+@pytest.mark.parametrize("change, error, match", [
+    (lambda a: {**a, "k_new": a["k_new"][:, :, :1], "v_new": a["v_new"][:, :, :1]}, ValueError, r"k_new has shape"),
+    (lambda a: {**a, "v_new": a["v_new"][:, :1]}, ValueError, r"v_new has shape"),
+    (lambda a: {**a, "k_new": a["k_new"].astype(np.float32), "v_new": a["v_new"].astype(np.float32)}, TypeError, r"k_new has dtype float32"),
+])
+def test_append_rejects_bad_arguments(change, error, match):
+    import cupy
+
+    a = {k: cupy.asarray(x) for k, x in _host_args().items()}
+    a["k_new"], a["v_new"] = (cupy.ones((2, 2, 2, 64), np.float16) for _ in range(2))
+    a = change(a)
+    with pytest.raises(error, match=match):
+        cuattn.attention_with_kvcache(**a)

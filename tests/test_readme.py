@@ -171,6 +171,8 @@ CPU_TRIGGERS = [
     (ValueError, "decreasing", "cu_seqlens_q must be non-decreasing", lambda: _varlen(cu_seqlens_q=np.array([0, 4, 2, 4], np.int32), cu_seqlens_k=np.array([0, 5, 5, 5], np.int32))),
     (ValueError, "not ending at the row count", "cu_seqlens_k must end at the number of rows", lambda: _varlen(cu_seqlens_k=np.array([0, 3], np.int32))),
     (ValueError, "a `max_seqlen` below a sequence's length", "max_seqlen_q", lambda: _varlen(max_seqlen_q=3)),
+    (ValueError, "values outside the cache", r"cache_seqlens\[0\] is 9, outside \[0, 5\]", lambda: cuattn.attention_with_kvcache(
+        *_qkv(), cache_seqlens=np.array([9], np.int32))),
 ]
 
 

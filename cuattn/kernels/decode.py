@@ -7,34 +7,61 @@ from __future__ import annotations
 import functools
 
 from cuattn.dtypes import cxx_type
-from cuattn.kernels.variant import HEAD_DIM_BUCKETS, MAX_GRID_YZ, Variant, softcap_arg, softcap_uri
+from cuattn.kernels.variant import HEAD_DIM_BUCKETS, MAX_GRID_YZ, MAX_SMEM_OPTIN, Variant, arch_smem_limit, softcap_arg, softcap_uri
 
 FAMILY = "decode"
-ROWS, WARPS, BLOCK_N, STAGES = 16, 4, 64, 2  # packed query rows per CTA, warps, keys per stage, stages
+ROWS, WARPS, BLOCK_N = 16, 4, 64  # packed query rows per CTA, warps, keys per ring slot
+# Ring slots per head-dim bucket (scripts/tune_decode.py, H100, d128): a contiguous cache streams
+# best from deep rings (4 slots, one CTA per SM); a paged one from more CTAs per SM (2 slots,
+# three CTAs), whose block-table loads then overlap.
+STAGES = {32: 4, 64: 4, 96: 4, 128: 4, 160: 2, 192: 2, 224: 2, 256: 2}
+PAGED_STAGES = {32: 2, 64: 2, 96: 2, 128: 2, 160: 2, 192: 2, 224: 2, 256: 2}
+MIN_BLOCKS_PER_SPLIT = 8  # key blocks of the capacity per split, at least
 COMBINE_WARPS = 8  # one row per warp
+APPEND_WARPS = 8  # one (sequence, new row, KV head) per warp
 MAX_SPLITS = 128
-CTAS_PER_SM = 3  # the residency num_splits aims for (74 KB of shared memory each at d128)
+SM_SMEM = 228 * 1024  # shared memory per SM that resident CTAs share (1 KB of it reserved per CTA)
 
 
-def smem_bytes(bucket: int) -> int:
+def smem_bytes_for(bucket: int, ring: int) -> int:
     row = bucket + 8
-    return (ROWS * row + 2 * STAGES * BLOCK_N * row) * 2
+    return (ROWS * row + 2 * ring * BLOCK_N * row) * 2 + 2 * BLOCK_N * 4  # + the page numbers of two blocks
+
+
+def stages(bucket: int, paged: bool, smem_limit: int = MAX_SMEM_OPTIN) -> int | None:
+    """Ring slots: the table's, fewer where the per-block shared memory is smaller (99 KB
+    parts), None where even two slots do not fit (head_dim above 160 on those)."""
+    ring = (PAGED_STAGES if paged else STAGES)[bucket]
+    while ring >= 2 and smem_bytes_for(bucket, ring) > smem_limit:
+        ring -= 1
+    return ring if ring >= 2 else None
+
+
+def smem_bytes(bucket: int, paged: bool, smem_limit: int = MAX_SMEM_OPTIN) -> int:
+    return smem_bytes_for(bucket, stages(bucket, paged, smem_limit))
+
+
+def ctas_per_sm(bucket: int, paged: bool, smem_limit: int = MAX_SMEM_OPTIN) -> int:
+    return max(1, min(4, SM_SMEM // (smem_bytes(bucket, paged, smem_limit) + 1024)))
 
 
 @functools.cache
-def variant(c_type: str, bucket: int, paged: bool, softcap: bool) -> Variant:
-    traits = f"cuattn::DecodeTraits<{bucket}>"
+def variant(c_type: str, bucket: int, paged: bool, softcap: bool, smem_limit: int = MAX_SMEM_OPTIN) -> Variant:
+    """The decode kernel with the ring that fits ``smem_limit`` bytes per block (callers check
+    :func:`stages` is not None first)."""
+    ring = stages(bucket, paged, smem_limit)
+    traits = f"cuattn::DecodeTraits<{bucket}, {ring}>"
     return Variant(
         family=FAMILY, kernel="decode",
-        expression=f"cuattn::decode_kernel<{cxx_type(c_type)}, {bucket}, {'true' if paged else 'false'}, {softcap_arg(softcap)}>",
-        uri=f"decode/{c_type}/d{bucket}" + ("/paged" if paged else "") + softcap_uri(softcap),
+        expression=f"cuattn::decode_kernel<{cxx_type(c_type)}, {bucket}, {ring}, {'true' if paged else 'false'}, {softcap_arg(softcap)}>",
+        uri=f"decode/{c_type}/d{bucket}/s{ring}" + ("/paged" if paged else "") + softcap_uri(softcap),
         hot=True,
-        dynamic_smem=smem_bytes(bucket),
+        dynamic_smem=smem_bytes_for(bucket, ring),
         threads=WARPS * 32,
         block_m=ROWS,
         contract=(
-            (f"{traits}::kSmemBytes", smem_bytes(bucket)), (f"{traits}::kThreads", WARPS * 32), ("cuattn::kDecodeRows", ROWS),
-            ("cuattn::kDecodeBlockN", BLOCK_N), ("cuattn::kDecodeStages", STAGES),
+            (f"{traits}::kSmemBytes", smem_bytes_for(bucket, ring)), (f"{traits}::kThreads", WARPS * 32), ("cuattn::kDecodeRows", ROWS),
+            ("cuattn::kDecodeBlockN", BLOCK_N),
         ),
     )
 
@@ -51,14 +78,32 @@ def combine_variant(c_type: str, bucket: int) -> Variant:
     )
 
 
-def num_splits(batch: int, heads_kv: int, row_blocks: int, capacity: int, sm_count: int) -> int:
+@functools.cache
+def append_variant(c_type: str, paged: bool) -> Variant:
+    return Variant(
+        family=FAMILY, kernel="append_kv",
+        expression=f"cuattn::append_kv_kernel<{cxx_type(c_type)}, {'true' if paged else 'false'}>",
+        uri=f"append_kv/{c_type}" + ("/paged" if paged else ""),
+        threads=APPEND_WARPS * 32,
+        contract=(("cuattn::kAppendWarps", APPEND_WARPS),),
+    )
+
+
+def append_grid(rows: int) -> tuple[int, int, int]:
+    return (-(-rows // APPEND_WARPS), 1, 1)
+
+
+def num_splits(bucket: int, paged: bool, batch: int, heads_kv: int, row_blocks: int, capacity: int, sm_count: int,
+               smem_limit: int = MAX_SMEM_OPTIN) -> int:
     """Key splits per (sequence, KV head, row block), from host shapes only (so that one CUDA
-    graph serves any lengths): enough CTAs to fill every SM CTAS_PER_SM times, and at most one
-    split per 4 key blocks of the cache's capacity. Each sequence's keys are then divided into
-    that many equal ranges on the device, so a skewed batch still spreads every sequence."""
+    graph serves any lengths): as many CTAs as fit on the SMs at once (never a partial second
+    wave), and at most one
+    split per MIN_BLOCKS_PER_SPLIT key blocks of the cache's capacity. Each sequence's keys are
+    then divided into that many equal ranges on the device, so a skewed batch still spreads every
+    sequence."""
     ctas = max(1, batch * heads_kv * row_blocks)
-    wanted = -(-CTAS_PER_SM * sm_count // ctas)
-    return max(1, min(wanted, -(-capacity // (4 * BLOCK_N)), MAX_SPLITS))
+    wanted = max(1, ctas_per_sm(bucket, paged, smem_limit) * sm_count // ctas)  # rounded down: no partial second wave
+    return max(1, min(wanted, -(-capacity // (MIN_BLOCKS_PER_SPLIT * BLOCK_N)), MAX_SPLITS))
 
 
 def grid(splits: int, heads_kv: int, row_blocks: int, batch: int) -> tuple[int, int, int]:
@@ -72,13 +117,20 @@ def combine_grid(rows: int) -> tuple[int, int, int]:
 
 
 def variants(arch: str | None = None) -> list[Variant]:
+    """Every decode variant; with ``arch``, rings sized for its shared memory (head dims that do
+    not fit are left out)."""
+    smem_limit = MAX_SMEM_OPTIN if arch is None else arch_smem_limit(arch)
     out = []
     for c_type in ("f16", "bf16"):
         for bucket in HEAD_DIM_BUCKETS:
             for paged in (False, True):
+                if stages(bucket, paged, smem_limit) is None:
+                    continue
                 for softcap in (False, True):
-                    out.append(variant(c_type, bucket, paged, softcap))
+                    out.append(variant(c_type, bucket, paged, softcap, smem_limit))
             out.append(combine_variant(c_type, bucket))
+        for paged in (False, True):
+            out.append(append_variant(c_type, paged))
     return out
 
 

@@ -88,7 +88,8 @@ struct BackwardParams {
 // to the first cache_seqlens[b] keys of its cache, bottom-right aligned. The cache is contiguous
 // (batch_cache, capacity, heads_kv, head_dim), sequence b in row cache_batch_idx[b] (or b), or
 // paged (num_pages, page_size, heads_kv, head_dim) through block_table (batch, max_pages):
-// common/seq_layout.cuh CacheRows. Device-side lengths, pages and batch rows are clamped.
+// common/seq_layout.cuh CacheRows. Device-side lengths, pages and batch rows are clamped for
+// reads; appends skip positions past the capacity and pages outside the cache.
 struct DecodeParams {
   const void* q;                            // (batch, seqlen_q, heads_q, head_dim)
   const void* k;
@@ -100,14 +101,19 @@ struct DecodeParams {
   const int* cache_seqlens;                 // (batch,)
   const int* block_table;                   // null: contiguous cache
   const int* cache_batch_idx;               // null: sequence b uses cache row b
+  const void* k_new;                        // (batch, seqlen_new, heads_kv, head_dim) appended first
+  const void* v_new;                        //   at positions cache_seqlens[b] + t (decode/append_kv.cu)
   i64 q_strides[3];                         // batch, row, head
   i64 k_strides[3];                         // cache row (or page), position (in page), head
   i64 v_strides[3];
   i64 out_strides[3];
   i64 lse_strides[2];                       // batch, head
+  i64 k_new_strides[3];                     // batch, row, head
+  i64 v_new_strides[3];
   i64 block_table_stride;                   // between sequences' rows of block_table
   int batch;
   int seqlen_q;
+  int seqlen_new;                           // rows of k_new / v_new (0: nothing appended)
   int heads_q;
   int heads_kv;
   int head_dim;

@@ -95,39 +95,41 @@ __device__ __forceinline__ void mark_uncovered_rows(T* out, i64 row_stride, floa
   }
 }
 
-// Where key j of a sequence's KV cache lives (attention_with_kvcache): a contiguous cache row,
-// or a page of a paged cache through the block table, for any page size. Lengths, table
-// entries and cache rows are clamped into the arrays: bad device values move no access outside.
+// Where key j of a sequence's KV cache lives (attention_with_kvcache): a position of a
+// contiguous cache row, or of a page of a paged cache through the block table, for any page
+// size (powers of two by shift and mask). Lengths, table entries and cache rows are clamped into
+// the arrays: bad device values move no access outside them.
 template <bool PAGED>
 struct CacheRows {
-  i64 base;        // element offset of position 0 (contiguous) or 0 (paged), head included
-  i64 row_stride;  // between positions (contiguous) or within a page (paged)
-  i64 page_stride;
   const int* table;  // this sequence's block-table row (paged)
+  int row;           // the sequence's cache row (contiguous)
   int page_size;
-  int last_page;
+  int page_shift;    // log2(page_size) for a power of two, else -1
+  int last_row;
 
-  __device__ __forceinline__ CacheRows(const DecodeParams& p, const i64 (&strides)[3], int seq, int head) {
-    row_stride = strides[1];
-    page_stride = strides[0];
+  __device__ __forceinline__ CacheRows(const DecodeParams& p, int seq) {
     page_size = p.page_size;
-    last_page = p.cache_rows - 1;
+    page_shift = (page_size & (page_size - 1)) == 0 ? __popc(page_size - 1) : -1;
+    last_row = p.cache_rows - 1;
+    table = PAGED ? p.block_table + seq * p.block_table_stride : nullptr;
+    row = PAGED || p.cache_batch_idx == nullptr ? seq : min(max(p.cache_batch_idx[seq], 0), last_row);
+  }
+  __device__ __forceinline__ int page_of(int j) const { return page_shift >= 0 ? j >> page_shift : j / page_size; }
+  // The cache row (contiguous) or page (paged) holding key position j (0 <= j < capacity): the
+  // index of strides[0]. Paged, a load of the block table: issue it ahead of its use.
+  __device__ __forceinline__ int row_of(int j) const {
     if constexpr (PAGED) {
-      table = p.block_table + seq * p.block_table_stride;
-      base = head * strides[2];
+      return min(max(table[page_of(j)], 0), last_row);
     } else {
-      const int row = p.cache_batch_idx == nullptr ? seq : min(max(p.cache_batch_idx[seq], 0), p.cache_rows - 1);
-      table = nullptr;
-      base = row * strides[0] + head * strides[2];
+      return row;
     }
   }
-  // Element offset of key position j (0 <= j < capacity).
-  __device__ __forceinline__ i64 offset(int j) const {
+  // The position of key j within that row or page: the index of strides[1].
+  __device__ __forceinline__ int pos_of(int j) const {
     if constexpr (PAGED) {
-      const int page = min(max(table[j / page_size], 0), last_page);
-      return base + page * page_stride + (j % page_size) * row_stride;
+      return page_shift >= 0 ? j & (page_size - 1) : j - page_of(j) * page_size;
     } else {
-      return base + j * row_stride;
+      return j;
     }
   }
 };

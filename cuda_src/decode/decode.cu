@@ -16,18 +16,20 @@ namespace cuattn {
 constexpr int kDecodeRows = 16;    // packed query rows per CTA
 constexpr int kDecodeWarps = 4;
 constexpr int kDecodeBlockN = 64;  // keys per stage, 16 per warp
-constexpr int kDecodeStages = 2;
 
-template <int HEAD_DIM>
+template <int HEAD_DIM, int STAGES>
 struct DecodeTraits {
   static constexpr int kThreads = kDecodeWarps * 32;
+  static constexpr int kStages = STAGES;           // K/V blocks in the cp.async ring
   static constexpr int kRowStride = HEAD_DIM + 8;  // padded shared rows (elements)
   static constexpr int kChunksPerRow = HEAD_DIM / 8;
   static constexpr int kSmemQ = kDecodeRows * kRowStride;
   static constexpr int kSmemKV = kDecodeBlockN * kRowStride;
-  static constexpr int kSmemBytes = (kSmemQ + 2 * kDecodeStages * kSmemKV) * 2;
+  static constexpr int kSmemRows = 2 * kDecodeBlockN * 4;  // cache rows of the next blocks (paged), two buffers
+  static constexpr int kSmemBytes = (kSmemQ + 2 * STAGES * kSmemKV) * 2 + kSmemRows;
   static constexpr int kPartialStride = HEAD_DIM + 4;  // fp32 rows of the warps' outputs, in the ring
-  static_assert(kDecodeWarps * kDecodeRows * kPartialStride * 4 <= 2 * kDecodeStages * kSmemKV * 2, "partials fit the ring");
+  static_assert(STAGES >= 2, "a ring");
+  static_assert(kDecodeWarps * kDecodeRows * kPartialStride * 4 <= 2 * STAGES * kSmemKV * 2, "partials fit the ring");
 };
 
 // The keys the new tokens of one sequence see: token t (of seqlen_q, bottom-right aligned to the
@@ -38,30 +40,50 @@ struct CacheBand {
   __device__ __forceinline__ int last(int t) const { return right < 0 ? length - 1 : min(length - 1, t + offset + right); }
 };
 
-// 64 rows of a cache tensor from key n0 into a padded shared tile; keys past `end` and columns
-// past head_dim read as zeros (no load issued).
-template <typename T, int HEAD_DIM, bool PAGED>
-__device__ __forceinline__ void load_cache_tile(T* dst, const T* src, const CacheRows<PAGED>& rows, int n0, int end, int head_dim) {
-  using Tr = DecodeTraits<HEAD_DIM>;
+// Keys n0 .. n0 + 63 of K and V into padded shared tiles; keys past `end` and columns past
+// head_dim read as zeros (no load issued). A thread copies one 16-byte column of every
+// kRowsPerRound-th row (threads past the last whole round idle). k and v point at the
+// sequence's head: in its cache row (contiguous), or at page 0 (paged: each key's page comes
+// from `rows`, looked up one block ahead by look_up_rows so that the block-table loads are in
+// flight while the previous block is computed). The row loop is not unrolled: unrolled, the
+// compiler keeps every row's address live across the key loop.
+template <typename T, int HEAD_DIM, int STAGES, bool PAGED>
+__device__ __forceinline__ void load_kv_block(T* sK, T* sV, const DecodeParams& p, const CacheRows<PAGED>& cache, const T* k, const T* v,
+                                              int n0, int end, const int* rows) {
+  using Tr = DecodeTraits<HEAD_DIM, STAGES>;
   constexpr int kRowsPerRound = Tr::kThreads / Tr::kChunksPerRow;
-  const int c = (threadIdx.x % Tr::kChunksPerRow) * 8;
-#pragma unroll
-  for (int r = threadIdx.x / Tr::kChunksPerRow; r < kDecodeBlockN; r += kRowsPerRound) {
+  const int r0 = threadIdx.x / Tr::kChunksPerRow, c = threadIdx.x % Tr::kChunksPerRow * 8;
+  if (r0 >= kRowsPerRound) return;
+#pragma unroll 1
+  for (int r = r0; r < kDecodeBlockN; r += kRowsPerRound) {
     const int j = n0 + r;
-    const bool valid = j < end && c < head_dim;
-    cp_async_16(dst + r * Tr::kRowStride + c, valid ? src + rows.offset(j) + c : src, valid);
+    const bool valid = j < end && c < p.head_dim;
+    i64 k_at = 0, v_at = 0;
+    if (valid) {
+      const int at = PAGED ? rows[r] : 0, pos = cache.pos_of(j);
+      k_at = at * p.k_strides[0] + pos * p.k_strides[1] + c;
+      v_at = at * p.v_strides[0] + pos * p.v_strides[1] + c;
+    }
+    cp_async_16(sK + r * Tr::kRowStride + c, k + k_at, valid);
+    cp_async_16(sV + r * Tr::kRowStride + c, v + v_at, valid);
   }
 }
 
-template <typename T, int HEAD_DIM, bool PAGED, bool SOFTCAP>
+// The pages of keys n0 .. n0 + 63 (one thread each) into `rows` (0 past `end`).
+template <bool PAGED>
+__device__ __forceinline__ void look_up_rows(const CacheRows<PAGED>& cache, int n0, int end, int* rows) {
+  if (PAGED && threadIdx.x < kDecodeBlockN) rows[threadIdx.x] = n0 + int(threadIdx.x) < end ? cache.row_of(n0 + threadIdx.x) : 0;
+}
+
+template <typename T, int HEAD_DIM, int STAGES, bool PAGED, bool SOFTCAP>
 __global__ void __launch_bounds__(kDecodeWarps * 32) decode_kernel(const __grid_constant__ DecodeParams p) {
-  using Tr = DecodeTraits<HEAD_DIM>;
+  using Tr = DecodeTraits<HEAD_DIM, STAGES>;
   constexpr int kDTiles = HEAD_DIM / 8;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   if (dynamic_smem_bytes() < Tr::kSmemBytes) __trap();  // launch contract
   T* sQ = reinterpret_cast<T*>(smem_raw);
   T* sK_ring = sQ + Tr::kSmemQ;
-  T* sV_ring = sK_ring + kDecodeStages * Tr::kSmemKV;
+  T* sV_ring = sK_ring + STAGES * Tr::kSmemKV;
 
   const int seq = blockIdx.z, split = blockIdx.x;
   const int kv_head = blockIdx.y % p.heads_kv, row_block = blockIdx.y / p.heads_kv;
@@ -70,7 +92,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) decode_kernel(const __grid_
   if (row0 >= rows) return;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
 
-  const int length = min(max(p.cache_seqlens[seq], 0), p.capacity);
+  const int length = min(max(p.cache_seqlens[seq], 0) + p.seqlen_new, p.capacity);  // after the append
   const CacheBand band{length - p.seqlen_q, p.window_left, p.window_right, length};
   const int token_first = row0 / group, token_last = (min(row0 + kDecodeRows, rows) - 1) / group;
   const int key_first = band.first(token_first), key_last = band.last(token_last);
@@ -88,9 +110,18 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) decode_kernel(const __grid_
   }
 
   const T* q = static_cast<const T*>(p.q) + seq * p.q_strides[0];
-  const T* k = static_cast<const T*>(p.k);
-  const T* v = static_cast<const T*>(p.v);
-  const CacheRows<PAGED> k_rows(p, p.k_strides, seq, kv_head), v_rows(p, p.v_strides, seq, kv_head);
+  const CacheRows<PAGED> cache(p, seq);
+  const i64 cache_row = PAGED ? 0 : cache.row;  // contiguous: the sequence's row, once
+  const T* k_seq = static_cast<const T*>(p.k) + (cache_row * p.k_strides[0] + kv_head * p.k_strides[2]);
+  const T* v_seq = static_cast<const T*>(p.v) + (cache_row * p.v_strides[0] + kv_head * p.v_strides[2]);
+  int* s_rows = reinterpret_cast<int*>(sV_ring + STAGES * Tr::kSmemKV);  // two buffers, by block parity
+  const auto look_up = [&](int n_block) {
+    if (PAGED && n_block < b_end) look_up_rows<PAGED>(cache, n_block * kDecodeBlockN, length, s_rows + (n_block & 1) * kDecodeBlockN);
+  };
+  const auto load_block = [&](int n_block, int slot) {
+    load_kv_block<T, HEAD_DIM, STAGES, PAGED>(sK_ring + slot * Tr::kSmemKV, sV_ring + slot * Tr::kSmemKV, p, cache, k_seq, v_seq,
+                                              n_block * kDecodeBlockN, length, s_rows + (n_block & 1) * kDecodeBlockN);
+  };
 
   float acc[1][kDTiles][4];
   float row_max[1][2], row_sum[1][2];
@@ -101,6 +132,8 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) decode_kernel(const __grid_
   row_max[0][0] = row_max[0][1] = neg_inf();
   row_sum[0][0] = row_sum[0][1] = 0.f;
 
+  // The ring: blocks b_begin .. b_begin + STAGES - 2 in flight before the loop (Q with the
+  // first); each iteration waits for its block and refills the slot freed one iteration ago.
   if (b_end > b_begin) {
     for (int i = threadIdx.x; i < kDecodeRows * Tr::kChunksPerRow; i += Tr::kThreads) {
       const int r = i / Tr::kChunksPerRow, c = (i % Tr::kChunksPerRow) * 8, row = row0 + r;
@@ -108,23 +141,28 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) decode_kernel(const __grid_
       const T* src = valid ? q + (row / group) * p.q_strides[1] + (kv_head * group + row % group) * p.q_strides[2] + c : q;
       cp_async_16(sQ + r * Tr::kRowStride + c, src, valid);
     }
-    load_cache_tile<T, HEAD_DIM, PAGED>(sK_ring, k, k_rows, b_begin * kDecodeBlockN, length, p.head_dim);
-    load_cache_tile<T, HEAD_DIM, PAGED>(sV_ring, v, v_rows, b_begin * kDecodeBlockN, length, p.head_dim);
-    cp_async_commit();
   }
+#pragma unroll
+  for (int i = 0; i < STAGES - 1; ++i) {
+    look_up(b_begin + i);
+    if (PAGED) __syncthreads();  // the pages are in s_rows
+    if (b_begin + i < b_end) load_block(b_begin + i, i);
+    cp_async_commit();
+    if (PAGED) __syncthreads();  // every thread read them before the buffer is reused
+  }
+  look_up(b_begin + STAGES - 1);  // read after the loop's first barrier
 
-  for (int n_block = b_begin, stage = 0; n_block < b_end; ++n_block, stage ^= 1) {
-    cp_async_wait<0>();
-    __syncthreads();  // block n_block (and Q) landed; every warp finished with the other stage
-    if (n_block + 1 < b_end) {
-      load_cache_tile<T, HEAD_DIM, PAGED>(sK_ring + (stage ^ 1) * Tr::kSmemKV, k, k_rows, (n_block + 1) * kDecodeBlockN, length, p.head_dim);
-      load_cache_tile<T, HEAD_DIM, PAGED>(sV_ring + (stage ^ 1) * Tr::kSmemKV, v, v_rows, (n_block + 1) * kDecodeBlockN, length, p.head_dim);
-      cp_async_commit();
-    }
+  for (int n_block = b_begin, slot = 0; n_block < b_end; ++n_block, slot = slot + 1 == STAGES ? 0 : slot + 1) {
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();  // block n_block (and Q) landed; every warp finished with the slot refilled next
+    const int ahead = n_block + STAGES - 1;
+    if (ahead < b_end) load_block(ahead, slot == 0 ? STAGES - 1 : slot - 1);
+    cp_async_commit();
+    look_up(ahead + 1);
     const int n0 = n_block * kDecodeBlockN + warp * 16;  // this warp's 16 keys
     if (n0 > key_last || n0 + 16 <= key_first) continue;
-    const T* sK = sK_ring + stage * Tr::kSmemKV + warp * 16 * Tr::kRowStride;
-    const T* sV = sV_ring + stage * Tr::kSmemKV + warp * 16 * Tr::kRowStride;
+    const T* sK = sK_ring + slot * Tr::kSmemKV + warp * 16 * Tr::kRowStride;
+    const T* sV = sV_ring + slot * Tr::kSmemKV + warp * 16 * Tr::kRowStride;
 
     float s[1][2][4] = {};
 #pragma unroll
