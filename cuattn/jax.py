@@ -57,6 +57,8 @@ def merge(outs, lses):
 def call(name: str, *arrays, **options):
     """Runs op ``name`` of :data:`cuattn.ops.OPS` (not differentiated); returns its outputs."""
     entry = ops.OPS[name]
+    if entry.mutates:
+        raise NotImplementedError(f"{name} writes {', '.join(entry.mutates)} in place, which JAX arrays cannot be: not available in cuattn.jax yet")
     # XLA allocates every buffer the op allocates: its outputs, then its scratch (delta, ...);
     # the run replays the choices that sized them.
     traced = boundary.trace(entry.call, *arrays, **options)

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from cuattn.attention import attention
 from cuattn.backward import attention_backward
+from cuattn.decode import append_kv, attention_with_kvcache
 from cuattn.merge import merge
 from cuattn.options import OP_SCHEMA, SEQLEN_SCHEMA, AttnOptions, user_seqlen_bounds
 from cuattn.varlen import attention_varlen, attention_varlen_backward
@@ -34,6 +35,7 @@ class OpEntry:
     vjp: str | None = None  # the entry that computes this op's input gradients
     vjp_arrays: Callable | None = None  # (inputs, outputs, output grads) -> vjp entry's arrays
     vjp_options: tuple[tuple[str, object], ...] = ()  # options of the vjp entry beyond this op's
+    mutates: tuple[str, ...] = ()  # arrays the op writes in place (declared in the torch schema)
 
     @property
     def array_names(self) -> tuple[str, ...]:
@@ -60,6 +62,22 @@ def _varlen_outputs(q, k, v, cu_seqlens_q, cu_seqlens_k, **_):
 
 def _varlen_backward_outputs(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dlse, **_):
     return [(q, "q"), (k, "k"), (v, "v")]
+
+
+# attention_with_kvcache: the mask options without align (new tokens are bottom-right aligned),
+# and the number of key splits (-1: chosen from the shapes).
+DECODE_OPTIONS = tuple((name, kind) for name, kind in MASK_OPTIONS if name != "align") + (("num_splits", "int"),)
+
+
+def _decode_keywords(num_splits: int, **flat) -> dict:
+    keywords = AttnOptions(align="bottom_right", **flat).user_keywords()
+    del keywords["align"]
+    return {**keywords, "num_splits": None if num_splits < 0 else num_splits}
+
+
+def _decode_outputs(q, *_, **__):
+    batch, seqlen_q, heads_q, _head_dim = q
+    return [(q, "q"), ((batch, heads_q, seqlen_q), "float32")]
 
 
 def _merge_outputs(outs, lses, **_):
@@ -114,6 +132,29 @@ OPS = {
                 **user_seqlen_bounds(max_seqlen_q, max_seqlen_k), **AttnOptions(**o).user_keywords(),
             )
         ),
+    ),
+    "attention_with_kvcache": OpEntry(
+        name="attention_with_kvcache",
+        arrays=("q", "k_cache", "v_cache", "cache_seqlens", "k_new?", "v_new?", "block_table?", "cache_batch_idx?"),
+        options=DECODE_OPTIONS,
+        returns=("out", "lse"),
+        outputs=_decode_outputs,
+        call=lambda q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, cache_batch_idx, **o: attention_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=cache_seqlens, k_new=k_new, v_new=v_new, block_table=block_table,
+            cache_batch_idx=cache_batch_idx, return_lse=True, **_decode_keywords(**o),
+        ),
+        mutates=("k_cache", "v_cache"),  # when k_new / v_new are given
+    ),
+    "append_kv": OpEntry(
+        name="append_kv",
+        arrays=("k_new", "v_new", "k_cache", "v_cache", "cache_seqlens", "block_table?", "cache_batch_idx?"),
+        options=(),
+        returns=(),
+        outputs=lambda **_: [],
+        call=lambda k_new, v_new, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx: append_kv(
+            k_new, v_new, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, cache_batch_idx=cache_batch_idx,
+        ) or (),
+        mutates=("k_cache", "v_cache"),
     ),
     "merge": OpEntry(
         name="merge",

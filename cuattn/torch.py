@@ -15,6 +15,7 @@ import torch
 from cuattn import ops, replay, requirements
 from cuattn.attention import attention as core_attention
 from cuattn.backward import attention_backward as core_attention_backward
+from cuattn.decode import append_kv as core_append_kv, attention_with_kvcache as core_attention_with_kvcache
 from cuattn.merge import merge as core_merge
 from cuattn.options import AttnOptions, flat_seqlen_bounds
 from cuattn.validation import check_bool
@@ -56,6 +57,36 @@ def attention_varlen(
     bounds = tuple(flat_seqlen_bounds(max_seqlen_q, max_seqlen_k).values())
     out, lse = op("attention_varlen")(q, k, v, cu_seqlens_q, cu_seqlens_k, *options, *bounds)
     return (out, lse) if check_bool("return_lse", return_lse) else out
+
+
+def attention_with_kvcache(
+    q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, block_table=None, cache_batch_idx=None, causal=True,
+    window=None, scale=None, softcap=None, num_splits=None, return_lse=False,
+):
+    """:func:`cuattn.attention_with_kvcache` on torch tensors (not differentiable: decoding). As
+    ``torch.ops.cuattn.attention_with_kvcache``, which declares the cache written in place, it
+    traces under ``torch.compile(fullgraph=True)`` and captures in CUDA graphs."""
+    if _eager(q, k_cache, v_cache):
+        return core_attention_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=cache_seqlens, k_new=k_new, v_new=v_new, block_table=block_table,
+            cache_batch_idx=cache_batch_idx, causal=causal, window=window, scale=scale, softcap=softcap, num_splits=num_splits,
+            return_lse=return_lse,
+        )
+    flat = AttnOptions.from_user(causal, window, "bottom_right", scale, softcap, head_dim=q.shape[-1]).flat()
+    del flat["align"]
+    splits = -1 if num_splits is None else num_splits
+    out, lse = op("attention_with_kvcache")(
+        q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, cache_batch_idx, *flat.values(), splits,
+    )
+    return (out, lse) if check_bool("return_lse", return_lse) else out
+
+
+def append_kv(k_new, v_new, k_cache, v_cache, *, cache_seqlens, block_table=None, cache_batch_idx=None):
+    """:func:`cuattn.append_kv` on torch tensors (``torch.ops.cuattn.append_kv`` when traced)."""
+    if _eager(k_new, v_new, k_cache, v_cache):
+        return core_append_kv(k_new, v_new, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, cache_batch_idx=cache_batch_idx)
+    op("append_kv")(k_new, v_new, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx)
+    return None
 
 
 def merge(outs, lses):
@@ -173,7 +204,12 @@ def _register(name: str):
 
 
 def _schema(entry: ops.OpEntry) -> str:
-    arrays = [f"{_TENSOR_KINDS.get(a[-1], 'Tensor')} {a.rstrip('?[]')}" for a in entry.arrays]
+    aliases = {name: f"({chr(ord('a') + i)}!)" for i, name in enumerate(entry.mutates)}  # written in place
+    arrays = []
+    for a in entry.arrays:
+        name = a.rstrip("?[]")
+        kind = _TENSOR_KINDS.get(a[-1], "Tensor")
+        arrays.append(f"{kind[:6]}{aliases.get(name, '')}{kind[6:]} {name}")
     options = [f"{kind} {name}" for name, kind in entry.options]
     return f"({', '.join(arrays + options)}) -> ({', '.join('Tensor' for _ in entry.returns)})"
 
@@ -187,7 +223,8 @@ def _split(entry: ops.OpEntry, args, kwargs=None) -> tuple[list, dict]:
 
 def _run(entry: ops.OpEntry, *args, **kwargs):
     arrays, options = _split(entry, args, kwargs)
-    return tuple(entry.call(*arrays, **options))
+    results = tuple(entry.call(*arrays, **options))
+    return results if entry.returns else None
 
 
 def _fake(entry: ops.OpEntry, *args, **kwargs):
@@ -196,7 +233,8 @@ def _fake(entry: ops.OpEntry, *args, **kwargs):
     shapes = {n: _shape(a) for n, a in named.items()}
     device = next(_tensors(arrays)).device
     outs = entry.outputs(**shapes, **options)[: len(entry.returns)]
-    return tuple(torch.empty(shape, dtype=_dtype_of(named, d), device=device) for shape, d in outs)
+    results = tuple(torch.empty(shape, dtype=_dtype_of(named, d), device=device) for shape, d in outs)
+    return results if entry.returns else None
 
 
 def _save(entry: ops.OpEntry, ctx, inputs, output) -> None:

@@ -320,3 +320,55 @@ def test_append_rejects_bad_arguments(change, error, match):
     a = change(a)
     with pytest.raises(error, match=match):
         cuattn.attention_with_kvcache(**a)
+
+
+# --- PyTorch ops -----------------------------------------------------------------------------
+
+
+def _torch_step_inputs(torch, paged=True):
+    rng = np.random.default_rng(16)
+    k, v, table = _cache(rng, [0, 0], 2, 64, "float16", page_size=16 if paged else None, capacity=512, spare_pages=4)
+    dev = lambda x: torch.tensor(x.astype(np.float32) if x.dtype != np.int32 else x, device="cuda")  # noqa: E731
+    k_cache, v_cache = dev(k).half(), dev(v).half()
+    q = dev(randn(rng, (2, 2, 8, 64), "float16")).half()
+    k_new, v_new = (dev(randn(rng, (2, 2, 2, 64), "float16")).half() for _ in range(2))
+    lengths = torch.tensor([7, 300], dtype=torch.int32, device="cuda")
+    return q, k_cache, v_cache, lengths, k_new, v_new, None if table is None else dev(table)
+
+
+@gpu
+@pytest.mark.parametrize("paged", [False, True])
+def test_torch_compile_fullgraph_decode_step_matches_eager(paged):
+    """A decode step (append, then attend) compiled with fullgraph=True: same output and the
+    same cache writes as eager (the op declares the cache mutated)."""
+    torch = pytest.importorskip("torch")
+    import cuattn.torch as ct
+
+    def step(q, k_cache, v_cache, lengths, k_new, v_new, table):
+        return ct.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, k_new=k_new, v_new=v_new, block_table=table,
+                                         softcap=30.0, return_lse=True)
+
+    eager_inputs, compiled_inputs = _torch_step_inputs(torch, paged), _torch_step_inputs(torch, paged)
+    eager = step(*eager_inputs)
+    compiled = torch.compile(step, fullgraph=True)(*compiled_inputs)
+    for e, c in zip(eager, compiled):
+        torch.testing.assert_close(c, e, rtol=0, atol=0)
+    torch.testing.assert_close(compiled_inputs[1], eager_inputs[1], rtol=0, atol=0)  # the appended keys
+    torch.testing.assert_close(compiled_inputs[2], eager_inputs[2], rtol=0, atol=0)
+    q, k_cache, v_cache, lengths, *_, table = eager_inputs
+    ref = reference.attention_with_kvcache(
+        q.float().cpu().numpy(), k_cache.float().cpu().numpy(), v_cache.float().cpu().numpy(), cache_seqlens=lengths.cpu().numpy() + 2,
+        block_table=None if table is None else table.cpu().numpy(), softcap=30.0)
+    np.testing.assert_allclose(eager[0].float().cpu().numpy(), ref, atol=5e-3)
+
+
+@gpu
+def test_torch_decode_ops_pass_opcheck():
+    torch = pytest.importorskip("torch")
+    import cuattn.torch as ct
+
+    q, k_cache, v_cache, lengths, k_new, v_new, table = _torch_step_inputs(torch)
+    options = dict(causal=True, window_left=-1, window_right=-1, scale=0.125, softcap=0.0, num_splits=-1)
+    torch.library.opcheck(ct.op("attention_with_kvcache"), (q, k_cache, v_cache, lengths, None, None, table, None), options)
+    torch.library.opcheck(ct.op("attention_with_kvcache"), (q, k_cache, v_cache, lengths, k_new, v_new, table, None), {**options, "num_splits": 3})
+    torch.library.opcheck(ct.op("append_kv"), (k_new, v_new, k_cache, v_cache, lengths, table, None))
