@@ -88,7 +88,7 @@ def attention_with_kvcache(
     _check_new(ctx, a, cache)
     heads_kv = a["k_cache"].shape[2]
     options = AttnOptions.from_user(causal, window, "bottom_right", scale, softcap, head_dim=head_dim)
-    splits = _check_splits(num_splits)
+    splits = check_num_splits(num_splits)
     if out is not None:
         validation.check_writable_output("out", a["out"], {"q": a["q"], "k_cache": a["k_cache"], "v_cache": a["v_cache"]}, same_as_ok="q")
 
@@ -130,10 +130,11 @@ def attention_with_kvcache(
                 softcap=fields["softcap"], exp2_scale=fields["exp2_scale"],
             )
             c_type = validation.check_dtype("q", a["q"], _DTYPES)
+            attend = plan.variant(c_type, bucket, paged, options.softcap > 0, smem_limit)
+            grid = plan.grid(splits, heads_kv, row_blocks, batch)  # may raise: before the cache is written
             if cache["seqlen_new"]:
                 _launch_append(ctx, c_type, a, p, batch * cache["seqlen_new"] * heads_kv)
-            attend = plan.variant(c_type, bucket, paged, options.softcap > 0, smem_limit)
-            ctx.launch(attend, plan.grid(splits, heads_kv, row_blocks, batch), (attend.threads, 1, 1), p)
+            ctx.launch(attend, grid, (attend.threads, 1, 1), p)
             if splits > 1:
                 combine = plan.combine_variant(c_type, bucket)
                 ctx.launch(combine, plan.combine_grid(batch * seqlen_q * heads_q), (combine.threads, 1, 1), p)
@@ -213,6 +214,10 @@ def _check_cache(a: dict, batch: int, head_dim: int, dtype_of: str = "q") -> dic
     validation.check_same_dtype("v_cache", v, dtype_of, a[dtype_of])
     validation.check_shape("v_cache", v, k.shape, "(the shape of k_cache)")
     rows, positions, heads_kv = k.shape[0], k.shape[1], k.shape[2]
+    if head_dim % 8 or not 8 <= head_dim <= 256:  # 16-byte rows: the kernels copy whole chunks
+        raise ValueError(f"head_dim {head_dim} is not supported: use a multiple of 8 from 8 to 256")
+    if rows == 0 and batch:
+        raise ValueError("k_cache holds no rows (pages) for the sequences to use")
     if k.shape[3] != head_dim:
         raise ValueError(f"k_cache has head_dim {k.shape[3]} but {dtype_of} has {head_dim}")
     if "q" in a and (heads_kv == 0 or a["q"].shape[2] % heads_kv):
@@ -289,7 +294,7 @@ def _host_range(name: str, x, low: int, high: int) -> None:
         raise ValueError(f"{name}{list(at)} is {int(values[at])}, outside [{low}, {high}]")
 
 
-def _check_splits(num_splits) -> int | None:
+def check_num_splits(num_splits) -> int | None:
     if num_splits is None:
         return None
     if isinstance(num_splits, (bool, np.bool_)) or not isinstance(num_splits, (int, np.integer)):

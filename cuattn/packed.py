@@ -5,6 +5,7 @@ grid bounds resolved, and the packed arrays as the kernels' views (the device si
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import numpy as np
 
@@ -89,7 +90,8 @@ def one_sequence_view(x: boundary.DeviceArray | None) -> boundary.DeviceArray | 
 # entry is written into one word of pinned host memory, which every later varlen call reads
 # before anything else (no synchronization) and check_varlen_offsets reads after one.
 _report: np.ndarray | None = None
-_report_memory = None
+_report_memory = None  # kept for the process: its address lives on in replay plans and graphs
+_report_lock = threading.Lock()
 NO_BOUND = 2**31 - 1
 
 
@@ -107,15 +109,17 @@ def launch_offset_check(ctx, cu_q, cu_k, batch: int, totals: tuple[int, int], bo
 
 def _report_address() -> int:
     global _report, _report_memory
-    if _report is None:
-        import cupy
-        from cupy.cuda import runtime
+    with _report_lock:
+        if _report is None:
+            import cupy
+            from cupy.cuda import runtime
 
-        # Mapped and portable: with unified addressing every device writes it at its host address.
-        memory = cupy.cuda.PinnedMemoryPointer(cupy.cuda.pinned_memory.PinnedMemory(8, runtime.hostAllocPortable | runtime.hostAllocMapped), 0)
-        word = np.frombuffer(memory, np.uint64, 1)
-        word[0] = 0
-        _report_memory, _report = memory, word
+            # Mapped and portable: with unified addressing every device writes it at its host address.
+            flags = runtime.hostAllocPortable | runtime.hostAllocMapped
+            memory = cupy.cuda.PinnedMemoryPointer(cupy.cuda.pinned_memory.PinnedMemory(8, flags), 0)
+            word = np.frombuffer(memory, np.uint64, 1)
+            word[0] = 0
+            _report_memory, _report = memory, word
     return _report_memory.ptr
 
 

@@ -15,7 +15,7 @@ import torch
 from cuattn import ops, replay, requirements
 from cuattn.attention import attention as core_attention
 from cuattn.backward import attention_backward as core_attention_backward
-from cuattn.decode import append_kv as core_append_kv, attention_with_kvcache as core_attention_with_kvcache
+from cuattn.decode import append_kv as core_append_kv, attention_with_kvcache as core_attention_with_kvcache, check_num_splits
 from cuattn.merge import merge as core_merge
 from cuattn.options import AttnOptions, flat_seqlen_bounds
 from cuattn.validation import check_bool
@@ -66,7 +66,8 @@ def attention_with_kvcache(
     """:func:`cuattn.attention_with_kvcache` on torch tensors (not differentiable: decoding). As
     ``torch.ops.cuattn.attention_with_kvcache``, which declares the cache written in place, it
     traces under ``torch.compile(fullgraph=True)`` and captures in CUDA graphs."""
-    if _eager(q, k_cache, v_cache):
+    tensors = [x for x in (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, cache_batch_idx) if x is not None]
+    if _eager(*tensors):
         return core_attention_with_kvcache(
             q, k_cache, v_cache, cache_seqlens=cache_seqlens, k_new=k_new, v_new=v_new, block_table=block_table,
             cache_batch_idx=cache_batch_idx, causal=causal, window=window, scale=scale, softcap=softcap, num_splits=num_splits,
@@ -74,7 +75,7 @@ def attention_with_kvcache(
         )
     flat = AttnOptions.from_user(causal, window, "bottom_right", scale, softcap, head_dim=q.shape[-1]).flat()
     del flat["align"]
-    splits = -1 if num_splits is None else num_splits
+    splits = -1 if num_splits is None else check_num_splits(num_splits)
     out, lse = op("attention_with_kvcache")(
         q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, cache_batch_idx, *flat.values(), splits,
     )
@@ -83,7 +84,7 @@ def attention_with_kvcache(
 
 def append_kv(k_new, v_new, k_cache, v_cache, *, cache_seqlens, block_table=None, cache_batch_idx=None):
     """:func:`cuattn.append_kv` on torch tensors (``torch.ops.cuattn.append_kv`` when traced)."""
-    if _eager(k_new, v_new, k_cache, v_cache):
+    if _eager(*(x for x in (k_new, v_new, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx) if x is not None)):
         return core_append_kv(k_new, v_new, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, cache_batch_idx=cache_batch_idx)
     op("append_kv")(k_new, v_new, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx)
     return None

@@ -205,7 +205,7 @@ def test_appends_past_the_capacity_or_outside_the_pages_are_skipped():
     rng = np.random.default_rng(14)
     k, v, table = _cache(rng, [64, 64, 64], 1, 32, "float16", page_size=16, spare_pages=2)
     table[1, 3], table[2, 0] = -1, 10**6
-    lengths = np.array([60, 40, 2], np.int32)  # sequence 0: rows 4, 5 pass the capacity of 64
+    lengths = np.array([60, 2**31 - 3, 2], np.int32)  # rows 4, 5 of sequence 0 pass the capacity; 1 is near INT_MAX
     k_new, v_new = (randn(rng, (3, 6, 1, 32), "float16") for _ in range(2))
     kd, vd = cupy.asarray(k), cupy.asarray(v)
     cuattn.append_kv(cupy.asarray(k_new), cupy.asarray(v_new), kd, vd, cache_seqlens=cupy.asarray(lengths), block_table=cupy.asarray(table))
@@ -279,6 +279,8 @@ def _paged(a):
     (lambda a: {**_paged(a), "block_table": np.array([0, 1], np.int32)}, ValueError, r"block_table must have 2 dimensions"),
     (lambda a: {**_paged(a), "cache_seqlens": np.array([3, 33], np.int32)}, ValueError, r"outside \[0, 32\]"),
     (lambda a: {**a, "num_splits": 0}, ValueError, r"num_splits must be from 1"),
+    (lambda a: {**a, "k_cache": a["k_cache"][:0], "v_cache": a["v_cache"][:0], "cache_batch_idx": np.array([0, 0], np.int32)},
+     ValueError, r"k_cache holds no rows"),
     (lambda a: {**a, "num_splits": 2.0}, TypeError, r"num_splits must be an int"),
     (lambda a: {**a, "cache_seqlens": None}, TypeError, r"cache_seqlens is required"),
     (lambda a: {**a, "causal": 1}, TypeError, r"causal must be a bool"),
@@ -291,6 +293,14 @@ def test_kvcache_rejects_bad_arguments(change, error, match):
     args = change(_host_args())
     with pytest.raises(error, match=match):
         cuattn.attention_with_kvcache(**args)
+
+
+def test_append_kv_refuses_rows_that_are_not_whole_16_byte_chunks():
+    """A head_dim of 12 would let the append copy 16-byte chunks past the rows."""
+    k_new = np.ones((2, 1, 2, 16), np.float16)[..., :12]
+    cache = np.ones((2, 32, 2, 16), np.float16)[..., :12]
+    with pytest.raises(ValueError, match=r"head_dim 12 is not supported"):
+        cuattn.append_kv(k_new, k_new.copy(), cache, cache.copy(), cache_seqlens=np.array([1, 2], np.int32))
 
 
 def test_reference_reads_pages_like_a_contiguous_cache():

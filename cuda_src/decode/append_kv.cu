@@ -15,8 +15,9 @@ __global__ void __launch_bounds__(kAppendWarps * 32) append_kv_kernel(const __gr
   const i64 row = i64(blockIdx.x) * kAppendWarps + threadIdx.x / 32;  // (seq, t, head)
   if (row >= i64(p.batch) * p.seqlen_new * p.heads_kv) return;
   const int head = int(row % p.heads_kv), t = int(row / p.heads_kv % p.seqlen_new), seq = int(row / p.heads_kv / p.seqlen_new);
-  const int pos = max(p.cache_seqlens[seq], 0) + t;
-  if (pos >= p.capacity) return;
+  const int cached = min(max(p.cache_seqlens[seq], 0), p.capacity);  // clamped first: no int overflow
+  if (t >= p.capacity - cached || p.cache_rows == 0) return;
+  const int pos = cached + t;
   const CacheRows<PAGED> cache(p, seq);
   int at = cache.row;
   if constexpr (PAGED) {
