@@ -99,9 +99,16 @@ def test_chunked_prefill_shape():
 
 
 @gpu
-@pytest.mark.parametrize("splits", [1, 3, 128])
+@pytest.mark.parametrize("splits", [1, 3, 33, 128])
 def test_explicit_splits_agree_with_the_reference(splits):
     _run(np.random.default_rng(9), [2000, 0, 129], 1, 8, 2, 128, "bfloat16", 16, num_splits=splits)
+
+
+@gpu
+@pytest.mark.parametrize("head_dim", [40, 96, 160, 256])
+def test_split_merge_at_head_dims_off_the_lane_width(head_dim):
+    """The merge of the splits reads 4 columns per lane: head dims that leave lanes idle."""
+    _run(np.random.default_rng(10), [900, 37], 2, 8, 4, head_dim, "float16", None, num_splits=5)
 
 
 @gpu

@@ -16,8 +16,8 @@ ROWS, WARPS, BLOCK_N = 16, 4, 64  # packed query rows per CTA, warps, keys per r
 # three CTAs), whose block-table loads then overlap.
 STAGES = {32: 4, 64: 4, 96: 4, 128: 4, 160: 2, 192: 2, 224: 2, 256: 2}
 PAGED_STAGES = {32: 2, 64: 2, 96: 2, 128: 2, 160: 2, 192: 2, 224: 2, 256: 2}
-MIN_BLOCKS_PER_SPLIT = 8  # key blocks of the capacity per split, at least
-COMBINE_WARPS = 8  # one row per warp
+MIN_BLOCKS_PER_SPLIT = 1  # key blocks of the capacity per split, at least
+COMBINE_WARPS = 4  # one row per CTA, the splits dealt to the warps
 APPEND_WARPS = 8  # one (sequence, new row, KV head) per warp
 MAX_SPLITS = 128
 SM_SMEM = 228 * 1024  # shared memory per SM that resident CTAs share (1 KB of it reserved per CTA)
@@ -74,7 +74,7 @@ def combine_variant(c_type: str, bucket: int) -> Variant:
         uri=f"decode_combine/{c_type}/d{bucket}",
         hot=True,
         threads=COMBINE_WARPS * 32,
-        contract=(("cuattn::kCombineWarps", COMBINE_WARPS),),
+        contract=(("cuattn::kCombineWarps", COMBINE_WARPS), ("cuattn::kCombineMaxSplits", MAX_SPLITS)),
     )
 
 
@@ -113,7 +113,7 @@ def grid(splits: int, heads_kv: int, row_blocks: int, batch: int) -> tuple[int, 
 
 
 def combine_grid(rows: int) -> tuple[int, int, int]:
-    return (-(-rows // COMBINE_WARPS), 1, 1)
+    return (rows, 1, 1)
 
 
 def variants(arch: str | None = None) -> list[Variant]:

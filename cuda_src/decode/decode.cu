@@ -64,8 +64,8 @@ __device__ __forceinline__ void load_kv_block(T* sK, T* sV, const DecodeParams& 
       k_at = at * p.k_strides[0] + pos * p.k_strides[1] + c;
       v_at = at * p.v_strides[0] + pos * p.v_strides[1] + c;
     }
-    cp_async_16(sK + r * Tr::kRowStride + c, k + k_at, valid);
-    cp_async_16(sV + r * Tr::kRowStride + c, v + v_at, valid);
+    cp_async_16_stream(sK + r * Tr::kRowStride + c, k + k_at, valid);
+    cp_async_16_stream(sV + r * Tr::kRowStride + c, v + v_at, valid);
   }
 }
 

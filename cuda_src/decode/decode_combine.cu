@@ -1,45 +1,87 @@
 // The last step of a split decode (decode.cu): each row's fp32 partials (normalized out, lse),
-// one per key split, merged by their lse into out (the input dtype) and lse. One warp per row.
+// one per key split, merged by their lse into out (the input dtype) and lse. One CTA per row:
+// the threads read the splits' lse together (split s in thread s), so every weight is known
+// before a partial output is read; warp w then sums splits w, w + 4, ..., four partial rows in
+// flight per warp (4 columns per lane), and the warps' sums are added through shared memory.
+// The row's latency is that of two dependent reads, not one per split.
 #include "common/dtypes.cuh"
 #include "common/params.cuh"
 
 namespace cuattn {
 
-constexpr int kCombineWarps = 8;
+constexpr int kCombineWarps = 4;
+constexpr int kCombineMaxSplits = 128;  // cuattn/kernels/decode.py MAX_SPLITS: one per thread
 
 template <typename T, int HEAD_DIM>
 __global__ void __launch_bounds__(kCombineWarps * 32) decode_combine_kernel(const __grid_constant__ DecodeParams p) {
-  constexpr int kCols = (HEAD_DIM + 31) / 32;
-  const int lane = threadIdx.x % 32;
-  const i64 row = i64(blockIdx.x) * kCombineWarps + threadIdx.x / 32;  // (seq, token, head)
+  static_assert(kCombineMaxSplits == kCombineWarps * 32, "one split's lse per thread");
+  constexpr int kChunks = (HEAD_DIM / 4 + 31) / 32;  // float4 columns per lane
+  constexpr int kInFlight = 4;                       // partial rows per warp per round
+  __shared__ float s_weight[kCombineMaxSplits];
+  __shared__ float s_reduce[kCombineWarps];
+  __shared__ __align__(16) float s_out[kCombineWarps][HEAD_DIM];
+
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const i64 row = blockIdx.x;  // (seq, token, head)
   const i64 rows = i64(p.batch) * p.seqlen_q * p.heads_q;
-  if (row >= rows) return;
   const int head = int(row % p.heads_q), token = int(row / p.heads_q % p.seqlen_q), seq = int(row / p.heads_q / p.seqlen_q);
   const i64 lse_at = (i64(seq) * p.heads_q + head) * p.seqlen_q + token, lse_split = i64(p.batch) * p.heads_q * p.seqlen_q;
+  const int splits = min(p.num_splits, kCombineMaxSplits);
 
-  float shift = neg_inf();
-  for (int s = 0; s < p.num_splits; ++s) shift = fmaxf(shift, p.partial_lse[s * lse_split + lse_at]);
-  float o[kCols] = {}, l = 0.f;
-  if (shift != neg_inf()) {
-    for (int s = 0; s < p.num_splits; ++s) {
-      const float w = expf(p.partial_lse[s * lse_split + lse_at] - shift);
-      if (w == 0.f) continue;
-      l += w;
-      const float* part = p.partial_out + (s * rows + row) * p.head_dim;
+  // lse: max over the splits, then weights exp(lse_s - max) and their sum.
+  const float lse = int(threadIdx.x) < splits ? p.partial_lse[threadIdx.x * lse_split + lse_at] : neg_inf();
+  float shift = lse;
 #pragma unroll
-      for (int i = 0; i < kCols; ++i) {
-        const int c = i * 32 + lane;
-        if (c < p.head_dim) o[i] += w * part[c];
+  for (int d = 16; d > 0; d /= 2) shift = fmaxf(shift, __shfl_xor_sync(0xffffffff, shift, d));
+  if (lane == 0) s_reduce[warp] = shift;
+  __syncthreads();
+  shift = fmaxf(fmaxf(s_reduce[0], s_reduce[1]), fmaxf(s_reduce[2], s_reduce[3]));
+  const float weight = shift == neg_inf() || lse == neg_inf() ? 0.f : expf(lse - shift);
+  float l = weight;
+#pragma unroll
+  for (int d = 16; d > 0; d /= 2) l += __shfl_xor_sync(0xffffffff, l, d);
+  s_weight[threadIdx.x] = weight;
+  __syncthreads();  // every weight written, every s_reduce read
+  if (lane == 0) s_reduce[warp] = l;
+
+  float4 o[kChunks];
+#pragma unroll
+  for (int i = 0; i < kChunks; ++i) o[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+  const float* part = p.partial_out + row * p.head_dim;
+  const i64 split_stride = rows * p.head_dim;
+  for (int s0 = warp; s0 < splits; s0 += kCombineWarps * kInFlight) {
+    float4 x[kInFlight][kChunks];
+#pragma unroll
+    for (int j = 0; j < kInFlight; ++j) {  // every load first: all partial rows are written (zeros where a split saw no key)
+      const int s = s0 + j * kCombineWarps;
+#pragma unroll
+      for (int i = 0; i < kChunks; ++i) {
+        const int c = (i * 32 + lane) * 4;
+        x[j][i] = s < splits && c < p.head_dim ? *reinterpret_cast<const float4*>(part + s * split_stride + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kInFlight; ++j) {
+      const int s = s0 + j * kCombineWarps;
+      const float w = s < splits ? s_weight[s] : 0.f;
+#pragma unroll
+      for (int i = 0; i < kChunks; ++i) {
+        if (w != 0.f) o[i].x += w * x[j][i].x, o[i].y += w * x[j][i].y, o[i].z += w * x[j][i].z, o[i].w += w * x[j][i].w;
       }
     }
   }
-  T* out = static_cast<T*>(p.out) + seq * p.out_strides[0] + token * p.out_strides[1] + head * p.out_strides[2];
 #pragma unroll
-  for (int i = 0; i < kCols; ++i) {
-    const int c = i * 32 + lane;
-    if (c < p.head_dim) out[c] = from_float<T>(l > 0.f ? o[i] / l : 0.f);
+  for (int i = 0; i < kChunks; ++i) {
+    const int c = (i * 32 + lane) * 4;
+    if (c < HEAD_DIM) *reinterpret_cast<float4*>(&s_out[warp][c]) = o[i];
   }
-  if (lane == 0 && p.lse != nullptr) p.lse[seq * p.lse_strides[0] + head * p.lse_strides[1] + token] = l > 0.f ? shift + logf(l) : neg_inf();
+  __syncthreads();
+  l = s_reduce[0] + s_reduce[1] + s_reduce[2] + s_reduce[3];
+  const float inv = l > 0.f ? 1.f / l : 0.f;
+  T* out = static_cast<T*>(p.out) + seq * p.out_strides[0] + token * p.out_strides[1] + head * p.out_strides[2];
+  for (int c = threadIdx.x; c < p.head_dim; c += kCombineWarps * 32)
+    out[c] = from_float<T>((s_out[0][c] + s_out[1][c] + s_out[2][c] + s_out[3][c]) * inv);
+  if (threadIdx.x == 0 && p.lse != nullptr) p.lse[seq * p.lse_strides[0] + head * p.lse_strides[1] + token] = l > 0.f ? shift + logf(l) : neg_inf();
 }
 
 }  // namespace cuattn
