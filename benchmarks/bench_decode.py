@@ -109,19 +109,23 @@ def step_latency_us(batch: int = 1, seqlen: int = 1024, calls: int = 200) -> dic
 
 
 def chunked_prefill(chunk: int = 2048, cached: int = 32768) -> dict:
-    """A chunk of new tokens (already appended) against its cache: attention_with_kvcache next to
-    cuattn.attention on the same q, K and V (contiguous), causal, bottom-right aligned."""
+    """A chunk of new tokens (already appended) against its cache: attention_with_kvcache on a
+    contiguous cache and on pages of 16 next to cuattn.attention on the same q, K and V, causal,
+    bottom-right aligned."""
     import torch
 
     q = torch.randn(1, chunk, HEADS_Q, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(1, cached, HEADS_KV, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     lengths = torch.full((1,), cached, dtype=torch.int32, device="cuda")
+    pk, pv, table = _paged(k, v, 16, np.random.default_rng(1))
     # causal work: every query sees the cache before the chunk and its own prefix
     flops = 4 * HEADS_Q * HEAD_DIM * chunk * (cached - chunk) + 2 * HEADS_Q * HEAD_DIM * chunk * chunk
     kv_ms = torch_kernel_ms(lambda: cuattn.attention_with_kvcache(q, k, v, cache_seqlens=lengths))
+    paged_ms = torch_kernel_ms(lambda: cuattn.attention_with_kvcache(q, pk, pv, cache_seqlens=lengths, block_table=table))
     dense_ms = torch_kernel_ms(lambda: cuattn.attention(q, k, v, causal=True))
     return {"chunk": chunk, "cached_tokens": cached, "kvcache_tflops": round(flops / kv_ms / 1e9, 1),
-            "dense_tflops": round(flops / dense_ms / 1e9, 1), "ratio": round(dense_ms / kv_ms, 2)}
+            "page16_tflops": round(flops / paged_ms / 1e9, 1), "dense_tflops": round(flops / dense_ms / 1e9, 1),
+            "ratio": round(dense_ms / kv_ms, 2), "page16_ratio": round(dense_ms / paged_ms, 2)}
 
 
 def main(argv=None) -> None:
@@ -164,7 +168,8 @@ def main(argv=None) -> None:
         print("".join(f"{r[c]:>19}" for c in cols))
     print(f"\none step, host included (batch 1, 1024 tokens): cuattn {latency['cuattn_us']} us, SDPA {latency['sdpa_us']} us")
     print(f"chunked prefill ({prefill['chunk']} new tokens, {prefill['cached_tokens']} cached): attention_with_kvcache "
-          f"{prefill['kvcache_tflops']} TFLOP/s, dense forward {prefill['dense_tflops']} TFLOP/s ({prefill['ratio']}x)")
+          f"{prefill['kvcache_tflops']} TFLOP/s ({prefill['ratio']}x), pages of 16 {prefill['page16_tflops']} TFLOP/s "
+          f"({prefill['page16_ratio']}x), dense forward {prefill['dense_tflops']} TFLOP/s")
 
 
 if __name__ == "__main__":

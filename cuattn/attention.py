@@ -154,6 +154,7 @@ def attn_params(q, k, v, out, lse, options: AttnOptions, packed=None) -> np.void
         batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, heads_q=heads_q, heads_kv=k.shape[2], head_dim=head_dim,
         **mask, batch_offset=0,
         cu_seqlens_q=seqs[0], cu_seqlens_k=seqs[1], total_q=seqs[2], total_k=seqs[3], bottom_right=seqs[4],
+        cache_seqlens=0, block_table=0, cache_batch_idx=0, block_table_stride=0, capacity=0, cache_rows=0, page_size=0, seqlen_new=0,
     )
 
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 import numpy as np
 
 from cuattn import boundary, params, replay, validation
-from cuattn.attention import NO_LSE, require_arrays
+from cuattn.attention import NO_LSE, attn_params, launch_forward, require_arrays
 from cuattn.kernels import decode as plan
+from cuattn.kernels import forward
 from cuattn.kernels.variant import head_dim_bucket
 from cuattn.loader import device_sm_count, device_smem_limit
 from cuattn.options import AttnOptions
@@ -49,7 +50,9 @@ def attention_with_kvcache(
         a new token sees the cache and the new tokens before it).
     num_splits : optional int >= 1: CTAs over each sequence's keys. None chooses from the
         shapes and the SM count only, so a CUDA graph of the call serves any lengths and page
-        tables.
+        tables. Calls with at least 64 new tokens per sequence (chunked prefill) take the tiled
+        forward kernel with the cache's addressing instead, one CTA per 128 query rows and
+        head, and do not split the keys (``num_splits`` is then not used).
     return_lse : bool. Also return ``lse`` ``(batch, heads_q, seqlen_q)`` float32.
     out : optional array like ``q``, written in place.
 
@@ -98,48 +101,73 @@ def attention_with_kvcache(
     if cache["seqlen_new"] and not (seqlen_q and heads_q):  # nothing to attend: the append alone
         _append_only(ctx, a, cache, batch, heads_kv, head_dim)
     if batch and seqlen_q and heads_q:
-        row_blocks = -(-(heads_q // heads_kv) * seqlen_q // plan.ROWS)
-        with ctx.device, ctx.stream:
-            bucket, paged, smem_limit = head_dim_bucket(head_dim), a["block_table"] is not None, device_smem_limit(ctx.device.id)
-            if plan.stages(bucket, paged, smem_limit) is None:
-                raise ValueError(
-                    f"attention_with_kvcache at head_dim {head_dim} needs {plan.smem_bytes_for(bucket, 2)} bytes of shared memory "
-                    f"per block; this GPU has {smem_limit}"
-                )
-            if splits is None:
-                splits = plan.num_splits(bucket, paged, batch, heads_kv, row_blocks, cache["capacity"], device_sm_count(ctx.device.id), smem_limit)
-            partial_out = partial_lse = NO_LSE
-            if splits > 1:
-                partial_out = ctx.empty((splits, batch, seqlen_q, heads_q, head_dim), np.float32)
-                partial_lse = ctx.empty((splits, batch, heads_q, seqlen_q), np.float32)
-            fields = options.kernel_fields(seqlen_q, cache["capacity"])
-            p = params.pack(
-                params.DECODE_PARAMS,
-                q=a["q"].ptr, k=a["k_cache"].ptr, v=a["v_cache"].ptr, out=dst.ptr, lse=lse.ptr,
-                partial_out=partial_out.ptr, partial_lse=partial_lse.ptr, cache_seqlens=a["cache_seqlens"].ptr,
-                block_table=0 if a["block_table"] is None else a["block_table"].ptr,
-                cache_batch_idx=0 if a["cache_batch_idx"] is None else a["cache_batch_idx"].ptr,
-                k_new=_ptr(a["k_new"]), v_new=_ptr(a["v_new"]),
-                q_strides=a["q"].strides[:3], k_strides=a["k_cache"].strides[:3], v_strides=a["v_cache"].strides[:3],
-                out_strides=dst.strides[:3], lse_strides=lse.strides[:2],
-                k_new_strides=_strides(a["k_new"]), v_new_strides=_strides(a["v_new"]),
-                block_table_stride=0 if a["block_table"] is None else a["block_table"].strides[0],
-                batch=batch, seqlen_q=seqlen_q, seqlen_new=cache["seqlen_new"], heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim,
-                capacity=cache["capacity"], cache_rows=a["k_cache"].shape[0], page_size=cache["page_size"], num_splits=splits,
-                window_left=fields["window_left"], window_right=fields["window_right"], scale=fields["scale"],
-                softcap=fields["softcap"], exp2_scale=fields["exp2_scale"],
-            )
-            c_type = validation.check_dtype("q", a["q"], _DTYPES)
-            attend = plan.variant(c_type, bucket, paged, options.softcap > 0, smem_limit)
-            grid = plan.grid(splits, heads_kv, row_blocks, batch)  # may raise: before the cache is written
+        c_type = validation.check_dtype("q", a["q"], _DTYPES)
+        paged = a["block_table"] is not None
+        if plan.prefill_by_forward(seqlen_q):
+            forward.launches(forward.variant(c_type, head_dim_bucket(head_dim), False), seqlen_q, heads_q, batch)  # may raise: before the append
+            p = _forward_params(a, dst, lse, options, cache)
             if cache["seqlen_new"]:
-                _launch_append(ctx, c_type, a, p, batch * cache["seqlen_new"] * heads_kv)
-            ctx.launch(attend, grid, (attend.threads, 1, 1), p)
-            if splits > 1:
-                combine = plan.combine_variant(c_type, bucket)
-                ctx.launch(combine, plan.combine_grid(batch * seqlen_q * heads_q), (combine.threads, 1, 1), p)
+                _append_only(ctx, a, cache, batch, heads_kv, head_dim)
+            launch_forward(ctx, c_type, p, seqlen_q, heads_q, batch, layout="paged_cache" if paged else "cache")
+        else:
+            _launch_decode(ctx, c_type, a, dst, lse, options, cache, splits)
     result = out if out is not None else ctx.export(dst)
     return (result, ctx.export(lse)) if return_lse else result
+
+
+def _launch_decode(ctx, c_type: str, a: dict, dst, lse, options: AttnOptions, cache: dict, splits: int | None) -> None:
+    """The split decode kernel (and the merge of its splits), after the append if any."""
+    batch, seqlen_q, heads_q, head_dim = a["q"].shape
+    heads_kv = a["k_cache"].shape[2]
+    row_blocks = -(-(heads_q // heads_kv) * seqlen_q // plan.ROWS)
+    with ctx.device, ctx.stream:
+        bucket, paged, smem_limit = head_dim_bucket(head_dim), a["block_table"] is not None, device_smem_limit(ctx.device.id)
+        if plan.stages(bucket, paged, smem_limit) is None:
+            raise ValueError(
+                f"attention_with_kvcache at head_dim {head_dim} needs {plan.smem_bytes_for(bucket, 2)} bytes of shared memory "
+                f"per block; this GPU has {smem_limit}"
+            )
+        if splits is None:
+            splits = plan.num_splits(bucket, paged, batch, heads_kv, row_blocks, cache["capacity"], device_sm_count(ctx.device.id), smem_limit)
+        partial_out = partial_lse = NO_LSE
+        if splits > 1:
+            partial_out = ctx.empty((splits, batch, seqlen_q, heads_q, head_dim), np.float32)
+            partial_lse = ctx.empty((splits, batch, heads_q, seqlen_q), np.float32)
+        fields = options.kernel_fields(seqlen_q, cache["capacity"])
+        p = params.pack(
+            params.DECODE_PARAMS,
+            q=a["q"].ptr, k=a["k_cache"].ptr, v=a["v_cache"].ptr, out=dst.ptr, lse=lse.ptr,
+            partial_out=partial_out.ptr, partial_lse=partial_lse.ptr, cache_seqlens=a["cache_seqlens"].ptr,
+            block_table=_ptr(a["block_table"]), cache_batch_idx=_ptr(a["cache_batch_idx"]),
+            k_new=_ptr(a["k_new"]), v_new=_ptr(a["v_new"]),
+            q_strides=a["q"].strides[:3], k_strides=a["k_cache"].strides[:3], v_strides=a["v_cache"].strides[:3],
+            out_strides=dst.strides[:3], lse_strides=lse.strides[:2],
+            k_new_strides=_strides(a["k_new"]), v_new_strides=_strides(a["v_new"]),
+            block_table_stride=0 if a["block_table"] is None else a["block_table"].strides[0],
+            batch=batch, seqlen_q=seqlen_q, seqlen_new=cache["seqlen_new"], heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim,
+            capacity=cache["capacity"], cache_rows=a["k_cache"].shape[0], page_size=cache["page_size"], num_splits=splits,
+            window_left=fields["window_left"], window_right=fields["window_right"], scale=fields["scale"],
+            softcap=fields["softcap"], exp2_scale=fields["exp2_scale"],
+        )
+        attend = plan.variant(c_type, bucket, paged, options.softcap > 0, smem_limit)
+        grid = plan.grid(splits, heads_kv, row_blocks, batch)  # may raise: before the cache is written
+        if cache["seqlen_new"]:
+            _launch_append(ctx, c_type, a, p, batch * cache["seqlen_new"] * heads_kv)
+        ctx.launch(attend, grid, (attend.threads, 1, 1), p)
+        if splits > 1:
+            combine = plan.combine_variant(c_type, bucket)
+            ctx.launch(combine, plan.combine_grid(batch * seqlen_q * heads_q), (combine.threads, 1, 1), p)
+
+
+def _forward_params(a: dict, dst, lse, options: AttnOptions, cache: dict) -> np.void:
+    """AttnParams of the tiled forward over the cache layouts (chunked prefill)."""
+    p = attn_params(a["q"], a["k_cache"], a["v_cache"], dst, lse, options)
+    fields = options.kernel_fields(a["q"].shape[1], cache["capacity"])
+    p["seqlen_k"], p["diagonal_offset"] = cache["capacity"], fields["diagonal_offset"]  # bounds only: the kernels read each length
+    p["cache_seqlens"], p["block_table"], p["cache_batch_idx"] = a["cache_seqlens"].ptr, _ptr(a["block_table"]), _ptr(a["cache_batch_idx"])
+    p["block_table_stride"] = 0 if a["block_table"] is None else a["block_table"].strides[0]
+    p["capacity"], p["cache_rows"], p["page_size"], p["seqlen_new"] = cache["capacity"], a["k_cache"].shape[0], cache["page_size"], cache["seqlen_new"]
+    return p
 
 
 def append_kv(k_new, v_new, k_cache, v_cache, *, cache_seqlens, block_table=None, cache_batch_idx=None):
@@ -178,20 +206,26 @@ def _launch_append(ctx, c_type: str, a: dict, p: np.void, rows: int) -> None:
     ctx.launch(variant, plan.append_grid(rows), (variant.threads, 1, 1), p)
 
 
+def _append_params(a: dict, cache: dict, batch: int, heads_kv: int, head_dim: int) -> np.void:
+    """DecodeParams with what append_kv.cu reads."""
+    p = params.new(params.DECODE_PARAMS)
+    p["k"], p["v"], p["k_new"], p["v_new"] = a["k_cache"].ptr, a["v_cache"].ptr, a["k_new"].ptr, a["v_new"].ptr
+    p["cache_seqlens"] = a["cache_seqlens"].ptr
+    p["block_table"], p["cache_batch_idx"] = _ptr(a["block_table"]), _ptr(a["cache_batch_idx"])
+    p["k_strides"], p["v_strides"] = a["k_cache"].strides[:3], a["v_cache"].strides[:3]
+    p["k_new_strides"], p["v_new_strides"] = a["k_new"].strides[:3], a["v_new"].strides[:3]
+    p["block_table_stride"] = 0 if a["block_table"] is None else a["block_table"].strides[0]
+    p["batch"], p["seqlen_new"], p["heads_kv"], p["head_dim"] = batch, cache["seqlen_new"], heads_kv, head_dim
+    p["capacity"], p["cache_rows"], p["page_size"] = cache["capacity"], a["k_cache"].shape[0], cache["page_size"]
+    return p
+
+
 def _append_only(ctx, a: dict, cache: dict, batch: int, heads_kv: int, head_dim: int) -> None:
     if not (batch and cache["seqlen_new"] and heads_kv):
         return
     with ctx.device, ctx.stream:
-        p = params.new(params.DECODE_PARAMS)
-        p["k"], p["v"], p["k_new"], p["v_new"] = a["k_cache"].ptr, a["v_cache"].ptr, a["k_new"].ptr, a["v_new"].ptr
-        p["cache_seqlens"] = a["cache_seqlens"].ptr
-        p["block_table"], p["cache_batch_idx"] = _ptr(a["block_table"]), _ptr(a["cache_batch_idx"])
-        p["k_strides"], p["v_strides"] = a["k_cache"].strides[:3], a["v_cache"].strides[:3]
-        p["k_new_strides"], p["v_new_strides"] = a["k_new"].strides[:3], a["v_new"].strides[:3]
-        p["block_table_stride"] = 0 if a["block_table"] is None else a["block_table"].strides[0]
-        p["batch"], p["seqlen_new"], p["heads_kv"], p["head_dim"] = batch, cache["seqlen_new"], heads_kv, head_dim
-        p["capacity"], p["cache_rows"], p["page_size"] = cache["capacity"], a["k_cache"].shape[0], cache["page_size"]
-        _launch_append(ctx, validation.check_dtype("k_new", a["k_new"], _DTYPES), a, p, batch * cache["seqlen_new"] * heads_kv)
+        _launch_append(ctx, validation.check_dtype("k_new", a["k_new"], _DTYPES), a, _append_params(a, cache, batch, heads_kv, head_dim),
+                       batch * cache["seqlen_new"] * heads_kv)
 
 
 def _check_q(a: dict) -> None:

@@ -92,10 +92,46 @@ def test_decode_masks_and_scores(kw):
     _run(np.random.default_rng(7), [1, 400, 1100], 4, 8, 2, 128, "bfloat16", 16, **kw)
 
 
+PREFILL_CASES = [  # 64+ new tokens: the tiled forward kernel over the cache layouts
+    ([700, 513], 512, 4, 1, 64, "float16", 64),
+    ([700, 0, 1500], 300, 8, 2, 128, "bfloat16", None),
+    ([700, 0, 1500], 300, 8, 2, 128, "bfloat16", 16),
+    ([513, 64], 64, 4, 4, 64, "float16", 1),
+    ([1023, 200], 200, 8, 1, 256, "bfloat16", 256),
+    ([400, 131], 130, 6, 3, 96, "float16", 48),  # the portable kernel (no Hopper tile at 96), pages of 48
+    ([300, 90], 80, 2, 1, 40, "bfloat16", 7),  # head_dim below its bucket, a page size that divides nothing
+    ([257, 1029], 129, 4, 2, 160, "float16", None),
+]
+
+
 @gpu
-def test_chunked_prefill_shape():
-    """Hundreds of new tokens against a cache (the chunk's own tokens included in it)."""
-    _run(np.random.default_rng(8), [700, 513], 512, 4, 1, 64, "float16", 64)
+@pytest.mark.parametrize("lengths, seqlen_q, heads_q, heads_kv, head_dim, dtype, page_size", PREFILL_CASES)
+def test_chunked_prefill_matches_reference(lengths, seqlen_q, heads_q, heads_kv, head_dim, dtype, page_size):
+    """A chunk of new tokens against each sequence's cache (the chunk's own keys included)."""
+    _run(np.random.default_rng(sum(lengths) + seqlen_q), lengths, seqlen_q, heads_q, heads_kv, head_dim, dtype, page_size)
+
+
+@gpu
+@pytest.mark.parametrize("kw", [dict(window=(100, 0)), dict(softcap=20.0), dict(causal=False), dict(window=(64, 3), causal=False, scale=0.05)])
+def test_chunked_prefill_masks_and_scores(kw):
+    _run(np.random.default_rng(8), [400, 1100], 96, 8, 2, 128, "bfloat16", 16, **kw)
+
+
+@gpu
+def test_chunked_prefill_reads_a_contiguous_cache_through_cache_batch_idx():
+    import cupy
+
+    rng = np.random.default_rng(12)
+    k, v, _ = _cache(rng, [900, 900, 900, 900], 2, 128, "float16")
+    q = randn(rng, (2, 100, 4, 128), "float16")
+    idx, lengths = np.array([3, 1], np.int32), np.array([900, 250], np.int32)
+    out = cuattn.attention_with_kvcache(
+        *map(cupy.asarray, (q, k, v)), cache_seqlens=cupy.asarray(lengths), cache_batch_idx=cupy.asarray(idx),
+    ).get()
+    ref = reference.attention_with_kvcache(q, k, v, cache_seqlens=lengths, cache_batch_idx=idx)
+    for b in range(2):
+        kb, vb = k[idx[b], :lengths[b]], v[idx[b], :lengths[b]]
+        assert_attention_accuracy(out[b:b + 1], ref[b:b + 1], naive_attention(q[b:b + 1], kb[None], vb[None], "float16", causal=True))
 
 
 @gpu
@@ -131,14 +167,15 @@ def test_device_values_are_clamped_into_the_cache():
 
 
 @gpu
-def test_one_captured_graph_serves_new_lengths_and_page_tables():
+@pytest.mark.parametrize("seqlen_q", [1, 80])
+def test_one_captured_graph_serves_new_lengths_and_page_tables(seqlen_q):
     """The call captured in a CuPy stream graph, replayed after the lengths and the block table
-    were rewritten in place, equals the eager call on the new values."""
+    were rewritten in place, equals the eager call on the new values (decode, chunked prefill)."""
     import cupy
 
     rng = np.random.default_rng(11)
     k, v, table = _cache(rng, [0, 0, 0], 2, 128, "bfloat16", page_size=16, capacity=2048, spare_pages=40)
-    q = cupy.asarray(randn(rng, (3, 1, 8, 128), "bfloat16"))
+    q = cupy.asarray(randn(rng, (3, seqlen_q, 8, 128), "bfloat16"))
     kd, vd = cupy.asarray(k), cupy.asarray(v)
     seqlens, table_d = cupy.asarray(np.array([5, 1000, 2048], np.int32)), cupy.asarray(table)
     cuattn.attention_with_kvcache(q, kd, vd, cache_seqlens=seqlens, block_table=table_d)  # compile outside the capture
@@ -174,7 +211,7 @@ def _expected_append(k, table, lengths, k_new):
 
 
 @gpu
-@pytest.mark.parametrize("page_size, seqlen_new", [(None, 1), (None, 5), (1, 3), (16, 5), (16, 1), (7, 9)])
+@pytest.mark.parametrize("page_size, seqlen_new", [(None, 1), (None, 5), (1, 3), (16, 5), (16, 1), (7, 9), (None, 70), (16, 96), (7, 65)])
 def test_append_then_attend(page_size, seqlen_new):
     """k_new / v_new land at cache_seqlens[b] + t (across pages), the rest of the cache is
     untouched, and the new tokens attend to the updated cache; append_kv alone writes the same."""

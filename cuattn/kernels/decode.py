@@ -20,6 +20,10 @@ MIN_BLOCKS_PER_SPLIT = 1  # key blocks of the capacity per split, at least
 COMBINE_WARPS = 4  # one row per CTA, the splits dealt to the warps
 APPEND_WARPS = 8  # one (sequence, new row, KV head) per warp
 MAX_SPLITS = 128
+# New tokens per sequence from which attention_with_kvcache takes the tiled forward kernel over
+# the cache layouts (chunked prefill): 16-row decode tiles would read the cache once per 16
+# packed rows (a 2k-token chunk at GQA 32:8: 512 times per KV head).
+PREFILL_SEQLEN_Q = 64
 SM_SMEM = 228 * 1024  # shared memory per SM that resident CTAs share (1 KB of it reserved per CTA)
 
 
@@ -104,6 +108,11 @@ def num_splits(bucket: int, paged: bool, batch: int, heads_kv: int, row_blocks: 
     ctas = max(1, batch * heads_kv * row_blocks)
     wanted = max(1, ctas_per_sm(bucket, paged, smem_limit) * sm_count // ctas)  # rounded down: no partial second wave
     return max(1, min(wanted, -(-capacity // (MIN_BLOCKS_PER_SPLIT * BLOCK_N)), MAX_SPLITS))
+
+
+def prefill_by_forward(seqlen_q: int) -> bool:
+    """Whether a call takes the forward kernel (a host shape: one CUDA graph keeps its choice)."""
+    return seqlen_q >= PREFILL_SEQLEN_Q
 
 
 def grid(splits: int, heads_kv: int, row_blocks: int, batch: int) -> tuple[int, int, int]:

@@ -8,7 +8,7 @@ import functools
 
 from cuattn.dtypes import cxx_type
 from cuattn.kernels.variant import (
-    HEAD_DIM_BUCKETS, SEQ_LAYOUTS, WGMMA_ARCH, Variant, layout_arg, layout_uri, softcap_arg, softcap_uri, tile_launches,
+    CACHE_LAYOUTS, HEAD_DIM_BUCKETS, SEQ_LAYOUTS, WGMMA_ARCH, Variant, layout_arg, layout_uri, softcap_arg, softcap_uri, tile_launches,
 )
 
 FAMILY = "forward"
@@ -105,8 +105,8 @@ def launches(v: Variant, rows: int, heads_q: int, batch: int) -> list[tuple[tupl
 
 def variants(arch: str | None = None) -> list[Variant]:
     out = []
-    for layout in SEQ_LAYOUTS:
-        for c_type in ("f16", "bf16", "float"):
+    for layout in SEQ_LAYOUTS + CACHE_LAYOUTS:
+        for c_type in ("f16", "bf16") + (("float",) if layout in SEQ_LAYOUTS else ()):
             for bucket in HEAD_DIM_BUCKETS:
                 for softcap in (False, True):
                     out.append(variant(c_type, bucket, softcap, layout))

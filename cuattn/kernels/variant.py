@@ -60,18 +60,21 @@ def head_dim_bucket(head_dim: int) -> int:
 
 
 # Sequence layouts an attention kernel is compiled for (cuda_src/common/seq_layout.cuh): dense
-# (batch, seqlen, heads, head_dim) tensors, or packed ones with cu_seqlens (attention_varlen).
+# (batch, seqlen, heads, head_dim) tensors, or packed ones with cu_seqlens (attention_varlen);
+# the forward also reads keys from a KV cache, contiguous or paged (attention_with_kvcache).
 SEQ_LAYOUTS = ("dense", "packed")
+CACHE_LAYOUTS = ("cache", "paged_cache")
+_LAYOUT_ENUMS = {"dense": "kDense", "packed": "kPacked", "cache": "kCache", "paged_cache": "kPagedCache"}
 
 
 def layout_arg(layout: str) -> str:
-    if layout not in SEQ_LAYOUTS:
+    if layout not in _LAYOUT_ENUMS:
         raise ValueError(f"unknown sequence layout {layout!r}")
-    return "cuattn::SeqLayout::kPacked" if layout == "packed" else "cuattn::SeqLayout::kDense"
+    return f"cuattn::SeqLayout::{_LAYOUT_ENUMS[layout]}"
 
 
 def layout_uri(layout: str) -> str:
-    return "/packed" if layout == "packed" else ""
+    return "" if layout == "dense" else f"/{layout}"
 
 
 def softcap_arg(softcap: bool) -> str:

@@ -17,8 +17,8 @@ struct HeadView {
   __device__ __forceinline__ HeadView(const AttnParams& p, int seq, int head, const SeqSpan& span) {
     const int kv_head = head / (p.heads_q / p.heads_kv);  // GQA: K/V read in place per group
     q = static_cast<const T*>(p.q) + seq * p.q_strides[0] + span.q_row0 * p.q_strides[1] + head * p.q_strides[2];
-    k = static_cast<const T*>(p.k) + seq * p.k_strides[0] + span.k_row0 * p.k_strides[1] + kv_head * p.k_strides[2];
-    v = static_cast<const T*>(p.v) + seq * p.v_strides[0] + span.k_row0 * p.v_strides[1] + kv_head * p.v_strides[2];
+    k = static_cast<const T*>(p.k) + span.k_batch * p.k_strides[0] + span.k_row0 * p.k_strides[1] + kv_head * p.k_strides[2];
+    v = static_cast<const T*>(p.v) + span.k_batch * p.v_strides[0] + span.k_row0 * p.v_strides[1] + kv_head * p.v_strides[2];
     out = static_cast<T*>(p.out) + seq * p.out_strides[0] + span.q_row0 * p.out_strides[1] + head * p.out_strides[2];
     // lse rows have stride 1; null: not wanted
     lse = p.lse == nullptr ? nullptr : p.lse + seq * p.lse_strides[0] + head * p.lse_strides[1] + span.q_row0;

@@ -60,6 +60,17 @@ struct AttnParams {
   int total_q;
   int total_k;
   int bottom_right;                         // per-sequence diagonal: seqlen_k - seqlen_q (1) or 0 (0)
+  // KV cache (SeqLayout::kCache / kPagedCache: chunked prefill of attention_with_kvcache; unused
+  // otherwise), as in DecodeParams: sequence b's keys are the first cache_seqlens[b] + seqlen_new
+  // positions (clamped to capacity) of its cache row, or of its pages through the block table.
+  const int* cache_seqlens;
+  const int* block_table;
+  const int* cache_batch_idx;
+  i64 block_table_stride;
+  int capacity;
+  int cache_rows;
+  int page_size;
+  int seqlen_new;
 };
 
 // Backward of AttnParams' attention: dout, gradients, and delta = rowsum(dout * out) - dlse per

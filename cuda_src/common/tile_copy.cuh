@@ -2,6 +2,7 @@
 // kThreads, kChunksPerRow (16-byte chunks of the padded head dim), kRowStride and kHeadDim.
 #pragma once
 #include "mma.cuh"
+#include "seq_layout.cuh"
 #include "wgmma.cuh"
 
 namespace cuattn {
@@ -65,6 +66,38 @@ __device__ __forceinline__ void load_tile_sw128(unsigned char* smem, const T* gm
       const bool valid = row0 + r + i * kRowsPerRound < row_end && c * 8 < head_dim;
       cp_async_16(dst + i * kRowsPerRound * kSwizzleRowBytes, valid ? src + i * kRowsPerRound * row_stride : gmem, valid);
     }
+  }
+}
+
+// Key rows [row0, row0 + ROWS) of one KV head of a paged cache (gmem: the head in page 0): row
+// j at page cache.row_of(j), position cache.pos_of(j). A thread's block-table entries are read
+// together before its copies are issued, so their latencies overlap. Into a padded tile
+// (load_tile's layout) or, with SW128, the swizzled one of load_tile_sw128.
+template <typename Tr, int ROWS, bool SW128, typename T, typename Smem>
+__device__ __forceinline__ void load_paged_tile(Smem* smem, const T* gmem, const CacheRows<true>& cache, i64 page_stride, i64 row_stride,
+                                                int row0, int row_end, int head_dim) {
+  constexpr int kChunks = ROWS * Tr::kChunksPerRow;
+  constexpr int kRounds = (kChunks + Tr::kThreads - 1) / Tr::kThreads;
+  int page[kRounds];  // -1: past row_end
+#pragma unroll
+  for (int i = 0; i < kRounds; ++i) {
+    const int chunk = i * Tr::kThreads + threadIdx.x, j = row0 + chunk / Tr::kChunksPerRow;
+    page[i] = chunk < kChunks && j < row_end ? cache.row_of(j) : -1;
+  }
+#pragma unroll
+  for (int i = 0; i < kRounds; ++i) {
+    const int chunk = i * Tr::kThreads + threadIdx.x;
+    if (kChunks % Tr::kThreads != 0 && chunk >= kChunks) break;  // the last round is partial
+    const int tile_row = chunk / Tr::kChunksPerRow, c = chunk % Tr::kChunksPerRow;
+    const bool valid = page[i] >= 0 && c * 8 < head_dim;
+    unsigned char* dst;
+    if constexpr (SW128) {
+      dst = reinterpret_cast<unsigned char*>(smem) + (c / 8) * (ROWS * kSwizzleRowBytes) + swizzled_chunk(tile_row, c % 8);
+    } else {
+      dst = reinterpret_cast<unsigned char*>(smem + tile_row * Tr::kRowStride + c * 8);
+    }
+    const T* src = gmem + (valid ? page[i] * page_stride + cache.pos_of(row0 + tile_row) * row_stride + c * 8 : 0);
+    cp_async_16(dst, src, valid);
   }
 }
 

@@ -92,8 +92,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) decode_kernel(const __grid_
   if (row0 >= rows) return;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
 
-  const int cached = min(max(p.cache_seqlens[seq], 0), p.capacity);  // clamped first: no int overflow
-  const int length = cached + min(p.seqlen_new, p.capacity - cached);  // after the append
+  const int length = cache_length(p, seq);  // after the append
   const CacheBand band{length - p.seqlen_q, p.window_left, p.window_right, length};
   const int token_first = row0 / group, token_last = (min(row0 + kDecodeRows, rows) - 1) / group;
   const int key_first = band.first(token_first), key_last = band.last(token_last);

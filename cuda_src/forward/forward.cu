@@ -14,8 +14,8 @@
 namespace cuattn {
 
 /// \brief One block of query rows of one (sequence, head): writes its rows of out and lse.
-template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, bool SOFTCAP>
-__device__ __forceinline__ void forward_block(const AttnParams& p, const SeqSpan& span, const HeadView<T>& head_view, int m_block,
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, bool SOFTCAP, SeqLayout LAYOUT>
+__device__ __forceinline__ void forward_block(const AttnParams& p, int seq, const SeqSpan& span, const HeadView<T>& head_view, int m_block,
                                               unsigned char* smem_raw) {
   using Tr = ForwardTraits<HEAD_DIM, BLOCK_M, BLOCK_N, WARPS>;
   T* sQ = reinterpret_cast<T*>(smem_raw);
@@ -49,8 +49,14 @@ __device__ __forceinline__ void forward_block(const AttnParams& p, const SeqSpan
 
   const auto load_kv = [&](int n_block, int stage) {
     const int n0 = n_block * BLOCK_N;
-    load_tile<Tr, BLOCK_N>(sK_ring + stage * Tr::kSmemKV, k, p.k_strides[1], n0, span.seqlen_k, p.head_dim);
-    load_tile<Tr, BLOCK_N>(sV_ring + stage * Tr::kSmemKV, v, p.v_strides[1], n0, span.seqlen_k, p.head_dim);
+    if constexpr (LAYOUT == SeqLayout::kPagedCache) {
+      const CacheRows<true> pages(p, seq);
+      load_paged_tile<Tr, BLOCK_N, false>(sK_ring + stage * Tr::kSmemKV, k, pages, p.k_strides[0], p.k_strides[1], n0, span.seqlen_k, p.head_dim);
+      load_paged_tile<Tr, BLOCK_N, false>(sV_ring + stage * Tr::kSmemKV, v, pages, p.v_strides[0], p.v_strides[1], n0, span.seqlen_k, p.head_dim);
+    } else {
+      load_tile<Tr, BLOCK_N>(sK_ring + stage * Tr::kSmemKV, k, p.k_strides[1], n0, span.seqlen_k, p.head_dim);
+      load_tile<Tr, BLOCK_N>(sV_ring + stage * Tr::kSmemKV, v, p.v_strides[1], n0, span.seqlen_k, p.head_dim);
+    }
   };
   if (n_last >= n_first) {
     load_tile<Tr, BLOCK_M>(sQ, q, p.q_strides[1], m0, span.seqlen_q, p.head_dim);
@@ -172,7 +178,7 @@ __global__ void __launch_bounds__(WARPS * 32) forward_kernel(const __grid_consta
   const SeqSpan span = seq_span<LAYOUT>(p, seq);
   const HeadView<T> head_view(p, seq, head, span);
   const bool covered = for_each_row_block<LAYOUT, BLOCK_M>(span.seqlen_q, [&](int m_block) {
-    forward_block<T, HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, SOFTCAP>(p, span, head_view, m_block, smem_raw);
+    forward_block<T, HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, SOFTCAP, LAYOUT>(p, seq, span, head_view, m_block, smem_raw);
   });
   if (!covered && blockIdx.x == 0)
     mark_uncovered_rows<T>(head_view.out, p.out_strides[1], head_view.lse, p.head_dim, int(gridDim.x) * BLOCK_M, span.seqlen_q);

@@ -16,8 +16,8 @@
 namespace cuattn {
 
 /// \brief One block of query rows of one (sequence, head): writes its rows of out and lse.
-template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, bool SOFTCAP>
-__device__ __forceinline__ void forward_wgmma_block(const AttnParams& p, const SeqSpan& span, const HeadView<T>& head_view, int m_block,
+template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, bool SOFTCAP, SeqLayout LAYOUT>
+__device__ __forceinline__ void forward_wgmma_block(const AttnParams& p, int seq, const SeqSpan& span, const HeadView<T>& head_view, int m_block,
                                                     unsigned char* smem_raw) {
   using Tr = WgmmaForwardTraits<HEAD_DIM, BLOCK_N, WARPGROUPS>;
   unsigned char* sQ = smem_raw + (kSwizzleAtomBytes - smem_addr(smem_raw) % kSwizzleAtomBytes) % kSwizzleAtomBytes;
@@ -43,8 +43,16 @@ __device__ __forceinline__ void forward_wgmma_block(const AttnParams& p, const S
 
   const auto load_kv = [&](int n_block, int stage) {
     const int n0 = n_block * BLOCK_N;
-    load_tile_sw128<Tr, BLOCK_N>(sK_ring + stage * Tr::kKVBytes, head_view.k, p.k_strides[1], n0, span.seqlen_k, p.head_dim);
-    load_tile_sw128<Tr, BLOCK_N>(sV_ring + stage * Tr::kKVBytes, head_view.v, p.v_strides[1], n0, span.seqlen_k, p.head_dim);
+    if constexpr (LAYOUT == SeqLayout::kPagedCache) {
+      const CacheRows<true> pages(p, seq);
+      load_paged_tile<Tr, BLOCK_N, true>(sK_ring + stage * Tr::kKVBytes, head_view.k, pages, p.k_strides[0], p.k_strides[1], n0, span.seqlen_k,
+                                         p.head_dim);
+      load_paged_tile<Tr, BLOCK_N, true>(sV_ring + stage * Tr::kKVBytes, head_view.v, pages, p.v_strides[0], p.v_strides[1], n0, span.seqlen_k,
+                                         p.head_dim);
+    } else {
+      load_tile_sw128<Tr, BLOCK_N>(sK_ring + stage * Tr::kKVBytes, head_view.k, p.k_strides[1], n0, span.seqlen_k, p.head_dim);
+      load_tile_sw128<Tr, BLOCK_N>(sV_ring + stage * Tr::kKVBytes, head_view.v, p.v_strides[1], n0, span.seqlen_k, p.head_dim);
+    }
   };
   if (n_last >= n_first) {
     load_tile_sw128<Tr, Tr::kBlockM>(sQ, head_view.q, p.q_strides[1], m0, span.seqlen_q, p.head_dim);
@@ -131,7 +139,7 @@ __global__ void __launch_bounds__(WARPGROUPS * 128, CTAS_PER_SM) forward_wgmma_k
   const SeqSpan span = seq_span<LAYOUT>(p, seq);
   const HeadView<T> head_view(p, seq, head, span);
   const bool covered = for_each_row_block<LAYOUT, Tr::kBlockM>(span.seqlen_q, [&](int m_block) {
-    forward_wgmma_block<T, HEAD_DIM, BLOCK_N, WARPGROUPS, SOFTCAP>(p, span, head_view, m_block, smem_raw);
+    forward_wgmma_block<T, HEAD_DIM, BLOCK_N, WARPGROUPS, SOFTCAP, LAYOUT>(p, seq, span, head_view, m_block, smem_raw);
   });
   if (!covered && blockIdx.x == 0)
     mark_uncovered_rows<T>(head_view.out, p.out_strides[1], head_view.lse, p.head_dim, int(gridDim.x) * Tr::kBlockM, span.seqlen_q);
