@@ -104,7 +104,13 @@ def attention_with_kvcache(
         c_type = validation.check_dtype("q", a["q"], _DTYPES)
         paged = a["block_table"] is not None
         if plan.prefill_by_forward(seqlen_q):
-            forward.launches(forward.variant(c_type, head_dim_bucket(head_dim), False), seqlen_q, heads_q, batch)  # may raise: before the append
+            tiles = forward.variant(c_type, head_dim_bucket(head_dim), options.softcap > 0, "paged_cache" if paged else "cache")
+            if tiles.dynamic_smem > device_smem_limit(ctx.device.id):
+                raise ValueError(
+                    f"attention_with_kvcache of {seqlen_q} new tokens at head_dim {head_dim} needs {tiles.dynamic_smem} bytes of shared "
+                    f"memory per block; this GPU has {device_smem_limit(ctx.device.id)}"
+                )
+            forward.launches(tiles, seqlen_q, heads_q, batch)  # may raise: before the append
             p = _forward_params(a, dst, lse, options, cache)
             if cache["seqlen_new"]:
                 _append_only(ctx, a, cache, batch, heads_kv, head_dim)

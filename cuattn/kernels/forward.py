@@ -8,7 +8,7 @@ import functools
 
 from cuattn.dtypes import cxx_type
 from cuattn.kernels.variant import (
-    CACHE_LAYOUTS, HEAD_DIM_BUCKETS, SEQ_LAYOUTS, WGMMA_ARCH, Variant, layout_arg, layout_uri, softcap_arg, softcap_uri, tile_launches,
+    CACHE_LAYOUTS, HEAD_DIM_BUCKETS, SEQ_LAYOUTS, WGMMA_ARCH, Variant, arch_smem_limit, layout_arg, layout_uri, softcap_arg, softcap_uri, tile_launches,
 )
 
 FAMILY = "forward"
@@ -31,6 +31,11 @@ FP32_ROWS_PER_WARP, FP32_WARPS = 4, 4  # forward_fp32.cu: kF32RowsPerWarp, kF32W
 # Hopper tiles per head-dim bucket: (BLOCK_N, WARPGROUPS, CTAS_PER_SM); every warpgroup owns 64
 # query rows (scripts/tune_wgmma.py).
 WGMMA_TILES = {64: (64, 2, 2), 128: (128, 2, 1), 256: (64, 2, 1)}
+
+
+def page_ahead_bytes(block_n: int, layout: str) -> int:
+    """Shared memory for a paged cache's key offsets in K and V, two key blocks (common/tile_copy.cuh)."""
+    return 2 * 2 * block_n * 8 if layout == "paged_cache" else 0
 
 
 def smem_bytes(bucket: int) -> int:
@@ -63,10 +68,13 @@ def variant(c_type: str, bucket: int, softcap: bool, layout: str = "dense") -> V
         expression=f"cuattn::forward_kernel<{cxx_type(c_type)}, {bucket}, {block_m}, {block_n}, {warps}, {softcap_arg(softcap)}, {layout_arg(layout)}>",
         uri=f"forward/{c_type}/d{bucket}/m{block_m}n{block_n}w{warps}" + softcap_uri(softcap) + layout_uri(layout),
         hot=True,
-        dynamic_smem=smem_bytes(bucket),
+        dynamic_smem=smem_bytes(bucket) + page_ahead_bytes(block_n, layout),
         threads=warps * 32,
         block_m=block_m,
-        contract=((f"{traits}::kSmemBytes", smem_bytes(bucket)), (f"{traits}::kThreads", warps * 32)),
+        contract=(
+            (f"{traits}::kSmemBytes", smem_bytes(bucket)), (f"{traits}::kThreads", warps * 32),
+            (f"cuattn::kPageAheadBytes<{block_n}>", page_ahead_bytes(block_n, "paged_cache")),
+        ),
     )
 
 
@@ -79,13 +87,13 @@ def wgmma_variant(c_type: str, bucket: int, softcap: bool, layout: str = "dense"
         expression=f"cuattn::forward_wgmma_kernel<{cxx_type(c_type)}, {bucket}, {block_n}, {warpgroups}, {ctas}, {softcap_arg(softcap)}, {layout_arg(layout)}>",
         uri=f"forward_wgmma/{c_type}/d{bucket}/n{block_n}wg{warpgroups}c{ctas}" + softcap_uri(softcap) + layout_uri(layout),
         hot=True,
-        dynamic_smem=wgmma_smem_bytes(bucket),
+        dynamic_smem=wgmma_smem_bytes(bucket) + page_ahead_bytes(block_n, layout),
         threads=128 * warpgroups,
         block_m=64 * warpgroups,
         archs=(WGMMA_ARCH,),
         contract=(
             (f"{traits}::kSmemBytes", wgmma_smem_bytes(bucket)), (f"{traits}::kThreads", 128 * warpgroups),
-            (f"{traits}::kBlockM", 64 * warpgroups),
+            (f"{traits}::kBlockM", 64 * warpgroups), (f"cuattn::kPageAheadBytes<{block_n}>", page_ahead_bytes(block_n, "paged_cache")),
         ),
     )
 
@@ -104,6 +112,8 @@ def launches(v: Variant, rows: int, heads_q: int, batch: int) -> list[tuple[tupl
 
 
 def variants(arch: str | None = None) -> list[Variant]:
+    """Every forward variant; with ``arch``, those whose shared memory fits it (the paged-cache
+    kernels at head_dim 256 do not fit 99 KB parts)."""
     out = []
     for layout in SEQ_LAYOUTS + CACHE_LAYOUTS:
         for c_type in ("f16", "bf16") + (("float",) if layout in SEQ_LAYOUTS else ()):
@@ -114,7 +124,7 @@ def variants(arch: str | None = None) -> list[Variant]:
             for bucket in WGMMA_TILES:
                 for softcap in (False, True):
                     out.append(wgmma_variant(c_type, bucket, softcap, layout))
-    return out
+    return out if arch is None else [v for v in out if v.dynamic_smem <= arch_smem_limit(arch)]
 
 
 def common_variants() -> list[Variant]:

@@ -69,35 +69,51 @@ __device__ __forceinline__ void load_tile_sw128(unsigned char* smem, const T* gm
   }
 }
 
+// Paged caches: where each key of a block lives is read from the block table one block ahead of
+// its copies. A thread per key loads its page number into a register while the block before is
+// computed (page_of_key), and at the next iteration, before the barrier that precedes the
+// copies, stores the key's element offsets in K and V into shared memory (store_key_offsets):
+// two blocks' offsets, by block parity. The copies then neither wait on the table nor compute
+// an address per chunk.
+template <int BLOCK_N>
+constexpr int kPageAheadBytes = 2 * 2 * BLOCK_N * 8;  // two blocks, K and V, 64-bit offsets
+
+template <int BLOCK_N>
+__device__ __forceinline__ int page_of_key(const CacheRows<true>& cache, int n_block, int n_first, int row_end) {
+  const int j = n_block * BLOCK_N + int(threadIdx.x);
+  return threadIdx.x < BLOCK_N && n_block >= n_first && j < row_end ? cache.row_of(j) : 0;
+}
+
+// Offsets of block n_block's keys: s_offsets[(n_block & 1) * 2 * BLOCK_N + key] in K, + BLOCK_N in V.
+template <int BLOCK_N>
+__device__ __forceinline__ void store_key_offsets(i64* s_offsets, const AttnParams& p, const CacheRows<true>& cache, int n_block, int page) {
+  if (threadIdx.x >= BLOCK_N) return;
+  const i64 pos = cache.pos_of(max(n_block, 0) * BLOCK_N + int(threadIdx.x));
+  i64* offsets = s_offsets + (n_block & 1) * 2 * BLOCK_N + threadIdx.x;
+  offsets[0] = page * p.k_strides[0] + pos * p.k_strides[1];
+  offsets[BLOCK_N] = page * p.v_strides[0] + pos * p.v_strides[1];
+}
+
 // Key rows [row0, row0 + ROWS) of one KV head of a paged cache (gmem: the head in page 0): row
-// j at page cache.row_of(j), position cache.pos_of(j). A thread's block-table entries are read
-// together before its copies are issued, so their latencies overlap. Into a padded tile
-// (load_tile's layout) or, with SW128, the swizzled one of load_tile_sw128.
+// row0 + r at gmem + row_offsets[r] (store_key_offsets). Into a padded tile (load_tile's layout)
+// or, with SW128, the swizzled one of load_tile_sw128.
 template <typename Tr, int ROWS, bool SW128, typename T, typename Smem>
-__device__ __forceinline__ void load_paged_tile(Smem* smem, const T* gmem, const CacheRows<true>& cache, i64 page_stride, i64 row_stride,
-                                                int row0, int row_end, int head_dim) {
+__device__ __forceinline__ void load_paged_tile(Smem* smem, const T* gmem, const i64* row_offsets, int row0, int row_end, int head_dim) {
   constexpr int kChunks = ROWS * Tr::kChunksPerRow;
   constexpr int kRounds = (kChunks + Tr::kThreads - 1) / Tr::kThreads;
-  int page[kRounds];  // -1: past row_end
-#pragma unroll
-  for (int i = 0; i < kRounds; ++i) {
-    const int chunk = i * Tr::kThreads + threadIdx.x, j = row0 + chunk / Tr::kChunksPerRow;
-    page[i] = chunk < kChunks && j < row_end ? cache.row_of(j) : -1;
-  }
 #pragma unroll
   for (int i = 0; i < kRounds; ++i) {
     const int chunk = i * Tr::kThreads + threadIdx.x;
     if (kChunks % Tr::kThreads != 0 && chunk >= kChunks) break;  // the last round is partial
     const int tile_row = chunk / Tr::kChunksPerRow, c = chunk % Tr::kChunksPerRow;
-    const bool valid = page[i] >= 0 && c * 8 < head_dim;
+    const bool valid = row0 + tile_row < row_end && c * 8 < head_dim;
     unsigned char* dst;
     if constexpr (SW128) {
       dst = reinterpret_cast<unsigned char*>(smem) + (c / 8) * (ROWS * kSwizzleRowBytes) + swizzled_chunk(tile_row, c % 8);
     } else {
       dst = reinterpret_cast<unsigned char*>(smem + tile_row * Tr::kRowStride + c * 8);
     }
-    const T* src = gmem + (valid ? page[i] * page_stride + cache.pos_of(row0 + tile_row) * row_stride + c * 8 : 0);
-    cp_async_16(dst, src, valid);
+    cp_async_16(dst, gmem + (valid ? row_offsets[tile_row] + c * 8 : 0), valid);
   }
 }
 

@@ -47,18 +47,27 @@ __device__ __forceinline__ void forward_block(const AttnParams& p, int seq, cons
     row_sum[mt][0] = row_sum[mt][1] = 0.f;
   }
 
+  constexpr bool PAGED = LAYOUT == SeqLayout::kPagedCache;
+  i64* s_offsets = reinterpret_cast<i64*>(smem_raw + Tr::kSmemBytes);  // paged: two blocks' key offsets (kPageAheadBytes)
+  const CacheRows<true> cache(p, seq);                                 // paged: the block table's row (unused otherwise)
   const auto load_kv = [&](int n_block, int stage) {
     const int n0 = n_block * BLOCK_N;
-    if constexpr (LAYOUT == SeqLayout::kPagedCache) {
-      const CacheRows<true> pages(p, seq);
-      load_paged_tile<Tr, BLOCK_N, false>(sK_ring + stage * Tr::kSmemKV, k, pages, p.k_strides[0], p.k_strides[1], n0, span.seqlen_k, p.head_dim);
-      load_paged_tile<Tr, BLOCK_N, false>(sV_ring + stage * Tr::kSmemKV, v, pages, p.v_strides[0], p.v_strides[1], n0, span.seqlen_k, p.head_dim);
+    if constexpr (PAGED) {
+      const i64* offsets = s_offsets + (n_block & 1) * 2 * BLOCK_N;
+      load_paged_tile<Tr, BLOCK_N, false>(sK_ring + stage * Tr::kSmemKV, k, offsets, n0, span.seqlen_k, p.head_dim);
+      load_paged_tile<Tr, BLOCK_N, false>(sV_ring + stage * Tr::kSmemKV, v, offsets + BLOCK_N, n0, span.seqlen_k, p.head_dim);
     } else {
       load_tile<Tr, BLOCK_N>(sK_ring + stage * Tr::kSmemKV, k, p.k_strides[1], n0, span.seqlen_k, p.head_dim);
       load_tile<Tr, BLOCK_N>(sV_ring + stage * Tr::kSmemKV, v, p.v_strides[1], n0, span.seqlen_k, p.head_dim);
     }
   };
+  int page_ahead = 0;  // paged: the page of this thread's key in the block after next
   if (n_last >= n_first) {
+    if constexpr (PAGED) {
+      store_key_offsets<BLOCK_N>(s_offsets, p, cache, n_last, page_of_key<BLOCK_N>(cache, n_last, n_first, span.seqlen_k));
+      page_ahead = page_of_key<BLOCK_N>(cache, n_last - 1, n_first, span.seqlen_k);
+      __syncthreads();
+    }
     load_tile<Tr, BLOCK_M>(sQ, q, p.q_strides[1], m0, span.seqlen_q, p.head_dim);
     load_kv(n_last, 0);
     cp_async_commit();
@@ -75,11 +84,13 @@ __device__ __forceinline__ void forward_block(const AttnParams& p, int seq, cons
   for (int n_block = n_last, stage = 0; n_block >= n_first; --n_block, stage ^= 1) {
     const int n0 = n_block * BLOCK_N;
     cp_async_wait<0>();
+    if constexpr (PAGED) store_key_offsets<BLOCK_N>(s_offsets, p, cache, n_block - 1, page_ahead);  // read after the barrier
     __syncthreads();  // K/V[n_block] (and Q) landed; every warp finished with the other stage
     if (n_block > n_first) {
       load_kv(n_block - 1, stage ^ 1);
       cp_async_commit();
     }
+    if constexpr (PAGED) page_ahead = page_of_key<BLOCK_N>(cache, n_block - 2, n_first, span.seqlen_k);  // stored next iteration
     if (warp_last_row < warp_first_row || n0 > warp_last_key || n0 + BLOCK_N <= warp_first_key) continue;
     const T* sK = sK_ring + stage * Tr::kSmemKV;
     const T* sV = sV_ring + stage * Tr::kSmemKV;
@@ -173,7 +184,7 @@ template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, bool SO
 __global__ void __launch_bounds__(WARPS * 32) forward_kernel(const __grid_constant__ AttnParams p) {
   using Tr = ForwardTraits<HEAD_DIM, BLOCK_M, BLOCK_N, WARPS>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  if (dynamic_smem_bytes() < Tr::kSmemBytes) __trap();  // launch contract
+  if (dynamic_smem_bytes() < Tr::kSmemBytes + (LAYOUT == SeqLayout::kPagedCache ? kPageAheadBytes<BLOCK_N> : 0)) __trap();  // launch contract
   const int head = blockIdx.y, seq = cta_batch(p);
   const SeqSpan span = seq_span<LAYOUT>(p, seq);
   const HeadView<T> head_view(p, seq, head, span);

@@ -41,20 +41,27 @@ __device__ __forceinline__ void forward_wgmma_block(const AttnParams& p, int seq
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[0][dt][e] = 0.f;
 
+  constexpr bool PAGED = LAYOUT == SeqLayout::kPagedCache;
+  i64* s_offsets = reinterpret_cast<i64*>(smem_raw + Tr::kSmemBytes);  // paged: two blocks' key offsets (kPageAheadBytes)
+  const CacheRows<true> cache(p, seq);                                 // paged: the block table's row (unused otherwise)
   const auto load_kv = [&](int n_block, int stage) {
     const int n0 = n_block * BLOCK_N;
-    if constexpr (LAYOUT == SeqLayout::kPagedCache) {
-      const CacheRows<true> pages(p, seq);
-      load_paged_tile<Tr, BLOCK_N, true>(sK_ring + stage * Tr::kKVBytes, head_view.k, pages, p.k_strides[0], p.k_strides[1], n0, span.seqlen_k,
-                                         p.head_dim);
-      load_paged_tile<Tr, BLOCK_N, true>(sV_ring + stage * Tr::kKVBytes, head_view.v, pages, p.v_strides[0], p.v_strides[1], n0, span.seqlen_k,
-                                         p.head_dim);
+    if constexpr (PAGED) {
+      const i64* offsets = s_offsets + (n_block & 1) * 2 * BLOCK_N;
+      load_paged_tile<Tr, BLOCK_N, true>(sK_ring + stage * Tr::kKVBytes, head_view.k, offsets, n0, span.seqlen_k, p.head_dim);
+      load_paged_tile<Tr, BLOCK_N, true>(sV_ring + stage * Tr::kKVBytes, head_view.v, offsets + BLOCK_N, n0, span.seqlen_k, p.head_dim);
     } else {
       load_tile_sw128<Tr, BLOCK_N>(sK_ring + stage * Tr::kKVBytes, head_view.k, p.k_strides[1], n0, span.seqlen_k, p.head_dim);
       load_tile_sw128<Tr, BLOCK_N>(sV_ring + stage * Tr::kKVBytes, head_view.v, p.v_strides[1], n0, span.seqlen_k, p.head_dim);
     }
   };
+  int page_ahead = 0;  // paged: the page of this thread's key in the block after next
   if (n_last >= n_first) {
+    if constexpr (PAGED) {
+      store_key_offsets<BLOCK_N>(s_offsets, p, cache, n_last, page_of_key<BLOCK_N>(cache, n_last, n_first, span.seqlen_k));
+      page_ahead = page_of_key<BLOCK_N>(cache, n_last - 1, n_first, span.seqlen_k);
+      __syncthreads();
+    }
     load_tile_sw128<Tr, Tr::kBlockM>(sQ, head_view.q, p.q_strides[1], m0, span.seqlen_q, p.head_dim);
     load_kv(n_last, 0);
     cp_async_commit();
@@ -72,12 +79,14 @@ __device__ __forceinline__ void forward_wgmma_block(const AttnParams& p, int seq
   for (int n_block = n_last, stage = 0; n_block >= n_first; --n_block, stage ^= 1) {
     const int n0 = n_block * BLOCK_N;
     cp_async_wait<0>();
+    if constexpr (PAGED) store_key_offsets<BLOCK_N>(s_offsets, p, cache, n_block - 1, page_ahead);  // read after the barrier
     fence_proxy_async();  // this thread's copies, visible to the tensor cores' async proxy
     __syncthreads();      // K/V[n_block] (and Q) landed; every warpgroup finished with the other stage
     if (n_block > n_first) {
       load_kv(n_block - 1, stage ^ 1);
       cp_async_commit();
     }
+    if constexpr (PAGED) page_ahead = page_of_key<BLOCK_N>(cache, n_block - 2, n_first, span.seqlen_k);  // stored next iteration
     if (wg_last_row < wg_first_row || n0 > wg_last_key || n0 + BLOCK_N <= wg_first_key) continue;
     const u32 k_addr = smem_addr(sK_ring + stage * Tr::kKVBytes), v_addr = smem_addr(sV_ring + stage * Tr::kKVBytes);
 
@@ -134,7 +143,7 @@ template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int CTAS_PER_SM
 __global__ void __launch_bounds__(WARPGROUPS * 128, CTAS_PER_SM) forward_wgmma_kernel(const __grid_constant__ AttnParams p) {
   using Tr = WgmmaForwardTraits<HEAD_DIM, BLOCK_N, WARPGROUPS>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  if (dynamic_smem_bytes() < Tr::kSmemBytes) __trap();  // launch contract
+  if (dynamic_smem_bytes() < Tr::kSmemBytes + (LAYOUT == SeqLayout::kPagedCache ? kPageAheadBytes<BLOCK_N> : 0)) __trap();  // launch contract
   const int head = blockIdx.y, seq = cta_batch(p);
   const SeqSpan span = seq_span<LAYOUT>(p, seq);
   const HeadView<T> head_view(p, seq, head, span);
