@@ -133,8 +133,10 @@ def _launch_decode(ctx, c_type: str, a: dict, dst, lse, options: AttnOptions, ca
                 f"attention_with_kvcache at head_dim {head_dim} needs {plan.smem_bytes_for(bucket, 2)} bytes of shared memory "
                 f"per block; this GPU has {smem_limit}"
             )
+        sm_count = device_sm_count(ctx.device.id)
+        wide = plan.wide_grid(batch, heads_kv, row_blocks, sm_count)
         if splits is None:
-            splits = plan.num_splits(bucket, paged, batch, heads_kv, row_blocks, cache["capacity"], device_sm_count(ctx.device.id), smem_limit)
+            splits = plan.num_splits(bucket, paged, batch, heads_kv, row_blocks, cache["capacity"], sm_count, smem_limit, wide)
         partial_out = partial_lse = NO_LSE
         if splits > 1:
             partial_out = ctx.empty((splits, batch, seqlen_q, heads_q, head_dim), np.float32)
@@ -155,7 +157,7 @@ def _launch_decode(ctx, c_type: str, a: dict, dst, lse, options: AttnOptions, ca
             window_left=fields["window_left"], window_right=fields["window_right"], scale=fields["scale"],
             softcap=fields["softcap"], exp2_scale=fields["exp2_scale"],
         )
-        attend = plan.variant(c_type, bucket, paged, options.softcap > 0, smem_limit)
+        attend = plan.variant(c_type, bucket, paged, options.softcap > 0, smem_limit, wide)
         grid = plan.grid(splits, heads_kv, row_blocks, batch)  # may raise: before the cache is written
         if cache["seqlen_new"]:
             _launch_append(ctx, c_type, a, p, batch * cache["seqlen_new"] * heads_kv)

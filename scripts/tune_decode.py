@@ -40,7 +40,7 @@ def main() -> None:
         data[batch, seqlen] = (q, k, v, lengths, _paged(k, v, 16, rng), _paged(k, v, 1, rng))
     for stages in map(int, args.stages.split(",")):
         for min_blocks in map(int, args.min_blocks.split(",")):
-            plan.STAGES[HEAD_DIM] = plan.PAGED_STAGES[HEAD_DIM] = stages
+            plan.STAGES[HEAD_DIM] = plan.PAGED_STAGES[HEAD_DIM] = plan.WIDE_STAGES[HEAD_DIM] = stages
             plan.MIN_BLOCKS_PER_SPLIT = min_blocks
             plan.variant.cache_clear()
             replay.clear()

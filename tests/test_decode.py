@@ -135,6 +135,17 @@ def test_chunked_prefill_reads_a_contiguous_cache_through_cache_batch_idx():
 
 
 @gpu
+def test_grid_of_more_ctas_than_sms_takes_the_wide_ring():
+    """More (sequence, KV head) CTAs than SMs: the contiguous cache's shallower ring, two CTAs per SM."""
+    from cuattn.kernels import decode as plan
+    from cuattn.loader import device_sm_count
+
+    lengths = [int(x) for x in np.random.default_rng(14).integers(0, 400, 48)]
+    assert plan.wide_grid(48, 4, 1, device_sm_count(0))
+    _run(np.random.default_rng(14), lengths, 1, 16, 4, 128, "bfloat16", None)
+
+
+@gpu
 @pytest.mark.parametrize("splits", [1, 3, 33, 128])
 def test_explicit_splits_agree_with_the_reference(splits):
     _run(np.random.default_rng(9), [2000, 0, 129], 1, 8, 2, 128, "bfloat16", 16, num_splits=splits)
