@@ -134,11 +134,15 @@ class CallContext:
 
         return device_arch(self.device.id)
 
-    def decide(self, name: str, choose) -> bool:
-        """A choice that shapes what the op allocates (``choose()``). A traced call records it
-        and the run-time call of the same trace replays it (see :func:`trace`), so the
-        buffers XLA allocated always match, whatever the device or environment then says."""
-        return bool(choose())
+    def device_index(self) -> int:
+        """This call's device (where a traced call is expected to run: the current one)."""
+        return self.device.id
+
+    def decide(self, name: str, choose):
+        """A choice that shapes what the op allocates (``choose()``, a bool or an int). A traced
+        call records it and the run-time call of the same trace replays it (see :func:`trace`),
+        so the buffers XLA allocated always match, whatever the device or environment then says."""
+        return choose()
 
     def stage(self, *arrays: DeviceArray | None) -> None:
         """Uploads host (NumPy) arguments; device arguments are already in place."""
@@ -295,8 +299,8 @@ class PreallocatedContext(CallContext):
         self._next = 0
         self._decisions = dict(decisions or {})
 
-    def decide(self, name: str, choose) -> bool:
-        return self._decisions[name] if name in self._decisions else bool(choose())
+    def decide(self, name: str, choose):
+        return self._decisions[name] if name in self._decisions else choose()
 
     wrap = staticmethod(lambda x: _from_cuda_array_interface(x))
 
@@ -330,11 +334,21 @@ class _ValidationContext(CallContext):
     def __init__(self):
         super().__init__(DLPACK, None, None)
         self.allocations: list[tuple[tuple[int, ...], np.dtype]] = []
-        self.decisions: dict[str, bool] = {}
+        self.decisions: dict[str, bool | int] = {}
 
-    def decide(self, name: str, choose) -> bool:
-        self.decisions[name] = bool(choose())
+    def decide(self, name: str, choose):
+        self.decisions[name] = choose()
         return self.decisions[name]
+
+    def device_index(self) -> int:
+        """The current device, where the real call is expected to run. Without one, tracing
+        cannot size what depends on the device: ValidationDone ends it there."""
+        try:
+            import cupy
+
+            return cupy.cuda.runtime.getDevice()
+        except (ImportError, RuntimeError) as exc:  # CuPy's CUDARuntimeError is a RuntimeError
+            raise ValidationDone from exc
 
     def stage(self, *arrays) -> None:
         pass
@@ -379,7 +393,7 @@ def preallocated_outputs(device_id: int, stream_handle: int, outputs, decisions=
 @dataclasses.dataclass(frozen=True)
 class Trace:
     allocations: list[tuple[tuple[int, ...], np.dtype]]  # (shape, dtype) of each, outputs first
-    decisions: dict[str, bool]  # the choices that sized them (CallContext.decide)
+    decisions: dict[str, bool | int]  # the choices that sized them (CallContext.decide)
 
 
 def trace(call, *args, **kwargs) -> Trace:

@@ -105,10 +105,10 @@ def attention_with_kvcache(
         paged = a["block_table"] is not None
         if plan.prefill_by_forward(seqlen_q):
             tiles = forward.variant(c_type, head_dim_bucket(head_dim), options.softcap > 0, "paged_cache" if paged else "cache")
-            if tiles.dynamic_smem > device_smem_limit(ctx.device.id):
+            if tiles.dynamic_smem > device_smem_limit(ctx.device_index()):
                 raise ValueError(
                     f"attention_with_kvcache of {seqlen_q} new tokens at head_dim {head_dim} needs {tiles.dynamic_smem} bytes of shared "
-                    f"memory per block; this GPU has {device_smem_limit(ctx.device.id)}"
+                    f"memory per block; this GPU has {device_smem_limit(ctx.device_index())}"
                 )
             forward.launches(tiles, seqlen_q, heads_q, batch)  # may raise: before the append
             p = _forward_params(a, dst, lse, options, cache)
@@ -126,39 +126,41 @@ def _launch_decode(ctx, c_type: str, a: dict, dst, lse, options: AttnOptions, ca
     batch, seqlen_q, heads_q, head_dim = a["q"].shape
     heads_kv = a["k_cache"].shape[2]
     row_blocks = -(-(heads_q // heads_kv) * seqlen_q // plan.ROWS)
-    with ctx.device, ctx.stream:
-        bucket, paged, smem_limit = head_dim_bucket(head_dim), a["block_table"] is not None, device_smem_limit(ctx.device.id)
-        if plan.stages(bucket, paged, smem_limit) is None:
-            raise ValueError(
-                f"attention_with_kvcache at head_dim {head_dim} needs {plan.smem_bytes_for(bucket, 2)} bytes of shared memory "
-                f"per block; this GPU has {smem_limit}"
-            )
-        sm_count = device_sm_count(ctx.device.id)
-        wide = plan.wide_grid(batch, heads_kv, row_blocks, sm_count)
-        if splits is None:
-            splits = plan.num_splits(bucket, paged, batch, heads_kv, row_blocks, cache["capacity"], sm_count, smem_limit, wide)
-        partial_out = partial_lse = NO_LSE
-        if splits > 1:
-            partial_out = ctx.empty((splits, batch, seqlen_q, heads_q, head_dim), np.float32)
-            partial_lse = ctx.empty((splits, batch, heads_q, seqlen_q), np.float32)
-        fields = options.kernel_fields(seqlen_q, cache["capacity"])
-        p = params.pack(
-            params.DECODE_PARAMS,
-            q=a["q"].ptr, k=a["k_cache"].ptr, v=a["v_cache"].ptr, out=dst.ptr, lse=lse.ptr,
-            partial_out=partial_out.ptr, partial_lse=partial_lse.ptr, cache_seqlens=a["cache_seqlens"].ptr,
-            block_table=_ptr(a["block_table"]), cache_batch_idx=_ptr(a["cache_batch_idx"]),
-            k_new=_ptr(a["k_new"]), v_new=_ptr(a["v_new"]),
-            q_strides=a["q"].strides[:3], k_strides=a["k_cache"].strides[:3], v_strides=a["v_cache"].strides[:3],
-            out_strides=dst.strides[:3], lse_strides=lse.strides[:2],
-            k_new_strides=_strides(a["k_new"]), v_new_strides=_strides(a["v_new"]),
-            block_table_stride=0 if a["block_table"] is None else a["block_table"].strides[0],
-            batch=batch, seqlen_q=seqlen_q, seqlen_new=cache["seqlen_new"], heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim,
-            capacity=cache["capacity"], cache_rows=a["k_cache"].shape[0], page_size=cache["page_size"], num_splits=splits,
-            window_left=fields["window_left"], window_right=fields["window_right"], scale=fields["scale"],
-            softcap=fields["softcap"], exp2_scale=fields["exp2_scale"],
+    bucket, paged = head_dim_bucket(head_dim), a["block_table"] is not None
+    device = ctx.device_index()  # a traced call (JAX) sizes the splits for the current device
+    smem_limit, sm_count = device_smem_limit(device), device_sm_count(device)
+    if plan.stages(bucket, paged, smem_limit) is None:
+        raise ValueError(
+            f"attention_with_kvcache at head_dim {head_dim} needs {plan.smem_bytes_for(bucket, 2)} bytes of shared memory "
+            f"per block; this GPU has {smem_limit}"
         )
-        attend = plan.variant(c_type, bucket, paged, options.softcap > 0, smem_limit, wide)
-        grid = plan.grid(splits, heads_kv, row_blocks, batch)  # may raise: before the cache is written
+    wide = plan.wide_grid(batch, heads_kv, row_blocks, sm_count)
+    splits = ctx.decide(
+        "decode_splits", lambda: splits or plan.num_splits(bucket, paged, batch, heads_kv, row_blocks, cache["capacity"], sm_count, smem_limit, wide),
+    )
+    attend = plan.variant(c_type, bucket, paged, options.softcap > 0, smem_limit, wide)
+    grid = plan.grid(splits, heads_kv, row_blocks, batch)  # may raise: before the cache is written
+    partial_out = partial_lse = NO_LSE
+    if splits > 1:
+        partial_out = ctx.empty((splits, batch, seqlen_q, heads_q, head_dim), np.float32)
+        partial_lse = ctx.empty((splits, batch, heads_q, seqlen_q), np.float32)
+    fields = options.kernel_fields(seqlen_q, cache["capacity"])
+    p = params.pack(
+        params.DECODE_PARAMS,
+        q=a["q"].ptr, k=a["k_cache"].ptr, v=a["v_cache"].ptr, out=dst.ptr, lse=lse.ptr,
+        partial_out=partial_out.ptr, partial_lse=partial_lse.ptr, cache_seqlens=a["cache_seqlens"].ptr,
+        block_table=_ptr(a["block_table"]), cache_batch_idx=_ptr(a["cache_batch_idx"]),
+        k_new=_ptr(a["k_new"]), v_new=_ptr(a["v_new"]),
+        q_strides=a["q"].strides[:3], k_strides=a["k_cache"].strides[:3], v_strides=a["v_cache"].strides[:3],
+        out_strides=dst.strides[:3], lse_strides=lse.strides[:2],
+        k_new_strides=_strides(a["k_new"]), v_new_strides=_strides(a["v_new"]),
+        block_table_stride=0 if a["block_table"] is None else a["block_table"].strides[0],
+        batch=batch, seqlen_q=seqlen_q, seqlen_new=cache["seqlen_new"], heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim,
+        capacity=cache["capacity"], cache_rows=a["k_cache"].shape[0], page_size=cache["page_size"], num_splits=splits,
+        window_left=fields["window_left"], window_right=fields["window_right"], scale=fields["scale"],
+        softcap=fields["softcap"], exp2_scale=fields["exp2_scale"],
+    )
+    with ctx.device, ctx.stream:
         if cache["seqlen_new"]:
             _launch_append(ctx, c_type, a, p, batch * cache["seqlen_new"] * heads_kv)
         ctx.launch(attend, grid, (attend.threads, 1, 1), p)

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cuattn import boundary, ops, replay, requirements
+from cuattn.decode import check_num_splits
 from cuattn.options import AttnOptions, flat_seqlen_bounds
 from cuattn.validation import check_bool
 
@@ -25,7 +26,7 @@ requirements.require("jax", "cupy", by="cuattn.jax")  # before importing what ol
 
 from jax.experimental.buffer_callback import buffer_callback  # noqa: E402
 
-__all__ = ["attention", "attention_varlen", "merge", "call"]
+__all__ = ["attention", "attention_varlen", "attention_with_kvcache", "append_kv", "merge", "call"]
 
 
 def attention(q, k, v, *, causal=False, window=None, align="bottom_right", scale=None, softcap=None, return_lse=False):
@@ -55,27 +56,60 @@ def merge(outs, lses):
 
 
 def call(name: str, *arrays, **options):
-    """Runs op ``name`` of :data:`cuattn.ops.OPS` (not differentiated); returns its outputs."""
+    """Runs op ``name`` of :data:`cuattn.ops.OPS` (not differentiated); returns its outputs,
+    then, for an op that writes arrays in place (the KV cache of ``attention_with_kvcache``
+    with ``k_new``, ``append_kv``), their new values: XLA aliases each to its input, so a
+    donated input is updated without a copy (and an undonated one is copied first)."""
     entry = ops.OPS[name]
-    if entry.mutates:
-        raise NotImplementedError(f"{name} writes {', '.join(entry.mutates)} in place, which JAX arrays cannot be: not available in cuattn.jax yet")
+    written = [entry.array_names.index(n) for n in entry.written(arrays)]
     # XLA allocates every buffer the op allocates: its outputs, then its scratch (delta, ...);
-    # the run replays the choices that sized them.
+    # the run replays the choices that sized them. Written arrays come back as extra results.
     traced = boundary.trace(entry.call, *arrays, **options)
     results = [jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)) for shape, dtype in traced.allocations]
+    allocated = len(results)
+    results += [jax.ShapeDtypeStruct(arrays[i].shape, arrays[i].dtype) for i in written]
+    flat_index = lambda i: len(jax.tree_util.tree_leaves(arrays[:i]))  # noqa: E731  (None arrays are no leaves)
+    aliases = {flat_index(i): allocated + j for j, i in enumerate(written)}
 
     plans = {}  # this trace's launch plan, per device (cuattn.replay)
 
     def callback(ctx, outs, *buffers):
+        outs, buffers = list(outs), list(buffers)
+        for j, i in enumerate(written):  # the op writes the aliased results, which hold the inputs' values
+            buffers[i] = outs[allocated + j]
         sources = [b for a in buffers for b in (a if isinstance(a, (list, tuple)) else (a,))]
         device = _device_of(sources)
         run = lambda: entry.call(*buffers, **options)  # noqa: E731
-        if replay.run_preallocated(plans, run, sources, list(outs), device, ctx.stream, traced.decisions):
+        if replay.run_preallocated(plans, run, sources, outs[:allocated], device, ctx.stream, traced.decisions):
             return
-        with boundary.preallocated_outputs(device, ctx.stream, outs, traced.decisions):
+        with boundary.preallocated_outputs(device, ctx.stream, outs[:allocated], traced.decisions):
             run()
 
-    return tuple(buffer_callback(callback, results)(*arrays)[: len(entry.returns)])
+    outputs = buffer_callback(callback, results, input_output_aliases=aliases or None)(*arrays)
+    return tuple(outputs[: len(entry.returns)]) + tuple(outputs[allocated:])
+
+
+def attention_with_kvcache(
+    q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, block_table=None, cache_batch_idx=None, causal=True,
+    window=None, scale=None, softcap=None, num_splits=None, return_lse=False,
+):
+    """:func:`cuattn.attention_with_kvcache` on JAX arrays, eager or under ``jax.jit`` (not
+    differentiable). Functional: with ``k_new`` / ``v_new`` it returns ``(out, k_cache,
+    v_cache)`` (``(out, lse, k_cache, v_cache)`` with ``return_lse``), the caches with the new
+    rows written; donate the caches (``jax.jit(..., donate_argnums=...)``) and they are updated
+    in place, else XLA copies them first."""
+    options = AttnOptions.from_user(causal, window, "bottom_right", scale, softcap, head_dim=q.shape[-1]).flat()
+    del options["align"]
+    options["num_splits"] = -1 if num_splits is None else check_num_splits(num_splits)
+    out, lse, *caches = call("attention_with_kvcache", q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, cache_batch_idx, **options)
+    result = (out, lse) if check_bool("return_lse", return_lse) else (out,)
+    return (*result, *caches) if caches or len(result) > 1 else out
+
+
+def append_kv(k_new, v_new, k_cache, v_cache, *, cache_seqlens, block_table=None, cache_batch_idx=None):
+    """:func:`cuattn.append_kv` on JAX arrays: returns the new ``(k_cache, v_cache)`` (aliased
+    to the inputs: donate them to update in place)."""
+    return call("append_kv", k_new, v_new, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx)
 
 
 def xla_deterministic_ops() -> bool:

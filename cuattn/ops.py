@@ -36,10 +36,17 @@ class OpEntry:
     vjp_arrays: Callable | None = None  # (inputs, outputs, output grads) -> vjp entry's arrays
     vjp_options: tuple[tuple[str, object], ...] = ()  # options of the vjp entry beyond this op's
     mutates: tuple[str, ...] = ()  # arrays the op writes in place (declared in the torch schema)
+    mutates_if: str | None = None  # the optional array whose presence makes it write them (None: always)
 
     @property
     def array_names(self) -> tuple[str, ...]:
         return tuple(a.rstrip("?[]") for a in self.arrays)
+
+    def written(self, arrays) -> tuple[str, ...]:
+        """The arrays this call writes in place (``arrays`` in :attr:`arrays` order)."""
+        if self.mutates_if is not None and dict(zip(self.array_names, arrays))[self.mutates_if] is None:
+            return ()
+        return self.mutates
 
 
 MASK_OPTIONS = OP_SCHEMA  # cuattn.options.AttnOptions' fields
@@ -143,7 +150,8 @@ OPS = {
             q, k_cache, v_cache, cache_seqlens=cache_seqlens, k_new=k_new, v_new=v_new, block_table=block_table,
             cache_batch_idx=cache_batch_idx, return_lse=True, **_decode_keywords(**o),
         ),
-        mutates=("k_cache", "v_cache"),  # when k_new / v_new are given
+        mutates=("k_cache", "v_cache"),
+        mutates_if="k_new",
     ),
     "append_kv": OpEntry(
         name="append_kv",

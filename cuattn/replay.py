@@ -162,7 +162,7 @@ class _Recorder(boundary.CallContext):
         self.allocations: list[tuple[tuple[int, ...], np.dtype]] = []
         self.allocated: dict[int, int] = {}  # id(DeviceArray) -> source index
         self.launches: list[tuple] = []
-        self.decisions: dict[str, bool] = {}
+        self.decisions: dict[str, bool | int] = {}
 
     def tag(self, index: int) -> int:
         return self._base + (index << _TAG_SHIFT) + _TAG_MIDDLE
@@ -178,8 +178,8 @@ class _Recorder(boundary.CallContext):
         self._next += 1
         return dataclasses.replace(self._wrap(x), ptr=self.tag(self._next - 1))
 
-    def decide(self, name: str, choose) -> bool:
-        value = self._given[name] if self._given and name in self._given else bool(choose())
+    def decide(self, name: str, choose):
+        value = self._given[name] if self._given and name in self._given else choose()
         self.decisions[name] = value
         return value
 
