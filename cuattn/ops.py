@@ -153,6 +153,19 @@ OPS = {
         mutates=("k_cache", "v_cache"),
         mutates_if="k_new",
     ),
+    # The same attention when nothing is appended, declaring no write: a traced decode step
+    # that only reads the cache (torch.compile) has no mutation to functionalize.
+    "attention_with_kvcache_readonly": OpEntry(
+        name="attention_with_kvcache_readonly",
+        arrays=("q", "k_cache", "v_cache", "cache_seqlens", "block_table?", "cache_batch_idx?"),
+        options=DECODE_OPTIONS,
+        returns=("out", "lse"),
+        outputs=_decode_outputs,
+        call=lambda q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, **o: attention_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, cache_batch_idx=cache_batch_idx, return_lse=True,
+            **_decode_keywords(**o),
+        ),
+    ),
     "append_kv": OpEntry(
         name="append_kv",
         arrays=("k_new", "v_new", "k_cache", "v_cache", "cache_seqlens", "block_table?", "cache_batch_idx?"),

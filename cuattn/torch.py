@@ -63,9 +63,11 @@ def attention_with_kvcache(
     q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, block_table=None, cache_batch_idx=None, causal=True,
     window=None, scale=None, softcap=None, num_splits=None, return_lse=False,
 ):
-    """:func:`cuattn.attention_with_kvcache` on torch tensors (not differentiable: decoding). As
-    ``torch.ops.cuattn.attention_with_kvcache``, which declares the cache written in place, it
-    traces under ``torch.compile(fullgraph=True)`` and captures in CUDA graphs."""
+    """:func:`cuattn.attention_with_kvcache` on torch tensors (not differentiable: decoding).
+    Traced, it is ``torch.ops.cuattn.attention_with_kvcache`` (which declares the cache written
+    in place) when ``k_new`` / ``v_new`` are given, else
+    ``torch.ops.cuattn.attention_with_kvcache_readonly`` (no write declared); both trace under
+    ``torch.compile(fullgraph=True)`` and capture in CUDA graphs."""
     tensors = [x for x in (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, cache_batch_idx) if x is not None]
     if _eager(*tensors):
         return core_attention_with_kvcache(
@@ -76,9 +78,12 @@ def attention_with_kvcache(
     flat = AttnOptions.from_user(causal, window, "bottom_right", scale, softcap, head_dim=q.shape[-1]).flat()
     del flat["align"]
     splits = -1 if num_splits is None else check_num_splits(num_splits)
-    out, lse = op("attention_with_kvcache")(
-        q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, cache_batch_idx, *flat.values(), splits,
-    )
+    if k_new is None and v_new is None:
+        out, lse = op("attention_with_kvcache_readonly")(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, *flat.values(), splits)
+    else:
+        out, lse = op("attention_with_kvcache")(
+            q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, cache_batch_idx, *flat.values(), splits,
+        )
     return (out, lse) if check_bool("return_lse", return_lse) else out
 
 

@@ -437,3 +437,29 @@ def test_torch_decode_ops_pass_opcheck():
     torch.library.opcheck(ct.op("attention_with_kvcache"), (q, k_cache, v_cache, lengths, None, None, table, None), options)
     torch.library.opcheck(ct.op("attention_with_kvcache"), (q, k_cache, v_cache, lengths, k_new, v_new, table, None), {**options, "num_splits": 3})
     torch.library.opcheck(ct.op("append_kv"), (k_new, v_new, k_cache, v_cache, lengths, table, None))
+    torch.library.opcheck(ct.op("attention_with_kvcache_readonly"), (q, k_cache, v_cache, lengths, table, None), options)
+
+
+@gpu
+@pytest.mark.parametrize("paged", [False, True])
+def test_torch_compile_read_only_step_declares_no_write(paged):
+    """Without k_new the traced call is the read-only op: the compiled graph holds no mutation
+    of the cache (no copy_ back into it), and matches eager."""
+    torch = pytest.importorskip("torch")
+    import cuattn.torch as ct
+
+    def step(q, k_cache, v_cache, lengths, table):
+        return ct.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, block_table=table)
+
+    q, k_cache, v_cache, lengths, _, _, table = _torch_step_inputs(torch, paged)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    compiled = torch.compile(step, fullgraph=True, backend=backend)(q, k_cache, v_cache, lengths, table)
+    torch.testing.assert_close(compiled, step(q, k_cache, v_cache, lengths, table), rtol=0, atol=0)
+    targets = [str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"]
+    assert any("attention_with_kvcache_readonly" in t for t in targets), targets
+    assert not any("copy_" in t or t.endswith("attention_with_kvcache.default") for t in targets), targets
