@@ -1,8 +1,9 @@
-"""Times ring depths and split policies of the decode kernel (cuattn.kernels.decode.STAGES and
-PAGED_STAGES, MIN_BLOCKS_PER_SPLIT) on a few rows of the decode benchmark, bf16, GQA 32:8, head_dim 128:
-GB/s of K/V read for a contiguous cache and pages of 16 and 1.
+"""Times forms of the decode kernel (cuattn.kernels.decode: the ring depths STAGES /
+PAGED_STAGES / WIDE_STAGES, MIN_BLOCKS_PER_SPLIT) on rows of the decode benchmark, bf16, GQA
+32:8, head_dim 128, L2-cold as `python -m benchmarks decode` times them: GB/s of K/V read for a
+contiguous cache and pages of 16 and 1, SDPA's cuDNN backend beside.
 
-    PYTHONPATH=. python scripts/tune_decode.py --stages 2,3,4 --min-blocks 2,4,8
+    PYTHONPATH=. python scripts/tune_decode.py --stages 3,4 --min-blocks 1,2
 """
 
 from __future__ import annotations
@@ -16,42 +17,60 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 
 import cuattn  # noqa: E402
-from benchmarks.bench_decode import HEAD_DIM, HEADS_KV, HEADS_Q, _gbs, _paged  # noqa: E402
+from benchmarks.bench_decode import HEAD_DIM, HEADS_KV, HEADS_Q, ROTATE_BYTES, _gbs, _paged  # noqa: E402
 from cuattn import replay  # noqa: E402
 from cuattn.kernels import decode as plan  # noqa: E402
 
 
 def main() -> None:
     import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
 
     parser = argparse.ArgumentParser()
-    parser.add_argument("--stages", default="2,3,4")
-    parser.add_argument("--min-blocks", default="2,4,8")
-    parser.add_argument("--rows", default="1x8192,1x32768,16x8192,16x32768,64x2048")
+    parser.add_argument("--stages", default="")
+    parser.add_argument("--min-blocks", default=str(plan.MIN_BLOCKS_PER_SPLIT))
+    parser.add_argument("--rows", default="1x1024,1x32768,4x8192,16x1024,16x131072,64x1024")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     rows = [tuple(map(int, r.split("x"))) for r in args.rows.split(",")]
-    print(f"{'stages':>6} {'minblk':>6} " + " ".join(f"{f'b{b}s{s}':>22}" for b, s in rows) + "   (contiguous/page16/page1 GB/s)")
-    data = {}
+    configs = [(s, m) for s in (args.stages.split(",") if args.stages else [""]) for m in map(int, args.min_blocks.split(","))]
+    tables = {k: dict(getattr(plan, k)) for k in ("STAGES", "PAGED_STAGES", "WIDE_STAGES")}
+    print(f"{'row':>10} {'cudnn':>6}  " + "  ".join(f"{'stages %s minblk %d' % (s or '-', m):>20}" for s, m in configs)
+          + "   (contiguous/page16/page1 GB/s)")
     for batch, seqlen in rows:
-        q = torch.randn(batch, 1, HEADS_Q, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-        k, v = (torch.randn(batch, seqlen, HEADS_KV, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        nbytes = 2 * batch * seqlen * HEADS_KV * HEAD_DIM * 2
+        sets = max(1, -(-ROTATE_BYTES // nbytes))
+        q = [torch.randn(batch, 1, HEADS_Q, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
+        kv = [tuple(torch.randn(batch, seqlen, HEADS_KV, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(2)) for _ in range(sets)]
         lengths = torch.full((batch,), seqlen, dtype=torch.int32, device="cuda")
-        data[batch, seqlen] = (q, k, v, lengths, _paged(k, v, 16, rng), _paged(k, v, 1, rng))
-    for stages in map(int, args.stages.split(",")):
-        for min_blocks in map(int, args.min_blocks.split(",")):
-            plan.STAGES[HEAD_DIM] = plan.PAGED_STAGES[HEAD_DIM] = plan.WIDE_STAGES[HEAD_DIM] = stages
+        paged = {ps: [_paged(k, v, ps, rng) for k, v in kv] for ps in (16, 1)}
+        views = [[x.transpose(1, 2) for x in (q[i], *kv[i])] for i in range(sets)]
+
+        def cudnn(i):
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION), torch.no_grad():
+                return sdpa(*views[i], enable_gqa=True)
+
+        cells, reference = [], None
+        for stages, min_blocks in configs:
             plan.MIN_BLOCKS_PER_SPLIT = min_blocks
+            for k, table in tables.items():
+                getattr(plan, k).update(table)
+                if stages:
+                    getattr(plan, k)[HEAD_DIM] = int(stages)
             plan.variant.cache_clear()
             replay.clear()
-            cells = []
-            for (batch, seqlen), (q, k, v, lengths, p16, p1) in data.items():
-                nbytes = 2 * k.numel() * k.element_size()
-                rates = [_gbs(nbytes, lambda: cuattn.attention_with_kvcache(q, k, v, cache_seqlens=lengths))]
-                for pk, pv, table in (p16, p1):
-                    rates.append(_gbs(nbytes, lambda: cuattn.attention_with_kvcache(q, pk, pv, cache_seqlens=lengths, block_table=table)))
-                cells.append("/".join(f"{r:.0f}" for r in rates))
-            print(f"{stages:>6} {min_blocks:>6} " + " ".join(f"{c:>22}" for c in cells), flush=True)
+            out = cuattn.attention_with_kvcache(q[0], *paged[1][0][:2], cache_seqlens=lengths, block_table=paged[1][0][2]).float()
+            if reference is None:
+                reference = out
+            error = (out - reference).abs().max().item()
+            rates = [_gbs(nbytes, lambda i: cuattn.attention_with_kvcache(q[i], *kv[i], cache_seqlens=lengths), sets)]
+            for ps in (16, 1):
+                rates.append(_gbs(nbytes, lambda i: cuattn.attention_with_kvcache(
+                    q[i], paged[ps][i][0], paged[ps][i][1], cache_seqlens=lengths, block_table=paged[ps][i][2]), sets))
+            cells.append("/".join(f"{r:.0f}" for r in rates) + ("" if error < 1e-2 else f" ERR{error:.2g}"))
+        print(f"{f'b{batch}s{seqlen}':>10} {_gbs(nbytes, cudnn, sets):>6.0f}  " + "  ".join(f"{c:>20}" for c in cells), flush=True)
+        del q, kv, paged, views
 
 
 if __name__ == "__main__":
