@@ -15,7 +15,9 @@ _LAYOUT = "(batch, seqlen, heads, head_dim)"
 MAX_HEAD_DIM = HEAD_DIM_BUCKETS[-1]
 
 
-def attention(q, k, v, *, causal=False, window=None, align="bottom_right", scale=None, softcap=None, return_lse=False, out=None):
+def attention(
+    q, k, v, *, causal=False, window=None, align="bottom_right", scale=None, softcap=None, sink=None, return_lse=False, out=None,
+):
     """Exact softmax attention, ``softmax(scale * q k^T + mask) v``, in one tiled kernel.
 
     Parameters
@@ -48,6 +50,12 @@ def attention(q, k, v, *, causal=False, window=None, align="bottom_right", scale
     scale : float, default ``1 / sqrt(head_dim)``; must be positive
     softcap : float or None
         If given, scores become ``softcap * tanh(scale * q.k / softcap)`` before the softmax.
+    sink : optional ``(heads_q,)`` float32 array (the caller's framework, on q's device)
+        Attention sinks: head ``h``'s logit ``sink[h]`` joins the denominator of every row's
+        softmax as one more score (after scale and softcap) that has no value, so a row's
+        weights sum to ``1 - exp(sink[h] - lse)``; ``lse`` includes it. A row that sees no key
+        then gets ``out = 0`` and ``lse = sink[h]``. :func:`cuattn.attention_backward` returns
+        its gradient.
     return_lse : bool
         Also return ``lse``, ``(batch, heads_q, seqlen_q)`` float32: the natural log of each
         row's softmax denominator including its max, ``lse = m + log(l)``; merging partial
@@ -62,17 +70,20 @@ def attention(q, k, v, *, causal=False, window=None, align="bottom_right", scale
     if out is None:
         result = replay.run(
             "attention",
-            lambda: attention(q, k, v, causal=causal, window=window, align=align, scale=scale, softcap=softcap, return_lse=return_lse),
-            (q, k, v), (causal, window, align, scale, softcap, return_lse),
+            lambda: attention(
+                q, k, v, causal=causal, window=window, align=align, scale=scale, softcap=softcap, sink=sink, return_lse=return_lse,
+            ),
+            (q, k, v, sink), (causal, window, align, scale, softcap, return_lse),
         )
         if result is not replay.MISS:
             return result
     require_arrays({"q": q, "k": k, "v": v})
     return_lse = check_bool("return_lse", return_lse)
-    ctx, a = boundary.import_arrays(q=q, k=k, v=v, out=out)
+    ctx, a = boundary.import_arrays(q=q, k=k, v=v, sink=sink, out=out)
     if out is not None and ctx.framework in (boundary.JAX, boundary.NUMPY):
         raise TypeError(f"out= is written in place, which {ctx.framework} arrays cannot be")
     c_type = check_qkv(a["q"], a["k"], a["v"], a["out"])
+    check_sink(a["sink"], a["q"].shape[2])
     if out is not None:  # out=q is safe: each CTA reads its query rows before it writes them
         validation.check_writable_output("out", a["out"], {"q": a["q"], "k": a["k"], "v": a["v"]}, same_as_ok="q")
     batch, seqlen_q, heads_q, head_dim = a["q"].shape
@@ -83,7 +94,7 @@ def attention(q, k, v, *, causal=False, window=None, align="bottom_right", scale
     # Without return_lse the kernels skip lse (a null pointer): nothing to allocate.
     lse = ctx.empty((batch, heads_q, seqlen_q), np.float32) if return_lse else NO_LSE
     if batch and seqlen_q and heads_q:
-        launch_forward(ctx, c_type, attn_params(a["q"], a["k"], a["v"], dst, lse, options), seqlen_q, heads_q, batch)
+        launch_forward(ctx, c_type, attn_params(a["q"], a["k"], a["v"], dst, lse, options, sink=a["sink"]), seqlen_q, heads_q, batch)
     result = out if out is not None else ctx.export(dst)
     return (result, ctx.export(lse)) if return_lse else result
 
@@ -98,6 +109,16 @@ def require_arrays(arrays: dict, hints: dict | None = None) -> None:
         if x is None:
             hint = f" ({hints[name]})" if hints and name in hints else ""
             raise TypeError(f"{name} is required, got None{hint}")
+
+
+def check_sink(sink, heads_q: int) -> None:
+    """``sink``: None, or ``(heads_q,)`` float32 with unit stride."""
+    if sink is None:
+        return
+    validation.check_rank("sink", sink, 1, "(heads_q,)")
+    validation.check_shape("sink", sink, (heads_q,), "(heads_q,)")
+    validation.check_float32("sink", sink)
+    validation.check_unit_last_stride("sink", sink)
 
 
 def check_qkv(q, k, v, out) -> str:
@@ -133,10 +154,11 @@ def check_qkv(q, k, v, out) -> str:
     return c_type
 
 
-def attn_params(q, k, v, out, lse, options: AttnOptions, packed=None) -> np.void:
+def attn_params(q, k, v, out, lse, options: AttnOptions, packed=None, sink=None) -> np.void:
     """AttnParams of the forward problem (shared with the backward) from the kernels' 4-D
     views. ``packed``: a :class:`cuattn.packed.PackedSequences` (the views are then of one
-    sequence of ``total`` rows, cuattn.packed.one_sequence_view), or None for dense tensors."""
+    sequence of ``total`` rows, cuattn.packed.one_sequence_view), or None for dense tensors;
+    ``sink``: the sinks' array, or None."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k = k.shape[1]
     seqs = (0, 0, 0, 0, 0)
@@ -148,7 +170,7 @@ def attn_params(q, k, v, out, lse, options: AttnOptions, packed=None) -> np.void
         seqs = (packed.cu_seqlens_q, packed.cu_seqlens_k, packed.total_q, packed.total_k, int(options.bottom_right))
     return params.pack(
         params.ATTN_PARAMS,
-        q=q.ptr, k=k.ptr, v=v.ptr, out=out.ptr, lse=lse.ptr,
+        q=q.ptr, k=k.ptr, v=v.ptr, out=out.ptr, lse=lse.ptr, sink=0 if sink is None else sink.ptr,
         q_strides=q.strides[:3], k_strides=k.strides[:3], v_strides=v.strides[:3],
         out_strides=out.strides[:3], lse_strides=lse.strides[:2],
         batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, heads_q=heads_q, heads_kv=k.shape[2], head_dim=head_dim,

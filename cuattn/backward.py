@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from cuattn import boundary, params, replay, validation
-from cuattn.attention import _LAYOUT, attn_params, check_qkv, require_arrays
+from cuattn.attention import _LAYOUT, attn_params, check_qkv, check_sink, require_arrays
 from cuattn.kernels import backward
 from cuattn.kernels.backward import BackwardGrid
 from cuattn.kernels.variant import head_dim_bucket
@@ -17,7 +17,7 @@ _LSE_LAYOUT = "(batch, heads_q, seqlen_q)"
 
 
 def attention_backward(
-    dout, q, k, v, out, lse, *, causal=False, window=None, align="bottom_right", scale=None, softcap=None,
+    dout, q, k, v, out, lse, *, causal=False, window=None, align="bottom_right", scale=None, softcap=None, sink=None,
     dlse=None, deterministic=False,
 ):
     """Gradients of :func:`cuattn.attention` with respect to ``q``, ``k`` and ``v``.
@@ -30,7 +30,7 @@ def attention_backward(
     ----------
     dout : gradient of the loss with respect to ``out``, shaped and typed like ``q``.
     q, k, v, out, lse : the forward's inputs and outputs (``lse`` from ``return_lse=True``).
-    causal, window, align, scale, softcap : exactly as given to the forward.
+    causal, window, align, scale, softcap, sink : exactly as given to the forward.
     dlse : optional ``(batch, heads_q, seqlen_q)`` float32, the gradient that flowed into
         ``lse`` (for example through :func:`cuattn.merge`); ``None`` means zero.
     deterministic : bool. ``True`` gives bit-identical gradients across runs: dK and dV are
@@ -43,7 +43,9 @@ def attention_backward(
     Returns
     -------
     ``(dq, dk, dv)`` shaped and typed like ``q``, ``k`` and ``v`` (fp32 accumulation), as
-    arrays of the caller's framework. Rows that see no key get zero gradients.
+    arrays of the caller's framework; with ``sink``, ``(dq, dk, dv, dsink)``, ``dsink`` float32
+    ``(heads_q,)`` summed over every row of its head in a fixed order (deterministic). Rows
+    that see no key get zero gradients.
 
     Dtypes and head dims as the forward: float16 / bfloat16 on tensor cores (above head_dim
     128 the dK/dV columns are split over two CTAs, each recomputing the scores), float32 on
@@ -52,18 +54,19 @@ def attention_backward(
     result = replay.run(
         "attention_backward",
         lambda: attention_backward(
-            dout, q, k, v, out, lse, causal=causal, window=window, align=align, scale=scale, softcap=softcap,
+            dout, q, k, v, out, lse, causal=causal, window=window, align=align, scale=scale, softcap=softcap, sink=sink,
             dlse=dlse, deterministic=deterministic,
         ),
-        (dout, q, k, v, out, lse, dlse), (causal, window, align, scale, softcap, deterministic),
+        (dout, q, k, v, out, lse, dlse, sink), (causal, window, align, scale, softcap, deterministic),
     )
     if result is not replay.MISS:
         return result
     require_arrays({"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}, _REQUIRED)
     deterministic = check_bool("deterministic", deterministic)
-    ctx, a = boundary.import_arrays(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dlse=dlse)
+    ctx, a = boundary.import_arrays(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dlse=dlse, sink=sink)
     c_type = check_qkv(a["q"], a["k"], a["v"], a["out"])
     batch, seqlen_q, heads_q, head_dim = a["q"].shape
+    check_sink(a["sink"], heads_q)
     check_dout(a["dout"], a["q"], c_type, _LAYOUT)
     for name in ("lse", "dlse"):
         x = a[name]
@@ -77,14 +80,16 @@ def attention_backward(
 
     ctx.stage(*a.values())
     grads = [ctx.empty(a[n].shape, a[n].dtype) for n in ("q", "k", "v")]
+    if sink is not None:
+        grads.append(ctx.empty((heads_q,), np.float32))
     delta = ctx.empty((batch, heads_q, seqlen_q), np.float32)
     seqlen_k, heads_kv = a["k"].shape[1], a["k"].shape[2]
     if batch and heads_q and (seqlen_q or seqlen_k):
-        p = backward_params(a, grads, delta, attn_params(a["q"], a["k"], a["v"], a["out"], a["lse"], options))
+        p = backward_params(a, grads, delta, attn_params(a["q"], a["k"], a["v"], a["out"], a["lse"], options, sink=a["sink"]))
         grid = BackwardGrid("dense", batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, batch * seqlen_q, batch * seqlen_k)
         launch_backward(ctx, c_type, p, grid, deterministic)
-    elif grads[1].size:  # no query head (heads_q = 0): K and V had no influence
-        ctx.zero(grads[1], grads[2])
+    elif any(g.size for g in grads):  # nothing to launch: no query head (K and V had no influence), or no rows at all
+        ctx.zero(*(g for g in grads if g.size))
     return tuple(ctx.export(g) for g in grads)
 
 
@@ -107,12 +112,12 @@ _REQUIRED = {
 def backward_params(a, grads, delta, attn: np.void) -> np.void:
     """BackwardParams from the kernels' views (4-D tensors, 3-D statistics) of ``a`` (dout,
     dlse), the gradients and delta."""
-    dq, dk, dv = grads
+    dq, dk, dv = grads[:3]
     dlse = a["dlse"]
     return params.pack(
         params.BACKWARD_PARAMS,
         attn=attn, dout=a["dout"].ptr, dq=dq.ptr, dk=dk.ptr, dv=dv.ptr, delta=delta.ptr,
-        dlse=0 if dlse is None else dlse.ptr,
+        dlse=0 if dlse is None else dlse.ptr, dsink=grads[3].ptr if len(grads) > 3 else 0,
         dout_strides=a["dout"].strides[:3], dq_strides=dq.strides[:3], dk_strides=dk.strides[:3],
         dv_strides=dv.strides[:3], dlse_strides=(0, 0) if dlse is None else dlse.strides[:2],
         delta_strides=delta.strides[:2],
@@ -139,7 +144,8 @@ def launch_backward(ctx, c_type: str, p: np.void, g: BackwardGrid, deterministic
         if fused:
             p["dq_accum"], p["dq_accum_tile_strides"], p["dq_accum_cols"] = accum.ptr, tile_strides, bucket
     with ctx.device, ctx.stream:
-        for variant, variant_launches in backward.launches(g, c_type, softcap, arch, wgmma_enabled(), device_smem_limit(ctx.device.id), fused):
+        sink = bool(p["attn"]["sink"])
+        for variant, variant_launches in backward.launches(g, c_type, softcap, arch, wgmma_enabled(), device_smem_limit(ctx.device.id), fused, sink):
             for grid, block, batch_offset in variant_launches:
                 if batch_offset is not None:
                     p["attn"]["batch_offset"] = batch_offset

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from cuattn import boundary, params, replay, validation
-from cuattn.attention import NO_LSE, attn_params, launch_forward, require_arrays
+from cuattn.attention import NO_LSE, attn_params, check_sink, launch_forward, require_arrays
 from cuattn.kernels import decode as plan
 from cuattn.kernels import forward
 from cuattn.kernels.variant import head_dim_bucket
@@ -22,7 +22,7 @@ _DTYPES = ("float16", "bfloat16")
 
 def attention_with_kvcache(
     q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, block_table=None, cache_batch_idx=None, causal=True,
-    window=None, scale=None, softcap=None, num_splits=None, return_lse=False, out=None,
+    window=None, scale=None, softcap=None, sink=None, num_splits=None, return_lse=False, out=None,
 ):
     """Attention of new query rows over each sequence's KV cache (decoding, speculative
     decoding, chunked prefill), without copying the cache.
@@ -46,8 +46,8 @@ def attention_with_kvcache(
     block_table : optional ``(batch, max_pages)`` int32: page ``i`` of sequence ``b`` is
         ``k_cache[block_table[b, i]]``.
     cache_batch_idx : optional ``(batch,)`` int32, contiguous caches only.
-    causal, window, scale, softcap : as :func:`cuattn.attention` (``causal`` defaults to True:
-        a new token sees the cache and the new tokens before it).
+    causal, window, scale, softcap, sink : as :func:`cuattn.attention` (``causal`` defaults to
+        True: a new token sees the cache and the new tokens before it).
     num_splits : optional int >= 1: CTAs over each sequence's keys. None chooses from the
         shapes and the SM count only, so a CUDA graph of the call serves any lengths and page
         tables. Calls with at least 64 new tokens per sequence (chunked prefill) take the tiled
@@ -69,10 +69,10 @@ def attention_with_kvcache(
             "attention_with_kvcache",
             lambda: attention_with_kvcache(
                 q, k_cache, v_cache, cache_seqlens=cache_seqlens, k_new=k_new, v_new=v_new, block_table=block_table,
-                cache_batch_idx=cache_batch_idx, causal=causal, window=window, scale=scale, softcap=softcap, num_splits=num_splits,
-                return_lse=return_lse,
+                cache_batch_idx=cache_batch_idx, causal=causal, window=window, scale=scale, softcap=softcap, sink=sink,
+                num_splits=num_splits, return_lse=return_lse,
             ),
-            (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, cache_batch_idx),
+            (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, cache_batch_idx, sink),
             (causal, window, scale, softcap, num_splits, return_lse),
         )
         if result is not replay.MISS:
@@ -81,7 +81,7 @@ def attention_with_kvcache(
     return_lse = check_bool("return_lse", return_lse)
     ctx, a = boundary.import_arrays(
         q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens, k_new=k_new, v_new=v_new, block_table=block_table,
-        cache_batch_idx=cache_batch_idx, out=out,
+        cache_batch_idx=cache_batch_idx, sink=sink, out=out,
     )
     if out is not None and ctx.framework in (boundary.JAX, boundary.NUMPY):
         raise TypeError(f"out= is written in place, which {ctx.framework} arrays cannot be")
@@ -90,6 +90,7 @@ def attention_with_kvcache(
     cache = _check_cache(a, batch, head_dim)
     _check_new(ctx, a, cache)
     heads_kv = a["k_cache"].shape[2]
+    check_sink(a["sink"], heads_q)
     options = AttnOptions.from_user(causal, window, "bottom_right", scale, softcap, head_dim=head_dim)
     splits = check_num_splits(num_splits)
     if out is not None:
@@ -147,7 +148,7 @@ def _launch_decode(ctx, c_type: str, a: dict, dst, lse, options: AttnOptions, ca
     fields = options.kernel_fields(seqlen_q, cache["capacity"])
     p = params.pack(
         params.DECODE_PARAMS,
-        q=a["q"].ptr, k=a["k_cache"].ptr, v=a["v_cache"].ptr, out=dst.ptr, lse=lse.ptr,
+        q=a["q"].ptr, k=a["k_cache"].ptr, v=a["v_cache"].ptr, out=dst.ptr, lse=lse.ptr, sink=_ptr(a["sink"]),
         partial_out=partial_out.ptr, partial_lse=partial_lse.ptr, cache_seqlens=a["cache_seqlens"].ptr,
         block_table=_ptr(a["block_table"]), cache_batch_idx=_ptr(a["cache_batch_idx"]),
         k_new=_ptr(a["k_new"]), v_new=_ptr(a["v_new"]),
@@ -171,7 +172,7 @@ def _launch_decode(ctx, c_type: str, a: dict, dst, lse, options: AttnOptions, ca
 
 def _forward_params(a: dict, dst, lse, options: AttnOptions, cache: dict) -> np.void:
     """AttnParams of the tiled forward over the cache layouts (chunked prefill)."""
-    p = attn_params(a["q"], a["k_cache"], a["v_cache"], dst, lse, options)
+    p = attn_params(a["q"], a["k_cache"], a["v_cache"], dst, lse, options, sink=a["sink"])
     fields = options.kernel_fields(a["q"].shape[1], cache["capacity"])
     p["seqlen_k"], p["diagonal_offset"] = cache["capacity"], fields["diagonal_offset"]  # bounds only: the kernels read each length
     p["cache_seqlens"], p["block_table"], p["cache_batch_idx"] = a["cache_seqlens"].ptr, _ptr(a["block_table"]), _ptr(a["cache_batch_idx"])

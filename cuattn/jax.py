@@ -29,11 +29,15 @@ from jax.experimental.buffer_callback import buffer_callback  # noqa: E402
 __all__ = ["attention", "attention_varlen", "attention_with_kvcache", "append_kv", "merge", "call"]
 
 
-def attention(q, k, v, *, causal=False, window=None, align="bottom_right", scale=None, softcap=None, return_lse=False):
-    """:func:`cuattn.attention` on JAX arrays, differentiable in ``q``, ``k``, ``v`` (and
-    through ``lse`` when it is returned and used)."""
-    options = AttnOptions.from_user(causal, window, align, scale, softcap, head_dim=q.shape[-1]).flat()
-    out, lse = _differentiable("attention")(tuple(options.items()), q, k, v)
+def attention(q, k, v, *, causal=False, window=None, align="bottom_right", scale=None, softcap=None, sink=None, return_lse=False):
+    """:func:`cuattn.attention` on JAX arrays, differentiable in ``q``, ``k``, ``v``, the
+    ``sink`` logits if given (``(heads_q,)`` float32), and through ``lse`` when it is returned
+    and used."""
+    options = tuple(AttnOptions.from_user(causal, window, align, scale, softcap, head_dim=q.shape[-1]).flat().items())
+    if sink is None:
+        out, lse = _differentiable("attention")(options, q, k, v)
+    else:
+        out, lse = _differentiable("attention_sink")(options, q, k, v, sink)
     return (out, lse) if check_bool("return_lse", return_lse) else out
 
 
@@ -91,7 +95,7 @@ def call(name: str, *arrays, **options):
 
 def attention_with_kvcache(
     q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, block_table=None, cache_batch_idx=None, causal=True,
-    window=None, scale=None, softcap=None, num_splits=None, return_lse=False,
+    window=None, scale=None, softcap=None, sink=None, num_splits=None, return_lse=False,
 ):
     """:func:`cuattn.attention_with_kvcache` on JAX arrays, eager or under ``jax.jit`` (not
     differentiable). Functional: with ``k_new`` / ``v_new`` it returns ``(out, k_cache,
@@ -101,7 +105,9 @@ def attention_with_kvcache(
     options = AttnOptions.from_user(causal, window, "bottom_right", scale, softcap, head_dim=q.shape[-1]).flat()
     del options["align"]
     options["num_splits"] = -1 if num_splits is None else check_num_splits(num_splits)
-    out, lse, *caches = call("attention_with_kvcache", q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, cache_batch_idx, **options)
+    out, lse, *caches = call(
+        "attention_with_kvcache", q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, cache_batch_idx, sink, **options,
+    )
     result = (out, lse) if check_bool("return_lse", return_lse) else (out,)
     return (*result, *caches) if caches or len(result) > 1 else out
 

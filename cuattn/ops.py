@@ -62,6 +62,10 @@ def _backward_outputs(dout, q, k, v, out, lse, dlse, **_):
     return [(q, "q"), (k, "k"), (v, "v")]
 
 
+def _sink_backward_outputs(dout, q, k, v, out, lse, dlse, sink, **_):
+    return [(q, "q"), (k, "k"), (v, "v"), (sink, "float32")]
+
+
 def _varlen_outputs(q, k, v, cu_seqlens_q, cu_seqlens_k, **_):
     total_q, heads_q, _head_dim = q
     return [(q, "q"), ((heads_q, total_q), "float32")]
@@ -113,6 +117,29 @@ OPS = {
             dout, q, k, v, out, lse, dlse=dlse, deterministic=deterministic, **AttnOptions(**o).user_keywords()
         ),
     ),
+    # With attention sinks (a learnable per-head logit), differentiable in it too.
+    "attention_sink": OpEntry(
+        name="attention_sink",
+        arrays=("q", "k", "v", "sink"),
+        options=MASK_OPTIONS,
+        returns=("out", "lse"),
+        outputs=_attention_outputs,
+        call=lambda q, k, v, sink, **o: attention(q, k, v, sink=sink, return_lse=True, **AttnOptions(**o).user_keywords()),
+        vjp="attention_sink_backward",
+        # dout, q, k, v, out, lse, dlse, sink
+        vjp_arrays=lambda inputs, outputs, grads: (grads[0], *inputs[:3], *outputs, grads[1], inputs[3]),
+        vjp_options=(("deterministic", False),),
+    ),
+    "attention_sink_backward": OpEntry(
+        name="attention_sink_backward",
+        arrays=("dout", "q", "k", "v", "out", "lse", "dlse?", "sink"),
+        options=MASK_OPTIONS + (("deterministic", "bool"),),
+        returns=("dq", "dk", "dv", "dsink"),
+        outputs=_sink_backward_outputs,
+        call=lambda dout, q, k, v, out, lse, dlse, sink, deterministic, **o: attention_backward(
+            dout, q, k, v, out, lse, dlse=dlse, sink=sink, deterministic=deterministic, **AttnOptions(**o).user_keywords()
+        ),
+    ),
     "attention_varlen": OpEntry(
         name="attention_varlen",
         arrays=("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k"),
@@ -142,13 +169,13 @@ OPS = {
     ),
     "attention_with_kvcache": OpEntry(
         name="attention_with_kvcache",
-        arrays=("q", "k_cache", "v_cache", "cache_seqlens", "k_new?", "v_new?", "block_table?", "cache_batch_idx?"),
+        arrays=("q", "k_cache", "v_cache", "cache_seqlens", "k_new?", "v_new?", "block_table?", "cache_batch_idx?", "sink?"),
         options=DECODE_OPTIONS,
         returns=("out", "lse"),
         outputs=_decode_outputs,
-        call=lambda q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, cache_batch_idx, **o: attention_with_kvcache(
+        call=lambda q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, cache_batch_idx, sink, **o: attention_with_kvcache(
             q, k_cache, v_cache, cache_seqlens=cache_seqlens, k_new=k_new, v_new=v_new, block_table=block_table,
-            cache_batch_idx=cache_batch_idx, return_lse=True, **_decode_keywords(**o),
+            cache_batch_idx=cache_batch_idx, sink=sink, return_lse=True, **_decode_keywords(**o),
         ),
         mutates=("k_cache", "v_cache"),
         mutates_if="k_new",
@@ -157,13 +184,13 @@ OPS = {
     # that only reads the cache (torch.compile) has no mutation to functionalize.
     "attention_with_kvcache_readonly": OpEntry(
         name="attention_with_kvcache_readonly",
-        arrays=("q", "k_cache", "v_cache", "cache_seqlens", "block_table?", "cache_batch_idx?"),
+        arrays=("q", "k_cache", "v_cache", "cache_seqlens", "block_table?", "cache_batch_idx?", "sink?"),
         options=DECODE_OPTIONS,
         returns=("out", "lse"),
         outputs=_decode_outputs,
-        call=lambda q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, **o: attention_with_kvcache(
-            q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, cache_batch_idx=cache_batch_idx, return_lse=True,
-            **_decode_keywords(**o),
+        call=lambda q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, sink, **o: attention_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, cache_batch_idx=cache_batch_idx, sink=sink,
+            return_lse=True, **_decode_keywords(**o),
         ),
     ),
     "append_kv": OpEntry(

@@ -62,7 +62,7 @@ def _expand_kv(x: np.ndarray, heads_q: int) -> np.ndarray:
     return np.repeat(x, heads_q // x.shape[2], axis=2)
 
 
-def attention(q, k, v, *, causal=False, window=None, align="bottom_right", scale=None, softcap=None, return_lse=False, out=None):
+def attention(q, k, v, *, causal=False, window=None, align="bottom_right", scale=None, softcap=None, sink=None, return_lse=False, out=None):
     """Reference attention; see :func:`cuattn.attention`. Returns float64 ``out`` (and ``lse``)."""
     q, k, v = _f64(q), _f64(k), _f64(v)
     batch, seqlen_q, heads_q, head_dim = q.shape
@@ -93,9 +93,20 @@ def attention(q, k, v, *, causal=False, window=None, align="bottom_right", scale
             seen = denom > 0
             result[b, rows] = np.where(seen[..., None], acc / np.where(seen, denom, 1.0)[..., None], 0.0).transpose(1, 0, 2)
             lse[b, :, rows] = np.where(seen, row_max + np.log(np.where(seen, denom, 1.0)), -np.inf).T
+    if sink is not None:
+        result, lse = with_sink(result, lse, sink)
     if out is not None:
         np.copyto(out, result.astype(out.dtype))
     return (result, lse) if return_lse else result
+
+
+def with_sink(out, lse, sink):
+    """``(out, lse)`` of attention whose softmax denominators also hold ``exp(sink[h])``: the
+    sink is a partial result over no key with ``lse = sink[h]`` and ``out = 0``, merged in."""
+    sink = _f64(sink)[None, :, None]
+    total = np.logaddexp(lse, sink)
+    weight = np.where(np.isfinite(lse), np.exp(lse - total), 0.0)  # (batch, heads, seqlen)
+    return out * weight.transpose(0, 2, 1)[..., None], total
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, window=None, align="bottom_right", scale=None,
@@ -116,7 +127,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, windo
 
 
 def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=None, cache_batch_idx=None, causal=True,
-                           window=None, scale=None, softcap=None, return_lse=False, **_):
+                           window=None, scale=None, softcap=None, sink=None, return_lse=False, **_):
     """Reference of :func:`cuattn.attention_with_kvcache`: each sequence's cached keys gathered
     (rows of a contiguous cache, or pages through the block table), then :func:`attention`
     bottom-right aligned. Returns float64 ``out`` (and ``lse``)."""
@@ -132,16 +143,21 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=No
             pages = np.asarray(block_table[b], dtype=np.int64)
             keys = np.concatenate(list(k_cache[pages]))[:lengths[b]]
             values = np.concatenate(list(v_cache[pages]))[:lengths[b]]
-        o, l = attention(q[b:b + 1], keys[None], values[None], causal=causal, window=window, scale=scale, softcap=softcap, return_lse=True)
+        o, l = attention(q[b:b + 1], keys[None], values[None], causal=causal, window=window, scale=scale, softcap=softcap, sink=sink,
+                         return_lse=True)
         out[b], lse[b] = o[0], l[0]
     return (out, lse) if return_lse else out
 
 
-def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, align="bottom_right", scale=None, softcap=None, dlse=None, deterministic=False):
-    """Reference gradients ``(dq, dk, dv)`` of :func:`attention`, from the saved ``lse``.
+def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, align="bottom_right", scale=None, softcap=None, sink=None,
+                       dlse=None, deterministic=False):
+    """Reference gradients ``(dq, dk, dv)`` of :func:`attention`, from the saved ``lse``
+    (with ``sink``, ``(dq, dk, dv, dsink)``).
 
     ``dlse`` is the gradient flowing into ``lse``; since d lse / d s = softmax(s), it adds
-    ``dlse * p`` to the score gradient. ``deterministic`` is accepted for signature parity.
+    ``dlse * p`` to the score gradient. A sink is one more score with no value:
+    ``dsink[h] = sum over h's rows of p_sink * (dlse - rowsum(dout * out))``, ``p_sink =
+    exp(sink[h] - lse)``. ``deterministic`` is accepted for signature parity.
     """
     dout, q, k, v, out, lse = map(_f64, (dout, q, k, v, out, lse))
     batch, seqlen_q, heads_q, head_dim = q.shape
@@ -175,7 +191,10 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, al
                 dvb[cols] += np.einsum("hmn,mhd->nhd", p, dout[b, rows])
         dk[b] = dkb.reshape(seqlen_k, heads_kv, group, head_dim).sum(axis=2)
         dv[b] = dvb.reshape(seqlen_k, heads_kv, group, v.shape[3]).sum(axis=2)
-    return dq, dk, dv
+    if sink is None:
+        return dq, dk, dv
+    p_sink = np.exp(_f64(sink)[None, :, None] - lse)
+    return dq, dk, dv, (p_sink * (dlse - delta)).sum(axis=(0, 2))
 
 
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, causal=False, window=None,

@@ -29,15 +29,21 @@ _LIBRARY = torch.library.Library("cuattn", "FRAGMENT")
 _TENSOR_KINDS = {"?": "Tensor?", "]": "Tensor[]"}
 
 
-def attention(q, k, v, *, causal=False, window=None, align="bottom_right", scale=None, softcap=None, return_lse=False):
-    """:func:`cuattn.attention` on torch tensors, differentiable in ``q``, ``k``, ``v`` (and
-    through ``lse`` when it is returned and used)."""
-    if _eager(q, k, v):
-        if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
-            return core_attention(q, k, v, causal=causal, window=window, align=align, scale=scale, softcap=softcap, return_lse=return_lse)
-        out, lse = _EagerAttention.apply(q, k, v, (causal, window, align, scale, softcap))
-    else:
+def attention(q, k, v, *, causal=False, window=None, align="bottom_right", scale=None, softcap=None, sink=None, return_lse=False):
+    """:func:`cuattn.attention` on torch tensors, differentiable in ``q``, ``k``, ``v``, the
+    ``sink`` logits if given (``(heads_q,)`` float32), and through ``lse`` when it is returned
+    and used."""
+    tensors = (q, k, v) if sink is None else (q, k, v, sink)
+    if _eager(*tensors):
+        if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+            return core_attention(
+                q, k, v, causal=causal, window=window, align=align, scale=scale, softcap=softcap, sink=sink, return_lse=return_lse,
+            )
+        out, lse = _EagerAttention.apply(q, k, v, sink, (causal, window, align, scale, softcap))
+    elif sink is None:
         out, lse = op("attention")(q, k, v, *_flat_mask_options(causal, window, align, scale, softcap, q.shape[-1]))
+    else:
+        out, lse = op("attention_sink")(q, k, v, sink, *_flat_mask_options(causal, window, align, scale, softcap, q.shape[-1]))
     return (out, lse) if check_bool("return_lse", return_lse) else out
 
 
@@ -61,28 +67,30 @@ def attention_varlen(
 
 def attention_with_kvcache(
     q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, block_table=None, cache_batch_idx=None, causal=True,
-    window=None, scale=None, softcap=None, num_splits=None, return_lse=False,
+    window=None, scale=None, softcap=None, sink=None, num_splits=None, return_lse=False,
 ):
     """:func:`cuattn.attention_with_kvcache` on torch tensors (not differentiable: decoding).
     Traced, it is ``torch.ops.cuattn.attention_with_kvcache`` (which declares the cache written
     in place) when ``k_new`` / ``v_new`` are given, else
     ``torch.ops.cuattn.attention_with_kvcache_readonly`` (no write declared); both trace under
     ``torch.compile(fullgraph=True)`` and capture in CUDA graphs."""
-    tensors = [x for x in (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, cache_batch_idx) if x is not None]
+    tensors = [x for x in (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, cache_batch_idx, sink) if x is not None]
     if _eager(*tensors):
         return core_attention_with_kvcache(
             q, k_cache, v_cache, cache_seqlens=cache_seqlens, k_new=k_new, v_new=v_new, block_table=block_table,
-            cache_batch_idx=cache_batch_idx, causal=causal, window=window, scale=scale, softcap=softcap, num_splits=num_splits,
-            return_lse=return_lse,
+            cache_batch_idx=cache_batch_idx, causal=causal, window=window, scale=scale, softcap=softcap, sink=sink,
+            num_splits=num_splits, return_lse=return_lse,
         )
     flat = AttnOptions.from_user(causal, window, "bottom_right", scale, softcap, head_dim=q.shape[-1]).flat()
     del flat["align"]
     splits = -1 if num_splits is None else check_num_splits(num_splits)
     if k_new is None and v_new is None:
-        out, lse = op("attention_with_kvcache_readonly")(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, *flat.values(), splits)
+        out, lse = op("attention_with_kvcache_readonly")(
+            q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, sink, *flat.values(), splits,
+        )
     else:
         out, lse = op("attention_with_kvcache")(
-            q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, cache_batch_idx, *flat.values(), splits,
+            q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, cache_batch_idx, sink, *flat.values(), splits,
         )
     return (out, lse) if check_bool("return_lse", return_lse) else out
 
@@ -153,10 +161,10 @@ class _EagerAttention(torch.autograd.Function):
     call the core path (its validated, replayed launches); traced code uses the op instead."""
 
     @staticmethod
-    def forward(ctx, q, k, v, options):
+    def forward(ctx, q, k, v, sink, options):
         causal, window, align, scale, softcap = options
-        out, lse = core_attention(q, k, v, causal=causal, window=window, align=align, scale=scale, softcap=softcap, return_lse=True)
-        ctx.save_for_backward(q, k, v, out, lse)
+        out, lse = core_attention(q, k, v, causal=causal, window=window, align=align, scale=scale, softcap=softcap, sink=sink, return_lse=True)
+        ctx.save_for_backward(q, k, v, out, lse, sink)
         ctx.options = options
         ctx.set_materialize_grads(False)
         return out, lse
@@ -164,20 +172,22 @@ class _EagerAttention(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sink = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
         dout, dlse = _kernel_ready(dout), _kernel_ready(dlse)
         deterministic = torch.are_deterministic_algorithms_enabled()
-        if not _eager(dout, q, k, v, out, lse, *(() if dlse is None else (dlse,))):  # e.g. compiled autograd
+        if not _eager(*(t for t in (dout, q, k, v, out, lse, dlse, sink) if t is not None)):  # e.g. compiled autograd
             flat = _flat_mask_options(*ctx.options, q.shape[-1])
-            return (*op("attention_backward")(dout, q, k, v, out, lse, dlse, *flat, deterministic), None)
+            if sink is None:
+                return (*op("attention_backward")(dout, q, k, v, out, lse, dlse, *flat, deterministic), None, None)
+            return (*op("attention_sink_backward")(dout, q, k, v, out, lse, dlse, sink, *flat, deterministic), None)
         causal, window, align, scale, softcap = ctx.options
-        dq, dk, dv = core_attention_backward(
-            dout, q, k, v, out, lse, causal=causal, window=window, align=align, scale=scale, softcap=softcap,
+        grads = core_attention_backward(
+            dout, q, k, v, out, lse, causal=causal, window=window, align=align, scale=scale, softcap=softcap, sink=sink,
             dlse=dlse, deterministic=deterministic,
         )
-        return dq, dk, dv, None
+        return (*grads, None) if sink is not None else (*grads, None, None)
 
 
 def _in_dispatch_mode() -> bool:

@@ -60,8 +60,9 @@ def to_host(x) -> np.ndarray:
     return np.asarray(x).astype(np.float64)
 
 
-def _naive_probs(q, k, rnd, causal, window, align, scale, softcap):
-    """(capped scores, probabilities, scale) of naive attention on fp32 q and head-expanded k."""
+def _naive_probs(q, k, rnd, causal, window, align, scale, softcap, sink=None):
+    """(capped scores, probabilities, scale) of naive attention on fp32 q and head-expanded k;
+    with ``sink`` (per head) the probabilities of the sink column come last along the keys."""
     import math
 
     from cuattn import reference
@@ -74,13 +75,15 @@ def _naive_probs(q, k, rnd, causal, window, align, scale, softcap):
     left, right = reference.window_bounds(causal, window)
     ok = reference.visible(np.arange(sq), np.arange(sk), reference.diagonal_offset(sq, sk, align), left, right)
     sm = np.where(ok, s, -np.inf)
+    if sink is not None:
+        sm = np.concatenate([sm, np.broadcast_to(np.asarray(sink, np.float32)[None, :, None, None], (*sm.shape[:3], 1))], axis=-1)
     m = sm.max(-1, keepdims=True)
     e = np.exp(sm - np.where(np.isfinite(m), m, 0))
     den = e.sum(-1, keepdims=True)
     return s, rnd(e / np.where(den > 0, den, 1)), scale
 
 
-def naive_attention(q, k, v, dtype, causal=False, window=None, align="bottom_right", scale=None, softcap=None):
+def naive_attention(q, k, v, dtype, causal=False, window=None, align="bottom_right", scale=None, softcap=None, sink=None):
     """Textbook attention done in the input precision (products accumulated in fp32, every
     intermediate rounded to ``dtype``): the yardstick of the FlashAttention test criterion."""
     dt = DTYPES[dtype]
@@ -88,8 +91,8 @@ def naive_attention(q, k, v, dtype, causal=False, window=None, align="bottom_rig
     q, k, v = (np.asarray(x).astype(np.float32) for x in (q, k, v))
     hq, hk = q.shape[2], k.shape[2]
     k, v = np.repeat(k, hq // hk, axis=2), np.repeat(v, hq // hk, axis=2)
-    _, p, _ = _naive_probs(q, k, rnd, causal, window, align, scale, softcap)
-    return rnd(np.einsum("bhmn,bnhd->bmhd", p, v))
+    _, p, _ = _naive_probs(q, k, rnd, causal, window, align, scale, softcap, sink)
+    return rnd(np.einsum("bhmn,bnhd->bmhd", p[..., : k.shape[1]], v))
 
 
 def assert_attention_accuracy(out, ref, naive, factor=2.0, floor=1e-5):
@@ -111,17 +114,20 @@ def result_ulp(ref, dtype) -> float:
     return 2.0 ** np.floor(np.log2(largest)) * float(ml_dtypes.finfo(DTYPES.get(dtype, dtype)).eps)
 
 
-def naive_attention_backward(dout, q, k, v, dtype, causal=False, window=None, align="bottom_right", scale=None, softcap=None, dlse=None):
+def naive_attention_backward(dout, q, k, v, dtype, causal=False, window=None, align="bottom_right", scale=None, softcap=None, dlse=None,
+                             sink=None):
     """Textbook autograd of :func:`naive_attention` in the input precision (fp32 products,
-    every intermediate rounded to ``dtype``): the yardstick for backward accuracy."""
+    every intermediate rounded to ``dtype``): the yardstick for backward accuracy. With
+    ``sink``, also its gradient (summed in fp32)."""
     dt = DTYPES[dtype]
     rnd = lambda x: np.asarray(x, np.float32).astype(dt).astype(np.float32)  # noqa: E731
     dout, q, k, v = (np.asarray(x).astype(np.float32) for x in (dout, q, k, v))
     hq, hk = q.shape[2], k.shape[2]
     group = hq // hk
     ke, ve = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
-    s, p, scale = _naive_probs(q, ke, rnd, causal, window, align, scale, softcap)
     sk = k.shape[1]
+    s, p, scale = _naive_probs(q, ke, rnd, causal, window, align, scale, softcap, sink)
+    p, p_sink = p[..., :sk], p[..., sk:]
     dv = rnd(np.einsum("bhmn,bmhd->bnhd", p, dout))
     dp = rnd(np.einsum("bmhd,bnhd->bhmn", dout, ve))
     row = (dp * p).sum(-1, keepdims=True)
@@ -135,7 +141,9 @@ def naive_attention_backward(dout, q, k, v, dtype, causal=False, window=None, al
     b, _, _, d = k.shape
     dk = rnd(dk.reshape(b, sk, hk, group, d).sum(3))
     dv = rnd(dv.reshape(b, sk, hk, group, v.shape[3]).sum(3))
-    return dq, dk, dv
+    if sink is None:
+        return dq, dk, dv
+    return dq, dk, dv, -(p_sink * row).sum(axis=(0, 2, 3))
 
 
 # The forward kernels a GPU test can ask for: "default" is what cuattn picks for the device (the

@@ -434,10 +434,10 @@ def test_torch_decode_ops_pass_opcheck():
 
     q, k_cache, v_cache, lengths, k_new, v_new, table = _torch_step_inputs(torch)
     options = dict(causal=True, window_left=-1, window_right=-1, scale=0.125, softcap=0.0, num_splits=-1)
-    torch.library.opcheck(ct.op("attention_with_kvcache"), (q, k_cache, v_cache, lengths, None, None, table, None), options)
-    torch.library.opcheck(ct.op("attention_with_kvcache"), (q, k_cache, v_cache, lengths, k_new, v_new, table, None), {**options, "num_splits": 3})
+    torch.library.opcheck(ct.op("attention_with_kvcache"), (q, k_cache, v_cache, lengths, None, None, table, None, None), options)
+    torch.library.opcheck(ct.op("attention_with_kvcache"), (q, k_cache, v_cache, lengths, k_new, v_new, table, None, None), {**options, "num_splits": 3})
     torch.library.opcheck(ct.op("append_kv"), (k_new, v_new, k_cache, v_cache, lengths, table, None))
-    torch.library.opcheck(ct.op("attention_with_kvcache_readonly"), (q, k_cache, v_cache, lengths, table, None), options)
+    torch.library.opcheck(ct.op("attention_with_kvcache_readonly"), (q, k_cache, v_cache, lengths, table, None, None), options)
 
 
 @gpu

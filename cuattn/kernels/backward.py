@@ -1,6 +1,7 @@
 """Launch plan of the backward family (cuda_src/backward/): the row kernels (backward_prep,
 backward_dq_finish), the tensor-core dQ and dK/dV kernels, their Hopper twins and the Hopper
-fused kernel, the float32 kernels; their tiles, shared memory, grids and selection."""
+fused kernel, the float32 kernels, the sinks' gradient; their tiles, shared memory, grids and
+selection."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ ROWS_PER_CTA = ROW_WARPS * 32 // ROW_LANES
 # Float32 kernels (backward/fp32_tiles.cuh): resident rows per warp, warps, streamed rows per step.
 FP32_ROWS_PER_WARP, FP32_WARPS, FP32_TILE = 4, 4, 32
 DQ_TILE_ROWS = 64  # rows per tile of the fused kernel's dQ accumulator (backward/dq_accum.cuh)
+SINK_GRAD_WARPS = 8  # one CTA per query head (backward/sink_grad.cu)
 
 # Hopper kernels per head-dim bucket: (rows per streamed block, WARPGROUPS, CTAS_PER_SM); keys
 # stream for dQ, queries for dK/dV and the fused kernel; every warpgroup owns 64 resident rows
@@ -100,6 +102,14 @@ def row_variant(kernel: str, c_type: str, bucket: int, layout: str = "dense") ->
         threads=ROW_WARPS * 32,
         block_m=ROWS_PER_CTA,
         contract=contract,
+    )
+
+
+@functools.cache
+def sink_grad_variant() -> Variant:
+    return Variant(
+        family=FAMILY, kernel="sink_grad", expression="cuattn::sink_grad_kernel", uri="sink_grad",
+        threads=SINK_GRAD_WARPS * 32, contract=(("cuattn::kSinkGradWarps", SINK_GRAD_WARPS),),
     )
 
 
@@ -224,9 +234,10 @@ class BackwardGrid:
 Launches = list[tuple[Variant, list[tuple[tuple, tuple, int | None]]]]
 
 
-def launches(g: BackwardGrid, c_type: str, softcap: bool, arch: str, allow_wgmma: bool, smem_limit: int, fused: bool) -> Launches:
+def launches(g: BackwardGrid, c_type: str, softcap: bool, arch: str, allow_wgmma: bool, smem_limit: int, fused: bool, sink: bool = False) -> Launches:
     """Every launch of one backward call, in order: (variant, [(grid, block, batch_offset)]);
-    ``fused``: dQ through the accumulator by the fused kernel (``select_fused`` serves it)."""
+    ``fused``: dQ through the accumulator by the fused kernel (``select_fused`` serves it);
+    ``sink``: the sinks' gradient too (dense rows)."""
     bucket, layout = head_dim_bucket(g.head_dim), g.layout
     row_groups = g.rows * g.heads_q
     row_launch = [((-(-row_groups // ROWS_PER_CTA), 1, 1), (32 * ROW_WARPS, 1, 1), None)]
@@ -235,6 +246,8 @@ def launches(g: BackwardGrid, c_type: str, softcap: bool, arch: str, allow_wgmma
     out: Launches = []
     if row_groups:
         out.append((row_variant("backward_prep", c_type, bucket, layout), row_launch))
+    if sink and g.heads_q:  # after delta; writes dsink (zeros without rows)
+        out.append((sink_grad_variant(), [((g.heads_q, 1, 1), (SINK_GRAD_WARPS * 32, 1, 1), None)]))
     # dK and dV are written (zeros included) even when no query sees a key.
     if fused:
         one_pass = select_fused(c_type, bucket, softcap, arch, layout=layout)
@@ -255,7 +268,7 @@ def launches(g: BackwardGrid, c_type: str, softcap: bool, arch: str, allow_wgmma
 def variants(arch: str | None = None) -> list[Variant]:
     """Every backward variant; with ``arch``, the portable tiles chosen under its shared-memory limit."""
     smem_limit = MAX_SMEM_OPTIN if arch is None else arch_smem_limit(arch)
-    out = []
+    out = [sink_grad_variant()]
     for layout in SEQ_LAYOUTS:
         for c_type in ("f16", "bf16", "float"):
             for bucket in HEAD_DIM_BUCKETS:

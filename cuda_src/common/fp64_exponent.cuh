@@ -22,6 +22,21 @@ __device__ __forceinline__ float lse_from_shift(float shift, float row_sum) {
   return row_sum > 0.f ? float((double(shift) + double(log2f(row_sum))) * 0.6931471805599453) : neg_inf();
 }
 
+// common/sink.cuh normalize_row in fp64, from a base-2 shift, the row's fp64 probability sum
+// and its sink (natural units, -inf for none).
+struct RowTotalF64 {
+  double inv;
+  float lse;
+};
+__device__ __forceinline__ RowTotalF64 normalize_row_f64(float shift, double row_sum, float sink) {
+  if (sink == neg_inf()) return {row_sum > 0.0 ? 1.0 / row_sum : 0.0, lse_from_shift(shift, float(row_sum))};
+  const double sink2 = double(sink) * 1.4426950408889634;
+  const double top = row_sum > 0.0 ? fmax(double(shift), sink2) : sink2;
+  const double kept = row_sum > 0.0 ? exp2(double(shift) - top) : 0.0;
+  const double total = row_sum * kept + exp2(sink2 - top);
+  return {kept / total, float((top + log2(total)) * 0.6931471805599453)};
+}
+
 // The base-2 shift of a saved lse, in fp64; +inf for lse = -inf, so that probabilities are 0.
 __device__ __forceinline__ double lse_to_exp2_shift_f64(float lse) {
   return lse == neg_inf() ? double(-neg_inf()) : double(lse) * 1.4426950408889634;

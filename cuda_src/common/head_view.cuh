@@ -2,6 +2,7 @@
 #pragma once
 #include "params.cuh"
 #include "seq_layout.cuh"
+#include "sink.cuh"
 
 namespace cuattn {
 
@@ -12,6 +13,7 @@ struct HeadView {
   const T* v;
   T* out;
   float* lse;
+  float sink;  // the head's sink logit, -inf without sinks (common/sink.cuh)
 
   // Rows of sequence `seq` (common/seq_layout.cuh) for query head `head`.
   __device__ __forceinline__ HeadView(const AttnParams& p, int seq, int head, const SeqSpan& span) {
@@ -22,6 +24,7 @@ struct HeadView {
     out = static_cast<T*>(p.out) + seq * p.out_strides[0] + span.q_row0 * p.out_strides[1] + head * p.out_strides[2];
     // lse rows have stride 1; null: not wanted
     lse = p.lse == nullptr ? nullptr : p.lse + seq * p.lse_strides[0] + head * p.lse_strides[1] + span.q_row0;
+    sink = sink_of(p.sink, head);
   }
 };
 

@@ -35,6 +35,7 @@ struct AttnParams {
   const void* v;
   void* out;
   float* lse;                               // (batch, heads_q, seqlen_q), row stride 1
+  const float* sink;                        // null, or (heads_q,) logits in every row's softmax denominator, no value
   i64 q_strides[3];                         // batch, row, head
   i64 k_strides[3];
   i64 v_strides[3];
@@ -85,6 +86,7 @@ struct BackwardParams {
   float* dq_accum;                          // null, or unscaled fp32 dQ summed by atomics (backward_wgmma_fused)
                                             // in 64 x 64 tiles: backward/dq_accum.cuh
   const float* dlse;                        // null: no gradient flows into lse
+  float* dsink;                             // (heads_q,) when attn.sink is set (backward/sink_grad.cu)
   i64 dout_strides[3];                      // batch, row, head
   i64 dq_strides[3];
   i64 dk_strides[3];
@@ -107,6 +109,7 @@ struct DecodeParams {
   const void* v;
   void* out;                                // like q
   float* lse;                               // (batch, heads_q, seqlen_q), row stride 1; may be null
+  const float* sink;                        // null, or (heads_q,) as AttnParams::sink (joined by the last step)
   float* partial_out;                       // (splits, batch, seqlen_q, heads_q, head_dim) fp32, contiguous
   float* partial_lse;                       // (splits, batch, heads_q, seqlen_q), contiguous
   const int* cache_seqlens;                 // (batch,)

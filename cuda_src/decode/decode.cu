@@ -247,10 +247,11 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) decode_kernel(const __grid_
         o += f * sO[(w * kDecodeRows + r) * Tr::kPartialStride + c];
       }
     }
-    const bool seen = l > 0.f;
-    o = seen ? o / l : 0.f;
-    const float lse = seen ? (shift + log2f(l)) * 0.69314718055994531f : neg_inf();
     const int row = row0 + r, token = row / group, head = kv_head * group + row % group;
+    // The sink joins the last step: here with one split, else decode_combine.
+    const RowTotal total = normalize_row(shift, l, p.num_splits == 1 ? sink_of(p.sink, head) : neg_inf());
+    o *= total.inv;
+    const float lse = total.lse;
     if (p.num_splits == 1) {
       if (c < p.head_dim) {
         T* out = static_cast<T*>(p.out);

@@ -3,9 +3,11 @@
 // the threads read the splits' lse together (split s in thread s), so every weight is known
 // before a partial output is read; warp w then sums splits w, w + 4, ..., four partial rows in
 // flight per warp (4 columns per lane), and the warps' sums are added through shared memory.
-// The row's latency is that of two dependent reads, not one per split.
+// The row's latency is that of two dependent reads, not one per split. The head's sink, if
+// any, joins here as one more term of the denominator (common/sink.cuh).
 #include "common/dtypes.cuh"
 #include "common/params.cuh"
+#include "common/sink.cuh"
 
 namespace cuattn {
 
@@ -35,7 +37,8 @@ __global__ void __launch_bounds__(kCombineWarps * 32) decode_combine_kernel(cons
   for (int d = 16; d > 0; d /= 2) shift = fmaxf(shift, __shfl_xor_sync(0xffffffff, shift, d));
   if (lane == 0) s_reduce[warp] = shift;
   __syncthreads();
-  shift = fmaxf(fmaxf(s_reduce[0], s_reduce[1]), fmaxf(s_reduce[2], s_reduce[3]));
+  const float sink = sink_of(p.sink, head);
+  shift = fmaxf(fmaxf(fmaxf(s_reduce[0], s_reduce[1]), fmaxf(s_reduce[2], s_reduce[3])), sink);
   const float weight = shift == neg_inf() || lse == neg_inf() ? 0.f : expf(lse - shift);
   float l = weight;
 #pragma unroll
@@ -76,7 +79,7 @@ __global__ void __launch_bounds__(kCombineWarps * 32) decode_combine_kernel(cons
     if (c < HEAD_DIM) *reinterpret_cast<float4*>(&s_out[warp][c]) = o[i];
   }
   __syncthreads();
-  l = s_reduce[0] + s_reduce[1] + s_reduce[2] + s_reduce[3];
+  l = s_reduce[0] + s_reduce[1] + s_reduce[2] + s_reduce[3] + (sink == neg_inf() ? 0.f : expf(sink - shift));
   const float inv = l > 0.f ? 1.f / l : 0.f;
   T* out = static_cast<T*>(p.out) + seq * p.out_strides[0] + token * p.out_strides[1] + head * p.out_strides[2];
   for (int c = threadIdx.x; c < p.head_dim; c += kCombineWarps * 32)

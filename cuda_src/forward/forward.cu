@@ -153,7 +153,7 @@ __device__ __forceinline__ void forward_block(const AttnParams& p, int seq, cons
   for (int mt = 0; mt < Tr::kMTiles; ++mt) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const RowTotal total = finish_row(row_max[mt][h], row_sum[mt][h], p.exp2_scale);
+      const RowTotal total = finish_row(row_max[mt][h], row_sum[mt][h], p.exp2_scale, head_view.sink);
       const int r = mt * 16 + g + h * 8;
 #pragma unroll
       for (int dt = 0; dt < Tr::kDTiles; ++dt) {

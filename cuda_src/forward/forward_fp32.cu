@@ -26,7 +26,7 @@ __device__ __forceinline__ void forward_fp32_block(const AttnParams& p, const Se
   const int m0 = m_block * kF32BlockM;
   const int m_last = min(m0 + kF32BlockM, span.seqlen_q) - 1;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const auto [q, k, v, out, lse] = head_view;
+  const auto [q, k, v, out, lse, sink] = head_view;
 
   const KeyBand band(p, span);
   const int key_first = band.first_key(m0), key_last = band.last_key(m_last);
@@ -95,15 +95,13 @@ __device__ __forceinline__ void forward_fp32_block(const AttnParams& p, const Se
   for (int r = 0; r < kF32RowsPerWarp; ++r) {
     const int row = m0 + warp * kF32RowsPerWarp + r;
     if (row >= span.seqlen_q) continue;
-    const double inv = row_sum[r] > 0.0 ? 1.0 / row_sum[r] : 0.0;
+    const RowTotalF64 total = normalize_row_f64(exp2_shift(row_max[r], sc), row_sum[r], sink);
 #pragma unroll
     for (int c = 0; c < kCols; ++c) {
       const int col = lane + 32 * c;
-      if (col < p.head_dim) out[row * p.out_strides[1] + col] = float(acc[r][c] * inv);
+      if (col < p.head_dim) out[row * p.out_strides[1] + col] = float(acc[r][c] * total.inv);
     }
-    if (lane == 0 && lse != nullptr) {
-      lse[row] = lse_from_shift(exp2_shift(row_max[r], sc), float(row_sum[r]));
-    }
+    if (lane == 0 && lse != nullptr) lse[row] = total.lse;
   }
 }
 

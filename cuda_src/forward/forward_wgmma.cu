@@ -112,7 +112,7 @@ __device__ __forceinline__ void forward_wgmma_block(const AttnParams& p, int seq
   // warpgroup reads them; its own matmuls are done), then store them in 16-byte chunks.
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const RowTotal total = finish_row(row_max[0][h], row_sum[0][h], p.exp2_scale);
+    const RowTotal total = finish_row(row_max[0][h], row_sum[0][h], p.exp2_scale, head_view.sink);
     const int r = wg * 64 + warp * 16 + g + h * 8;  // row of the CTA's tile
 #pragma unroll
     for (int dt = 0; dt < Tr::kDTiles; ++dt) {

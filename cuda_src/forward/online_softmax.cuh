@@ -4,6 +4,7 @@
 // row's 4 owners are the lanes of one quad.
 #pragma once
 #include "../common/mask.cuh"
+#include "../common/sink.cuh"
 
 namespace cuattn {
 
@@ -103,17 +104,13 @@ __device__ __forceinline__ void online_softmax(float (&s)[M_TILES][N_TILES][4], 
   }
 }
 
-// The softmax denominator of row half h of an m-tile, summed over its quad: 1 / l (0 for a row
-// that saw no key), and its lse in natural log (-inf for such a row).
-struct RowTotal {
-  float inv;
-  float lse;
-};
-__device__ __forceinline__ RowTotal finish_row(float row_max, float row_sum, float exp2_scale) {
+// The softmax denominator of row half h of an m-tile, summed over its quad, with the head's
+// sink (-inf for none): common/sink.cuh normalize_row.
+__device__ __forceinline__ RowTotal finish_row(float row_max, float row_sum, float exp2_scale, float sink) {
   float l = row_sum;
   l += __shfl_xor_sync(0xffffffff, l, 1);
   l += __shfl_xor_sync(0xffffffff, l, 2);
-  return {l > 0.f ? 1.f / l : 0.f, l > 0.f ? (row_max * exp2_scale + log2f(l)) * 0.69314718055994531f : neg_inf()};
+  return normalize_row(row_max * exp2_scale, l, sink);
 }
 
 }  // namespace cuattn

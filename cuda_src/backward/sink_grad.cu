@@ -1,0 +1,39 @@
+// Gradient of the attention sinks (common/sink.cuh). A sink takes part in every row's softmax and
+// carries no value, so with P_sink = exp(sink - lse) (lse includes the sink):
+//   dsink[h] = -sum over the rows of head h of P_sink * delta,  delta = rowsum(dout * out) - dlse,
+// the dS = P (dP - delta) rule with dP = 0. One CTA per query head, its rows (every sequence)
+// dealt to the threads in a fixed order and summed in fp64: deterministic. Runs after
+// backward_prep has written delta.
+#include "common/dtypes.cuh"
+#include "common/params.cuh"
+
+namespace cuattn {
+
+constexpr int kSinkGradWarps = 8;
+
+__global__ void __launch_bounds__(kSinkGradWarps * 32) sink_grad_kernel(const __grid_constant__ BackwardParams p) {
+  __shared__ double s_warp[kSinkGradWarps];
+  const AttnParams& a = p.attn;
+  const int head = blockIdx.x;
+  const float sink = a.sink[head];
+  const i64 rows = i64(a.batch) * a.seqlen_q;
+  double sum = 0.0;
+  for (i64 i = threadIdx.x; i < rows; i += kSinkGradWarps * 32) {
+    const i64 batch = i / a.seqlen_q, row = i % a.seqlen_q;
+    const float lse = a.lse[batch * a.lse_strides[0] + head * a.lse_strides[1] + row];
+    const float delta = p.delta[batch * p.delta_strides[0] + head * p.delta_strides[1] + row];
+    sum += double(expf(sink - lse)) * double(delta);
+  }
+#pragma unroll
+  for (int d = 16; d > 0; d /= 2) sum += __shfl_xor_sync(0xffffffff, sum, d);
+  if (threadIdx.x % 32 == 0) s_warp[threadIdx.x / 32] = sum;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double total = 0.0;
+#pragma unroll
+    for (int w = 0; w < kSinkGradWarps; ++w) total += s_warp[w];
+    p.dsink[head] = float(-total);
+  }
+}
+
+}  // namespace cuattn
