@@ -9,7 +9,7 @@ import dataclasses
 import numpy as np
 
 from cuattn import boundary, replay, validation
-from cuattn.attention import NO_LSE, attn_params, check_qkv, launch_forward, require_arrays
+from cuattn.attention import NO_LSE, attn_params, check_qkv, check_sink, launch_forward, require_arrays
 from cuattn.backward import backward_params, check_dout, launch_backward
 from cuattn.kernels.backward import BackwardGrid
 from cuattn.options import AttnOptions, check_max_seqlen
@@ -22,7 +22,7 @@ from cuattn.validation import check_bool
 
 def attention_varlen(
     q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None, causal=False, window=None,
-    align="bottom_right", scale=None, softcap=None, return_lse=False, out=None,
+    align="bottom_right", scale=None, softcap=None, sink=None, return_lse=False, out=None,
 ):
     """:func:`cuattn.attention` of a batch of sequences of different lengths, packed without
     padding: sequence ``b`` is rows ``cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1`` of ``q``
@@ -52,7 +52,7 @@ def attention_varlen(
         the arrays.
     max_seqlen_k : optional int, accepted for FlashAttention's signature (the forward does not
         need it).
-    causal, window, align, scale, softcap, out : as :func:`cuattn.attention`; ``out`` is
+    causal, window, align, scale, softcap, sink, out : as :func:`cuattn.attention`; ``out`` is
         ``(total_q, heads_q, head_dim)``.
     return_lse : bool. Also return ``lse``, ``(heads_q, total_q)`` float32.
 
@@ -66,16 +66,16 @@ def attention_varlen(
             "attention_varlen",
             lambda: attention_varlen(
                 q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal,
-                window=window, align=align, scale=scale, softcap=softcap, return_lse=return_lse,
+                window=window, align=align, scale=scale, softcap=softcap, sink=sink, return_lse=return_lse,
             ),
-            (q, k, v, cu_seqlens_q, cu_seqlens_k),
+            (q, k, v, cu_seqlens_q, cu_seqlens_k, sink),
             (max_seqlen_q, max_seqlen_k, causal, window, align, scale, softcap, return_lse),
         )
         if result is not replay.MISS:
             return result
     require_arrays({"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k})
     return_lse = check_bool("return_lse", return_lse)
-    ctx, a = boundary.import_arrays(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, out=out)
+    ctx, a = boundary.import_arrays(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, sink=sink, out=out)
     if out is not None and ctx.framework in (boundary.JAX, boundary.NUMPY):
         raise TypeError(f"out= is written in place, which {ctx.framework} arrays cannot be")
     call = _PackedCall(a, max_seqlen_q, max_seqlen_k, causal, window, align, scale, softcap)
@@ -96,10 +96,10 @@ def attention_varlen(
 
 def attention_varlen_backward(
     dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None, causal=False,
-    window=None, align="bottom_right", scale=None, softcap=None, dlse=None, deterministic=False,
+    window=None, align="bottom_right", scale=None, softcap=None, sink=None, dlse=None, deterministic=False,
 ):
-    """Gradients of :func:`attention_varlen` with respect to ``q``, ``k`` and ``v``, as
-    :func:`cuattn.attention_backward` computes them for each sequence.
+    """Gradients of :func:`attention_varlen` with respect to ``q``, ``k`` and ``v`` (and
+    ``sink``), as :func:`cuattn.attention_backward` computes them for each sequence.
 
     Parameters
     ----------
@@ -110,7 +110,7 @@ def attention_varlen_backward(
         dK / dV grids; omitted, as in :func:`attention_varlen` (from NumPy offsets, else the
         totals), checked as there. Gradient rows of a sequence longer than a bound (device
         offsets: also reported by the GPU check) are set to NaN.
-    causal, window, align, scale, softcap : exactly as given to the forward.
+    causal, window, align, scale, softcap, sink : exactly as given to the forward.
     dlse : optional ``(heads_q, total_q)`` float32, the gradient that flowed into ``lse``.
     deterministic : bool, as :func:`cuattn.attention_backward`. Batches of more sequences than
         64-row query blocks always take the deterministic kernels (the fused kernel's dQ
@@ -118,16 +118,17 @@ def attention_varlen_backward(
 
     Returns
     -------
-    ``(dq, dk, dv)`` shaped and typed like ``q``, ``k`` and ``v``.
+    ``(dq, dk, dv)`` shaped and typed like ``q``, ``k`` and ``v``; with ``sink``, ``(dq, dk,
+    dv, dsink)`` as :func:`cuattn.attention_backward` returns them.
     """
     raise_reported()
     result = replay.run(
         "attention_varlen_backward",
         lambda: attention_varlen_backward(
             dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-            causal=causal, window=window, align=align, scale=scale, softcap=softcap, dlse=dlse, deterministic=deterministic,
+            causal=causal, window=window, align=align, scale=scale, softcap=softcap, sink=sink, dlse=dlse, deterministic=deterministic,
         ),
-        (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dlse),
+        (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dlse, sink),
         (max_seqlen_q, max_seqlen_k, causal, window, align, scale, softcap, deterministic),
     )
     if result is not replay.MISS:
@@ -138,7 +139,7 @@ def attention_varlen_backward(
     )
     deterministic = check_bool("deterministic", deterministic)
     ctx, a = boundary.import_arrays(
-        dout=dout, q=q, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, dlse=dlse,
+        dout=dout, q=q, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, dlse=dlse, sink=sink,
     )
     call = _PackedCall(a, max_seqlen_q, max_seqlen_k, causal, window, align, scale, softcap)
     check_dout(a["dout"], a["q"], call.c_type, PACKED)
@@ -151,6 +152,8 @@ def attention_varlen_backward(
 
     ctx.stage(*a.values())
     grads = [ctx.empty(a[n].shape, a[n].dtype) for n in ("q", "k", "v")]
+    if sink is not None:
+        grads.append(ctx.empty((call.heads_q,), np.float32))
     delta = ctx.empty((call.heads_q, call.seqs.total_q), np.float32)
     seqs = call.seqs
     if call.offsets_on_device:
@@ -158,15 +161,15 @@ def attention_varlen_backward(
     if seqs.batch and call.heads_q and (seqs.total_q or seqs.total_k):
         views = {n: one_sequence_view(x) for n, x in a.items()}
         p = backward_params(
-            views, [one_sequence_view(g) for g in grads], one_sequence_view(delta), call.attn_params(a, a["out"], a["lse"]),
+            views, [*map(one_sequence_view, grads[:3]), *grads[3:]], one_sequence_view(delta), call.attn_params(a, a["out"], a["lse"]),
         )
         grid = BackwardGrid(
             "packed", seqs.batch, seqs.max_seqlen_q, seqs.max_seqlen_k, call.heads_q, a["k"].shape[1], call.head_dim,
             seqs.total_q, seqs.total_k,
         )
         launch_backward(ctx, call.c_type, p, grid, deterministic)
-    elif grads[1].size:  # no query head: K and V had no influence
-        ctx.zero(grads[1], grads[2])
+    elif any(g.size for g in grads):  # no query head (K and V had no influence), or no rows at all
+        ctx.zero(*(g for g in grads if g.size))
     return tuple(ctx.export(g) for g in grads)
 
 
@@ -190,6 +193,7 @@ class _PackedCall:
         batch = check_cu_seqlens(a["cu_seqlens_q"], a["cu_seqlens_k"], total_q, total_k)
         views = {n: one_sequence_view(a.get(n)) for n in ("q", "k", "v", "out")}
         self.c_type = check_qkv(views["q"], views["k"], views["v"], views["out"])
+        check_sink(a.get("sink"), self.heads_q)
         lengths_q = host_lengths(a["cu_seqlens_q"], total_q, "cu_seqlens_q")
         lengths_k = host_lengths(a["cu_seqlens_k"], total_k, "cu_seqlens_k")
         self.offsets_on_device, self.totals = lengths_q is None or lengths_k is None, (total_q, total_k)
@@ -203,7 +207,7 @@ class _PackedCall:
         """AttnParams over the staged arrays of ``a`` with ``out`` and ``lse`` (packed)."""
         views = [one_sequence_view(x) for x in (a["q"], a["k"], a["v"], out, lse)]
         seqs = dataclasses.replace(self.seqs, cu_seqlens_q=a["cu_seqlens_q"].ptr, cu_seqlens_k=a["cu_seqlens_k"].ptr)
-        return attn_params(*views, self.options, packed=seqs)
+        return attn_params(*views, self.options, packed=seqs, sink=a.get("sink"))
 
 
 def check_varlen_offsets(synchronize: bool = True) -> None:

@@ -240,3 +240,35 @@ def test_jax_gradient_in_the_sink_matches_the_reference():
     ref = reference.attention_backward(w, q, k, v, ref_out, ref_lse, causal=True, sink=sink)
     for g, r in zip(grads, ref):
         np.testing.assert_allclose(np.asarray(g), r, rtol=2e-4, atol=2e-4)
+
+
+@gpu
+def test_varlen_forward_and_backward_match_each_sequence_alone():
+    """Packed sequences with sinks: each sequence's out, lse and gradients as attention alone
+    (float64 reference); dsink sums every sequence's rows."""
+    import cupy
+
+    rng = np.random.default_rng(9)
+    lengths_q, lengths_k = [5, 0, 130, 64], [9, 3, 130, 200]
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(x)]).astype(np.int32) for x in (lengths_q, lengths_k))
+    hq, hk, d, dtype = 4, 2, 64, "bfloat16"
+    q, k, v = randn(rng, (cu_q[-1], hq, d), dtype), randn(rng, (cu_k[-1], hk, d), dtype), randn(rng, (cu_k[-1], hk, d), dtype)
+    dout, sink = randn(rng, (cu_q[-1], hq, d), dtype), _sink(rng, hq)
+    dev = [cupy.asarray(x) for x in (q, k, v, cu_q, cu_k, dout, sink)]
+    poison_cupy_pool()
+    out, lse = cuattn.attention_varlen(*dev[:5], causal=True, sink=dev[6], return_lse=True)
+    grads = [g.get() for g in cuattn.attention_varlen_backward(dev[5], *dev[:3], out, lse, *dev[3:5], causal=True, sink=dev[6])]
+    out, lse = out.get(), lse.get()
+    dsink, naive_dsink = np.zeros(hq), np.zeros(hq)
+    for b in range(len(lengths_q)):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        ref_out, ref_lse = reference.attention(q[None, rows], k[None, keys], v[None, keys], causal=True, sink=sink, return_lse=True)
+        _check_lse(lse[:, rows], ref_lse[0])
+        naive = naive_attention(q[None, rows], k[None, keys], v[None, keys], dtype, causal=True, sink=sink)
+        assert_attention_accuracy(out[None, rows], ref_out, naive)
+        ref = reference.attention_backward(dout[None, rows], q[None, rows], k[None, keys], v[None, keys], ref_out, ref_lse, causal=True, sink=sink)
+        naive_grads = naive_attention_backward(dout[None, rows], q[None, rows], k[None, keys], v[None, keys], dtype, causal=True, sink=sink)
+        for g, r, n in zip((grads[0][rows], grads[1][keys], grads[2][keys]), ref[:3], naive_grads[:3]):
+            assert max_err(g[None], r) <= 3.0 * max_err(n, r) + 1e-5
+        dsink, naive_dsink = dsink + ref[3], naive_dsink + naive_grads[3]
+    assert max_err(grads[3], dsink) <= 3.0 * max_err(naive_dsink, dsink) + 1e-5 * max(1.0, float(np.abs(dsink).max()))

@@ -27,7 +27,7 @@ ROWS_PER_CTA = ROW_WARPS * 32 // ROW_LANES
 # Float32 kernels (backward/fp32_tiles.cuh): resident rows per warp, warps, streamed rows per step.
 FP32_ROWS_PER_WARP, FP32_WARPS, FP32_TILE = 4, 4, 32
 DQ_TILE_ROWS = 64  # rows per tile of the fused kernel's dQ accumulator (backward/dq_accum.cuh)
-SINK_GRAD_WARPS = 8  # one CTA per query head (backward/sink_grad.cu)
+SINK_GRAD_WARPS = 32  # one CTA per query head (backward/sink_grad.cu)
 
 # Hopper kernels per head-dim bucket: (rows per streamed block, WARPGROUPS, CTAS_PER_SM); keys
 # stream for dQ, queries for dK/dV and the fused kernel; every warpgroup owns 64 resident rows
@@ -106,9 +106,11 @@ def row_variant(kernel: str, c_type: str, bucket: int, layout: str = "dense") ->
 
 
 @functools.cache
-def sink_grad_variant() -> Variant:
+def sink_grad_variant(layout: str = "dense") -> Variant:
+    packed = layout == "packed"
     return Variant(
-        family=FAMILY, kernel="sink_grad", expression="cuattn::sink_grad_kernel", uri="sink_grad",
+        family=FAMILY, kernel="sink_grad", expression=f"cuattn::sink_grad_kernel<{'true' if packed else 'false'}>",
+        uri="sink_grad" + ("/packed" if packed else ""),
         threads=SINK_GRAD_WARPS * 32, contract=(("cuattn::kSinkGradWarps", SINK_GRAD_WARPS),),
     )
 
@@ -247,7 +249,7 @@ def launches(g: BackwardGrid, c_type: str, softcap: bool, arch: str, allow_wgmma
     if row_groups:
         out.append((row_variant("backward_prep", c_type, bucket, layout), row_launch))
     if sink and g.heads_q:  # after delta; writes dsink (zeros without rows)
-        out.append((sink_grad_variant(), [((g.heads_q, 1, 1), (SINK_GRAD_WARPS * 32, 1, 1), None)]))
+        out.append((sink_grad_variant(layout), [((g.heads_q, 1, 1), (SINK_GRAD_WARPS * 32, 1, 1), None)]))
     # dK and dV are written (zeros included) even when no query sees a key.
     if fused:
         one_pass = select_fused(c_type, bucket, softcap, arch, layout=layout)
@@ -268,8 +270,9 @@ def launches(g: BackwardGrid, c_type: str, softcap: bool, arch: str, allow_wgmma
 def variants(arch: str | None = None) -> list[Variant]:
     """Every backward variant; with ``arch``, the portable tiles chosen under its shared-memory limit."""
     smem_limit = MAX_SMEM_OPTIN if arch is None else arch_smem_limit(arch)
-    out = [sink_grad_variant()]
+    out = []
     for layout in SEQ_LAYOUTS:
+        out.append(sink_grad_variant(layout))
         for c_type in ("f16", "bf16", "float"):
             for bucket in HEAD_DIM_BUCKETS:
                 out.append(row_variant("backward_prep", c_type, bucket, layout))
