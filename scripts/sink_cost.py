@@ -44,11 +44,12 @@ def main() -> None:
         sink = torch.randn(case.heads_q, device="cuda")
         rates = []
         for s in (None,) if args.plain_only else (None, sink):
-            out, lse = cuattn.attention(q, k, v, causal=case.causal, sink=s, return_lse=True)
+            extra = {} if s is None else {"sink": s}  # plain calls name no sink: an older cuattn has none
+            out, lse = cuattn.attention(q, k, v, causal=case.causal, return_lse=True, **extra)
             if case.mode == "fwd":
-                ms = torch_kernel_ms(lambda s=s: cuattn.attention(q, k, v, causal=case.causal, sink=s))
+                ms = torch_kernel_ms(lambda extra=extra: cuattn.attention(q, k, v, causal=case.causal, **extra))
             else:
-                ms = torch_kernel_ms(lambda s=s, out=out, lse=lse: cuattn.attention_backward(out, q, k, v, out, lse, causal=case.causal, sink=s))
+                ms = torch_kernel_ms(lambda extra=extra, out=out, lse=lse: cuattn.attention_backward(out, q, k, v, out, lse, causal=case.causal, **extra))
             rates.append(round(case.rate(ms), 1))
         rates += rates[:1] * (2 - len(rates))
         row = {"mode": case.mode, "batch": case.batch, "seqlen": case.seqlen_q, "heads_q": case.heads_q, "heads_kv": case.heads_kv,
