@@ -177,6 +177,7 @@ def attn_params(q, k, v, out, lse, options: AttnOptions, packed=None, sink=None)
         **mask, batch_offset=0,
         cu_seqlens_q=seqs[0], cu_seqlens_k=seqs[1], total_q=seqs[2], total_k=seqs[3], bottom_right=seqs[4],
         cache_seqlens=0, block_table=0, cache_batch_idx=0, block_table_stride=0, capacity=0, cache_rows=0, page_size=0, seqlen_new=0,
+        accum=0, accum_strides=(0, 0, 0), accum_fresh=0,
     )
 
 

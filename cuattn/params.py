@@ -30,6 +30,17 @@ MERGE_PARAMS = np.dtype(
     align=True,
 )
 
+SUM_PARAMS = np.dtype(
+    [
+        ("piece", _P),
+        ("sum", _P),
+        ("out", _P),
+        ("count", np.int64),
+        ("fresh", np.int32),
+    ],
+    align=True,
+)
+
 ATTN_PARAMS = np.dtype(
     [
         ("q", _P),
@@ -69,6 +80,9 @@ ATTN_PARAMS = np.dtype(
         ("cache_rows", np.int32),
         ("page_size", np.int32),
         ("seqlen_new", np.int32),
+        ("accum", _P),
+        ("accum_strides", *_S3),
+        ("accum_fresh", np.int32),
     ],
     align=True,
 )
@@ -151,7 +165,7 @@ OFFSET_CHECK_PARAMS = np.dtype(
 
 # C struct name for each host mirror, for the layout check.
 C_STRUCTS = {
-    "MergeParams": MERGE_PARAMS, "AttnParams": ATTN_PARAMS, "BackwardParams": BACKWARD_PARAMS,
+    "MergeParams": MERGE_PARAMS, "SumParams": SUM_PARAMS, "AttnParams": ATTN_PARAMS, "BackwardParams": BACKWARD_PARAMS,
     "OffsetCheckParams": OFFSET_CHECK_PARAMS, "DecodeParams": DECODE_PARAMS,
 }
 

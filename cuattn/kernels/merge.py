@@ -1,5 +1,5 @@
-"""Launch plan of the merge family (cuda_src/merge/merge.cu): combining partial attention
-results from their (out, lse)."""
+"""Launch plan of the merge family (cuda_src/merge/): combining partial attention results from
+their (out, lse) (merge.cu), and summing partial gradients in fp32 (sum_partials.cu)."""
 
 from __future__ import annotations
 
@@ -37,8 +37,28 @@ def grid(rows: int, head_dim: int, vec: int) -> tuple[int, int, int]:
 
 
 def variants(arch: str | None = None) -> list[Variant]:
-    return [variant(c_type, vec) for c_type, vecs in VEC_WIDTHS.items() for vec in vecs]
+    return [variant(c_type, vec) for c_type, vecs in VEC_WIDTHS.items() for vec in vecs] + [sum_variant(c) for c in VEC_WIDTHS]
 
 
 def common_variants() -> list[Variant]:
     return [variant(c, VEC_WIDTHS[c][0]) for c in VEC_WIDTHS]
+
+
+SUM_THREADS = 256  # sum_partials_kernel's __launch_bounds__
+SUM_VEC = 8  # elements per thread per step
+
+
+@functools.cache
+def sum_variant(c_type: str) -> Variant:
+    return Variant(
+        family=FAMILY, kernel="sum_partials",
+        expression=f"cuattn::sum_partials_kernel<{cxx_type(c_type)}>",
+        uri=f"merge/sum_partials/{c_type}",
+        threads=SUM_THREADS,
+        contract=(("cuattn::kSumThreads", SUM_THREADS),),
+    )
+
+
+def sum_grid(count: int, sms: int = 132) -> tuple[int, int, int]:
+    """Up to 8 blocks per SM; the kernel strides past them."""
+    return (max(1, min(-(-count // (SUM_THREADS * SUM_VEC)), 8 * sms)), 1, 1)

@@ -13,7 +13,8 @@ struct HeadView {
   const T* v;
   T* out;
   float* lse;
-  float sink;  // the head's sink logit, -inf without sinks (common/sink.cuh)
+  float sink;    // the head's sink logit, -inf without sinks (common/sink.cuh)
+  float* accum;  // null, or the head's rows of the fp32 accumulator (forward/accumulate.cuh)
 
   // Rows of sequence `seq` (common/seq_layout.cuh) for query head `head`.
   __device__ __forceinline__ HeadView(const AttnParams& p, int seq, int head, const SeqSpan& span) {
@@ -25,6 +26,7 @@ struct HeadView {
     // lse rows have stride 1; null: not wanted
     lse = p.lse == nullptr ? nullptr : p.lse + seq * p.lse_strides[0] + head * p.lse_strides[1] + span.q_row0;
     sink = sink_of(p.sink, head);
+    accum = p.accum == nullptr ? nullptr : p.accum + seq * p.accum_strides[0] + span.q_row0 * p.accum_strides[1] + head * p.accum_strides[2];
   }
 };
 

@@ -25,6 +25,17 @@ struct MergeParams {
   int head_dim;
 };
 
+// A sum of partial gradients in fp32 (merge/sum_partials.cu): sum <- (fresh ? 0 : sum) + piece,
+// or, when out is set, out <- sum + piece rounded to the piece's type (sum is not written).
+// Contiguous arrays of count elements, count a multiple of 8, 16-byte aligned.
+struct SumParams {
+  const void* piece;
+  float* sum;
+  void* out;
+  i64 count;
+  int fresh;
+};
+
 // Attention over (batch, seqlen, heads, head_dim) tensors. Query row i sees key j when
 // i + diagonal_offset - window_left <= j <= i + diagonal_offset + window_right, a bound of -1
 // meaning unbounded on that side; causal is window_right = 0. diagonal_offset is
@@ -72,6 +83,14 @@ struct AttnParams {
   int cache_rows;
   int page_size;
   int seqlen_new;
+  // Partial results folded into an fp32 accumulator (forward kernels, dense layout; schedules
+  // that visit a row's keys in pieces: cuattn/chunked.py). Null: out and lse are written as
+  // usual. Set: the kernel merges its partial (out, lse) into (accum, lse) by the exact LSE rule
+  // (forward/accumulate.cuh), reading lse unless accum_fresh; it also writes the merged result
+  // to out in its dtype when out is not null (the last piece), so that it is rounded once.
+  float* accum;                             // (batch, seqlen_q, heads_q, head_dim) fp32
+  i64 accum_strides[3];                     // batch, row, head
+  int accum_fresh;                          // 1: the accumulator holds nothing yet
 };
 
 // Backward of AttnParams' attention: dout, gradients, and delta = rowsum(dout * out) - dlse per

@@ -8,6 +8,7 @@
 #include "common/tile_copy.cuh"
 #include "common/params.cuh"
 #include "common/seq_layout.cuh"
+#include "forward/accumulate.cuh"
 #include "forward/online_softmax.cuh"
 #include "forward/traits.cuh"
 
@@ -146,22 +147,31 @@ __device__ __forceinline__ void forward_block(const AttnParams& p, int seq, cons
     }
   }
 
-  // Epilogue: finish the row sums across the quad, normalize, and stage the warp's rows of out in
-  // its own rows of sQ (no other warp reads them), then store them in 16-byte chunks.
+  // Epilogue: finish the row sums across the quad, normalize (folding into the accumulator when
+  // there is one: forward/accumulate.cuh), and stage the warp's rows of out in its own rows of sQ
+  // (no other warp reads them), then store them in 16-byte chunks.
   T* sOut = sQ + warp_row0 * Tr::kRowStride;
+  const bool folds = LAYOUT == SeqLayout::kDense && head_view.accum != nullptr;
 #pragma unroll
   for (int mt = 0; mt < Tr::kMTiles; ++mt) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const RowTotal total = finish_row(row_max[mt][h], row_sum[mt][h], p.exp2_scale, head_view.sink);
       const int r = mt * 16 + g + h * 8;
+      const int row = warp_first_row + r;
+      const bool in_range = row < span.seqlen_q;
+      Fold fold = {0.f, 1.f, total.lse};
+      if (folds)  // the same for the whole CTA; the quad's first lane reads and writes lse
+        fold = fold_weights(__shfl_sync(0xffffffff, accumulated_lse(p, head_view.lse + row, in_range && t == 0), lane & ~3), total.lse);
 #pragma unroll
       for (int dt = 0; dt < Tr::kDTiles; ++dt) {
-        *reinterpret_cast<u32*>(sOut + r * Tr::kRowStride + dt * 8 + 2 * t) =
-            pack2<T>(acc[mt][dt][2 * h] * total.inv, acc[mt][dt][2 * h + 1] * total.inv);
+        const float w = total.inv * fold.take;
+        float2 o = make_float2(acc[mt][dt][2 * h] * w, acc[mt][dt][2 * h + 1] * w);
+        const int col = dt * 8 + 2 * t;
+        if (folds && in_range && col < p.head_dim) o = fold_pair(head_view.accum + row * p.accum_strides[1] + col, o, fold.keep);
+        *reinterpret_cast<u32*>(sOut + r * Tr::kRowStride + col) = pack2<T>(o.x, o.y);
       }
-      const int row = warp_first_row + r;
-      if (t == 0 && row < span.seqlen_q && head_view.lse != nullptr) head_view.lse[row] = total.lse;
+      if (t == 0 && in_range && head_view.lse != nullptr) head_view.lse[row] = fold.lse;
     }
   }
   __syncwarp();
@@ -171,7 +181,7 @@ __device__ __forceinline__ void forward_block(const AttnParams& p, int seq, cons
   for (int i = 0; i < kOutChunks / 32; ++i) {
     const int chunk = i * 32 + lane;
     const int r = chunk / Tr::kChunksPerRow, c = (chunk % Tr::kChunksPerRow) * 8;
-    if (warp_first_row + r < span.seqlen_q && c < p.head_dim) {
+    if (warp_first_row + r < span.seqlen_q && c < p.head_dim && p.out != nullptr) {
       *reinterpret_cast<uint4*>(head_view.out + (warp_first_row + r) * p.out_strides[1] + c) =
           *reinterpret_cast<const uint4*>(sOut + r * Tr::kRowStride + c);
     }

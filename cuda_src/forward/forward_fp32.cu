@@ -7,6 +7,7 @@
 #include "common/mask.cuh"
 #include "common/params.cuh"
 #include "common/seq_layout.cuh"
+#include "forward/accumulate.cuh"
 
 namespace cuattn {
 
@@ -26,7 +27,7 @@ __device__ __forceinline__ void forward_fp32_block(const AttnParams& p, const Se
   const int m0 = m_block * kF32BlockM;
   const int m_last = min(m0 + kF32BlockM, span.seqlen_q) - 1;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const auto [q, k, v, out, lse, sink] = head_view;
+  const auto [q, k, v, out, lse, sink, accum] = head_view;
 
   const KeyBand band(p, span);
   const int key_first = band.first_key(m0), key_last = band.last_key(m_last);
@@ -91,17 +92,28 @@ __device__ __forceinline__ void forward_fp32_block(const AttnParams& p, const Se
     }
   }
 
+  const bool folds = accum != nullptr;  // forward/accumulate.cuh
 #pragma unroll
   for (int r = 0; r < kF32RowsPerWarp; ++r) {
     const int row = m0 + warp * kF32RowsPerWarp + r;
     if (row >= span.seqlen_q) continue;
     const RowTotalF64 total = normalize_row_f64(exp2_shift(row_max[r], sc), row_sum[r], sink);
+    Fold fold = {0.f, 1.f, total.lse};
+    if (folds)  // the same for the whole CTA; lane 0 reads and writes lse
+      fold = fold_weights(__shfl_sync(0xffffffff, accumulated_lse(p, lse + row, lane == 0), 0), total.lse);
 #pragma unroll
     for (int c = 0; c < kCols; ++c) {
       const int col = lane + 32 * c;
-      if (col < p.head_dim) out[row * p.out_strides[1] + col] = float(acc[r][c] * total.inv);
+      if (col >= p.head_dim) continue;
+      float o = float(acc[r][c] * total.inv) * fold.take;
+      if (folds) {
+        float* slot = accum + row * p.accum_strides[1] + col;
+        if (fold.keep > 0.f) o = fmaf(fold.keep, *slot, o);
+        *slot = o;
+      }
+      if (p.out != nullptr) out[row * p.out_strides[1] + col] = o;
     }
-    if (lane == 0 && lse != nullptr) lse[row] = total.lse;
+    if (lane == 0 && lse != nullptr) lse[row] = fold.lse;
   }
 }
 

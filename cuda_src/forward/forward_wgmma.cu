@@ -10,6 +10,7 @@
 #include "common/seq_layout.cuh"
 #include "common/tile_copy.cuh"
 #include "common/wgmma.cuh"
+#include "forward/accumulate.cuh"
 #include "forward/online_softmax.cuh"
 #include "forward/wgmma_traits.cuh"
 
@@ -108,20 +109,30 @@ __device__ __forceinline__ void forward_wgmma_block(const AttnParams& p, int seq
     fence_registers(acc[0]);
   }
 
-  // Epilogue: normalize, stage the warpgroup's rows of out in its own rows of sQ (no other
-  // warpgroup reads them; its own matmuls are done), then store them in 16-byte chunks.
+  // Epilogue: normalize (folding into the accumulator when there is one: forward/accumulate.cuh),
+  // stage the warpgroup's rows of out in its own rows of sQ (no other warpgroup reads them; its
+  // own matmuls are done), then store them in 16-byte chunks.
+  const bool folds = LAYOUT == SeqLayout::kDense && head_view.accum != nullptr;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const RowTotal total = finish_row(row_max[0][h], row_sum[0][h], p.exp2_scale, head_view.sink);
     const int r = wg * 64 + warp * 16 + g + h * 8;  // row of the CTA's tile
+    const int row = m0 + r;
+    const bool in_range = row < span.seqlen_q;
+    Fold fold = {0.f, 1.f, total.lse};
+    if (folds)  // the same for the whole CTA; the quad's first lane reads and writes lse
+      fold = fold_weights(__shfl_sync(0xffffffff, accumulated_lse(p, head_view.lse + row, in_range && t == 0), lane & ~3), total.lse);
 #pragma unroll
     for (int dt = 0; dt < Tr::kDTiles; ++dt) {
       const int col = dt * 8 + 2 * t;
+      const float w = total.inv * fold.take;
+      float2 o = make_float2(acc[0][dt][2 * h] * w, acc[0][dt][2 * h + 1] * w);
+      if (folds && in_range && col < p.head_dim) o = fold_pair(head_view.accum + row * p.accum_strides[1] + col, o, fold.keep);
       unsigned char* dst = sQ + (col / kSwizzleBlockElems) * Tr::kBlockM * kSwizzleRowBytes +
                            swizzled_chunk(r, col % kSwizzleBlockElems / 8) + (col % 8) * 2;
-      *reinterpret_cast<u32*>(dst) = pack2<T>(acc[0][dt][2 * h] * total.inv, acc[0][dt][2 * h + 1] * total.inv);
+      *reinterpret_cast<u32*>(dst) = pack2<T>(o.x, o.y);
     }
-    if (t == 0 && m0 + r < span.seqlen_q && head_view.lse != nullptr) head_view.lse[m0 + r] = total.lse;
+    if (t == 0 && in_range && head_view.lse != nullptr) head_view.lse[row] = fold.lse;
   }
   asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");  // this warpgroup's rows staged
   constexpr int kOutChunks = 64 * Tr::kChunksPerRow;
@@ -129,7 +140,7 @@ __device__ __forceinline__ void forward_wgmma_block(const AttnParams& p, int seq
   for (int i = 0; i < kOutChunks / 128; ++i) {
     const int chunk = i * 128 + threadIdx.x % 128;
     const int r = wg * 64 + chunk / Tr::kChunksPerRow, c = chunk % Tr::kChunksPerRow;
-    if (m0 + r < span.seqlen_q && c * 8 < p.head_dim) {
+    if (m0 + r < span.seqlen_q && c * 8 < p.head_dim && p.out != nullptr) {
       *reinterpret_cast<uint4*>(head_view.out + (m0 + r) * p.out_strides[1] + c * 8) = *reinterpret_cast<const uint4*>(
           sQ + (c / 8) * Tr::kBlockM * kSwizzleRowBytes + swizzled_chunk(r, c % 8));
     }

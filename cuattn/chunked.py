@@ -1,0 +1,619 @@
+"""Attention over K/V that live in host memory: chunks streamed through the device.
+
+The schedule of DESIGN.md's "K/V streamed from host memory" row. Each chunk of keys is uploaded
+on a copy stream into one of two device slots while the caller's stream computes the previous
+chunk; the forward kernels fold each chunk's partial result into an fp32 accumulator by its
+lse (AttnParams::accum) and round once, with the last chunk. The backward streams the same
+chunks again with the global ``out`` and ``lse``, sends each chunk's dK / dV back to host
+memory on a second copy stream, and sums dQ over the chunks in fp32. Masks are computed from
+key positions: a chunk starting at key ``start`` sees the diagonal moved by ``-start``, and
+chunks that no query row sees are neither uploaded nor computed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+import numpy as np
+
+from cuattn import boundary, params, validation
+from cuattn.attention import _LAYOUT, attn_params, check_qkv, launch_forward, require_arrays
+from cuattn.backward import _LSE_LAYOUT, backward_params, check_dout, launch_backward
+from cuattn.kernels import merge as merge_plan
+from cuattn.kernels.backward import BackwardGrid
+from cuattn.options import AttnOptions
+from cuattn.validation import check_bool
+
+DEFAULT_CHUNK_BYTES = 256 << 20  # K and V of one chunk, when chunk_tokens is not given
+_INT32_REACH = 2**31 - 1
+
+
+@dataclasses.dataclass
+class HostArray:
+    """A host array as the copy engine sees it: address, shape, strides (elements), dtype."""
+
+    ptr: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    dtype: np.dtype
+    pinned: bool
+    native: object  # keeps the memory alive
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape))
+
+    def rows(self, start: int, stop: int) -> HostArray:
+        """Key rows [start, stop) of a (batch, seqlen, heads, head_dim) array."""
+        shape = (self.shape[0], stop - start, *self.shape[2:])
+        return HostArray(self.ptr + start * self.strides[1] * self.dtype.itemsize, shape, self.strides, self.dtype, self.pinned, self.native)
+
+
+def host_array(x) -> HostArray | None:
+    """``x`` as a :class:`HostArray` if it is a NumPy array or a CPU torch tensor, else None."""
+    if isinstance(x, np.ndarray):
+        item = x.dtype.itemsize
+        ptr = int(x.__array_interface__["data"][0])
+        return HostArray(ptr, x.shape, tuple(s // item for s in x.strides), x.dtype, _is_pinned(ptr), x)
+    if type(x).__module__.startswith("torch") and getattr(x, "device", None) is not None and x.device.type == "cpu":
+        from cuattn.boundary import _numpy_dtype_of_torch
+
+        return HostArray(int(x.data_ptr()), tuple(x.shape), tuple(x.stride()), _numpy_dtype_of_torch(x.dtype), bool(x.is_pinned()), x)
+    return None
+
+
+def _is_pinned(ptr: int) -> bool:
+    """Whether a host address is page-locked (cudaHostAlloc / cudaHostRegister): what the copy
+    engine reads asynchronously. Pageable memory is staged by the driver (the host waits)."""
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.pointerGetAttributes(ptr).type == cupy.cuda.runtime.cudaMemoryTypeHost
+    except Exception:
+        return False
+
+
+@dataclasses.dataclass
+class Chunk:
+    """Keys [start, start + length) of the sequence: host arrays to upload, or device arrays."""
+
+    start: int
+    length: int
+    k: HostArray | boundary.DeviceArray
+    v: HostArray | boundary.DeviceArray
+    on_host: bool
+    index: int = 0  # position in the iterable
+
+
+def visible_keys(seqlen_q: int, seqlen_k: int, fields: dict) -> tuple[int, int]:
+    """(first, last) key that any query row sees under the kernel mask ``fields``
+    (:meth:`AttnOptions.kernel_fields`); last < first when none does."""
+    if seqlen_q == 0 or seqlen_k == 0:
+        return 0, -1
+    left, right, offset = fields["window_left"], fields["window_right"], fields["diagonal_offset"]
+    first = 0 if left < 0 else max(0, offset - left)
+    last = seqlen_k - 1 if right < 0 else min(seqlen_k - 1, seqlen_q - 1 + offset + right)
+    return first, last
+
+
+def split_keys(seqlen_k: int, chunk_tokens: int) -> list[tuple[int, int]]:
+    return [(s, min(s + chunk_tokens, seqlen_k)) for s in range(0, seqlen_k, chunk_tokens)]
+
+
+def default_chunk_tokens(batch: int, heads_kv: int, head_dim: int, itemsize: int) -> int:
+    per_key = 2 * batch * heads_kv * head_dim * itemsize
+    return max(128, DEFAULT_CHUNK_BYTES // max(per_key, 1) // 128 * 128)
+
+
+class _Source:
+    """The chunks of ``kv_chunks`` in order, with their positions, checked against q."""
+
+    def __init__(self, kv_chunks, q: boundary.DeviceArray, ctx, chunk_tokens, seqlen_k, needs_total: bool):
+        self.q, self.ctx = q, ctx
+        self.pair = _is_pair(kv_chunks)
+        if self.pair:
+            k, v = (self._host("kv_chunks[%d]" % i, x) for i, x in enumerate(kv_chunks))
+            validation.check_shape("kv_chunks[1]", v, k.shape, "(the shape of the keys)")
+            self._check_kv("kv_chunks[0]", k)
+            self.k, self.v = k, v
+            total = k.shape[1]
+            if seqlen_k is not None and seqlen_k != total:
+                raise ValueError(f"seqlen_k ({seqlen_k}) differs from the keys' length ({total})")
+            if chunk_tokens is None:
+                chunk_tokens = default_chunk_tokens(k.shape[0], k.shape[2], k.shape[3], k.dtype.itemsize)
+            self.chunk_tokens = _positive_int("chunk_tokens", chunk_tokens)
+            self.total = total
+            self.heads_kv = k.shape[2]
+        else:
+            if chunk_tokens is not None:
+                raise ValueError("chunk_tokens applies to a (k, v) pair of host arrays; an iterable of chunks is taken as it comes")
+            if seqlen_k is None and needs_total:
+                raise ValueError(
+                    "seqlen_k (the total number of keys) is required with an iterable of chunks under a causal or window mask"
+                )
+            self.total = None if seqlen_k is None else _positive_int("seqlen_k", seqlen_k, allow_zero=True)
+            self.items = iter(kv_chunks)
+            self.heads_kv = None
+
+    def _host(self, name, x) -> HostArray:
+        h = host_array(x)
+        if h is None:
+            raise TypeError(f"{name} must be a host array (NumPy or a CPU torch tensor) in a (k, v) pair, got {type(x).__name__}")
+        return h
+
+    def _check_kv(self, name: str, a) -> None:
+        """A chunk's keys or values: (batch, n, heads_kv, head_dim) of q's dtype."""
+        q = self.q
+        validation.check_rank(name, a, 4, _LAYOUT)
+        validation.check_same_dtype(name, a, "q", q)
+        if a.shape[0] != q.shape[0] or a.shape[3] != q.shape[3]:
+            raise ValueError(f"{name} has shape {a.shape}; expected (batch={q.shape[0]}, seqlen, heads_kv, head_dim={q.shape[3]})")
+        heads_kv = a.shape[2]
+        if heads_kv == 0 or q.shape[2] % heads_kv:
+            raise ValueError(f"heads_q ({q.shape[2]}, from q) must be a multiple of heads_kv ({heads_kv}, from {name})")
+        if getattr(self, "heads_kv", None) not in (None, heads_kv):
+            raise ValueError(f"{name} has {heads_kv} KV heads but the earlier chunks have {self.heads_kv}")
+        if isinstance(a, HostArray) and a.shape[1] * a.shape[2] * a.shape[3] and a.strides[1:] != (a.shape[2] * a.shape[3], a.shape[3], 1):
+            raise ValueError(
+                f"{name} has strides {a.strides} (elements); host keys and values are copied row by row and must be contiguous "
+                "in (seqlen, heads, head_dim)"
+            )
+
+    def __iter__(self):
+        if self.pair:
+            for start, stop in split_keys(self.total, self.chunk_tokens):
+                yield Chunk(start, stop - start, self.k.rows(start, stop), self.v.rows(start, stop), True, start // self.chunk_tokens)
+            return
+        start = 0
+        for i, item in enumerate(self.items):
+            if not isinstance(item, (tuple, list)) or len(item) != 2:
+                raise TypeError(f"kv_chunks[{i}] must be a (k, v) pair, got {type(item).__name__}")
+            names = (f"kv_chunks[{i}][0]", f"kv_chunks[{i}][1]")
+            hosts = [host_array(x) for x in item]
+            if all(h is not None for h in hosts):
+                k, v, on_host = hosts[0], hosts[1], True
+            elif any(h is not None for h in hosts):
+                raise TypeError(f"kv_chunks[{i}] mixes host and device arrays")
+            else:
+                k, v = self._device(names, item)
+                on_host = False
+            self._check_kv(names[0], k)
+            validation.check_shape(names[1], v, k.shape, "(the shape of the keys)")
+            self.heads_kv = k.shape[2]
+            if self.total is not None and start + k.shape[1] > self.total:
+                raise ValueError(f"the chunks hold more than seqlen_k ({self.total}) keys")
+            yield Chunk(start, k.shape[1], k, v, on_host, i)
+            start += k.shape[1]
+        if self.total is not None and start != self.total:
+            raise ValueError(f"the chunks hold {start} keys but seqlen_k is {self.total}")
+        self.total = start
+
+    def _device(self, names, item):
+        ctx, a = boundary.import_arrays(k=item[0], v=item[1])
+        if ctx.framework != self.ctx.framework or ctx.device_id != self.ctx.device_id:
+            raise TypeError(f"{names[0]} is a {ctx.framework} array on device {ctx.device_id}; q is a {self.ctx.framework} array on device "
+                            f"{self.ctx.device_id}")
+        check_qkv(self.q, a["k"], a["v"], None)
+        return a["k"], a["v"]
+
+
+def _is_pair(kv_chunks) -> bool:
+    """A (k, v) pair of arrays, rather than an iterable of (k, v) chunks."""
+    return isinstance(kv_chunks, (tuple, list)) and len(kv_chunks) == 2 and hasattr(kv_chunks[0], "shape")
+
+
+def _positive_int(name: str, x, allow_zero=False) -> int:
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(x).__name__}")
+    if x < (0 if allow_zero else 1):
+        raise ValueError(f"{name} must be {'>= 0' if allow_zero else 'positive'}, got {x}")
+    return int(x)
+
+
+class _Streams:
+    """The copy streams and the two device slots of a streamed call, on the call's device."""
+
+    def __init__(self, ctx, downloads: bool):
+        import cupy
+
+        self.ctx = ctx
+        with ctx.device:
+            self.up = cupy.cuda.Stream(non_blocking=True)
+            self.down = cupy.cuda.Stream(non_blocking=True) if downloads else None
+        self.buffers = 4 if downloads else 2  # k, v (, dk, dv)
+        self.slots: list[tuple | None] = [None, None]
+        self.free = [None, None]  # per slot: the event after which its k, v may be overwritten
+        self.downloaded = [None, None]  # per slot: the event after which its dk, dv may be overwritten
+
+    def event(self, stream):
+        import cupy
+
+        with self.ctx.device:
+            e = cupy.cuda.Event(disable_timing=True)
+            e.record(stream)
+        return e
+
+    def _buffers(self, slot: int, like: HostArray, length: int) -> tuple:
+        """The slot's buffers, (re)allocated to hold ``length`` keys shaped like ``like``. A
+        new buffer may be memory the caller's stream released and has not finished with: the
+        copy stream waits for everything queued there so far."""
+        bufs = self.slots[slot]
+        if bufs is None or bufs[0].shape[1] < length or bufs[0].shape[2:] != like.shape[2:]:
+            batch, _, heads_kv, head_dim = like.shape
+            bufs = tuple(self.ctx.empty((batch, length, heads_kv, head_dim), like.dtype) for _ in range(self.buffers))
+            self.slots[slot] = bufs
+            self.free[slot] = self.event(self.ctx.stream)
+        return bufs
+
+    @staticmethod
+    def view(buf: boundary.DeviceArray, length: int) -> boundary.DeviceArray:
+        return boundary.DeviceArray(buf.ptr, (buf.shape[0], length, *buf.shape[2:]), buf.strides, buf.dtype, buf.native)
+
+    def upload(self, slot: int, chunk: Chunk) -> list[boundary.DeviceArray]:
+        """Queues the chunk's upload into ``slot`` and makes the caller's stream wait for it;
+        returns the slot's views (k, v, and dk, dv when downloading)."""
+        bufs = self._buffers(slot, chunk.k, chunk.length)
+        with self.ctx.device:
+            if self.free[slot] is not None:
+                self.up.wait_event(self.free[slot])
+            for host, buf in zip((chunk.k, chunk.v), bufs):
+                _copy_rows(buf.ptr, buf.strides[0], host.ptr, host.strides[0], chunk.length * host.strides[1], host.shape[0],
+                           host.dtype.itemsize, "h2d", self.up)
+            self.ctx.stream.wait_event(self.event(self.up))
+            if self.downloaded[slot] is not None:
+                self.ctx.stream.wait_event(self.downloaded[slot])
+        return [self.view(b, chunk.length) for b in bufs]
+
+    def computed(self, slot: int) -> None:
+        """The caller's stream has queued its work on ``slot``'s inputs."""
+        self.free[slot] = self.event(self.ctx.stream)
+
+    def download(self, slot: int, grads, hosts, length: int) -> None:
+        """Queues the copy of the slot's dK, dV (after the work queued so far) to host rows."""
+        with self.ctx.device:
+            self.down.wait_event(self.free[slot])
+            for g, h in zip(grads, hosts):
+                _copy_rows(h.ptr, h.strides[0], g.ptr, g.strides[0], length * g.strides[1], g.shape[0], g.dtype.itemsize, "d2h", self.down)
+            self.downloaded[slot] = self.event(self.down)
+
+    def finish(self) -> None:
+        """The caller's stream waits for every copy (buffers are released in its order), and the
+        host for the copies (the host arrays may then change, host results are complete)."""
+        with self.ctx.device:
+            for s in (self.up, self.down):
+                if s is not None:
+                    self.ctx.stream.wait_event(self.event(s))
+                    s.synchronize()
+
+
+def _copy_rows(dst: int, dst_pitch: int, src: int, src_pitch: int, row_elems: int, rows: int, itemsize: int, kind: str, stream) -> None:
+    """``rows`` runs of ``row_elems`` elements, pitches in elements, on ``stream``."""
+    import cupy
+
+    rt = cupy.cuda.runtime
+    width = row_elems * itemsize
+    if width == 0 or rows == 0:
+        return
+    spitch = src_pitch * itemsize if rows > 1 else width
+    dpitch = dst_pitch * itemsize if rows > 1 else width
+    direction = rt.memcpyHostToDevice if kind == "h2d" else rt.memcpyDeviceToHost
+    rt.memcpy2DAsync(dst, dpitch, src, spitch, width, rows, direction, stream.ptr)
+
+
+def _fill(ctx, a: boundary.DeviceArray, value: float) -> None:
+    if a.size == 0:
+        return
+    if ctx.framework == boundary.TORCH:
+        a.native.fill_(value)
+    else:
+        with ctx.device, ctx.stream:
+            a.native.fill(value)
+
+
+def _chunk_fields(fields: dict, start: int) -> dict:
+    """The mask of a chunk whose first key is key ``start`` of the sequence."""
+    return dict(fields, diagonal_offset=fields["diagonal_offset"] - start)
+
+
+def _set_mask(p: np.void, fields: dict) -> None:
+    for name in ("window_left", "window_right", "diagonal_offset"):
+        p[name] = fields[name]
+
+
+def _prepare(q, kv_chunks, causal, window, align, scale, softcap, chunk_tokens, seqlen_k, extra: dict):
+    require_arrays({"q": q, "kv_chunks": kv_chunks})
+    ctx, a = boundary.import_arrays(q=q, **extra)
+    if ctx.framework == boundary.NUMPY:
+        raise TypeError("q must be a device array (CuPy, PyTorch, JAX or DLPack); the streamed keys and values are the host arrays")
+    validation.check_rank("q", a["q"], 4, _LAYOUT)
+    batch, _, heads_q, head_dim = a["q"].shape
+    no_keys = boundary.DeviceArray(None, (batch, 0, heads_q, head_dim), (0, 0, 0, 1), a["q"].dtype, None)
+    c_type = check_qkv(a["q"], no_keys, no_keys, None)  # q's dtype, head_dim, heads, alignment
+    options = AttnOptions.from_user(causal, window, align, scale, softcap, head_dim=a["q"].shape[3])
+    needs_total = causal or options.window_left >= 0 or options.window_right >= 0
+    source = _Source(kv_chunks, a["q"], ctx, chunk_tokens, seqlen_k, needs_total)
+    if source.pair:
+        check_qkv(a["q"], _shape_only(source.k, a["q"]), _shape_only(source.v, a["q"]), None)
+    return ctx, a, c_type, options, source
+
+
+def _shape_only(h: HostArray, q) -> boundary.DeviceArray:
+    """A host array's shape and dtype for check_qkv (its strides are checked by _Source)."""
+    return boundary.DeviceArray(None, h.shape, (0, 0, 0, 1), h.dtype, None)
+
+
+def _mask_fields(options: AttnOptions, seqlen_q: int, total: int | None) -> dict:
+    if total is None:  # no mask (an iterable of unknown length): positions do not matter
+        total = 0
+    if seqlen_q + total > _INT32_REACH // 2:
+        raise ValueError(f"seqlen_q + seqlen_k must stay below {_INT32_REACH // 2}, got {seqlen_q} + {total}")
+    return options.kernel_fields(seqlen_q, total)
+
+
+def attention_chunked(
+    q, kv_chunks, *, causal=False, window=None, align="bottom_right", scale=None, softcap=None, return_lse=False,
+    chunk_tokens=None, seqlen_k=None, progress=None,
+):
+    """Exact attention of device-resident ``q`` over keys and values streamed from host memory.
+
+    Device memory used is two chunks of K/V plus ``q``, ``out``, ``lse`` and one fp32
+    accumulator like ``out``, whatever the total number of keys.
+
+    Parameters
+    ----------
+    q : ``(batch, seqlen_q, heads_q, head_dim)`` device array (CuPy, PyTorch, JAX, DLPack).
+    kv_chunks : either a pair ``(k, v)`` of host arrays ``(batch, seqlen_k, heads_kv,
+        head_dim)`` (NumPy, or CPU torch tensors), contiguous in ``(seqlen, heads, head_dim)``,
+        cut into chunks of ``chunk_tokens`` keys; or an iterable of ``(k, v)`` chunk pairs of
+        ``(batch, n_i, heads_kv, head_dim)`` (host arrays, or device arrays of q's framework and
+        device), chunk ``i`` holding the keys that follow chunk ``i - 1``. Page-locked host
+        memory (``cupyx.empty_pinned``, ``torch.empty(..., pin_memory=True)``) is copied
+        while the GPU computes; pageable memory is staged by the CUDA driver, the host waiting
+        for each copy (still overlapped with the GPU's work on the previous chunk).
+    causal, window, align, scale, softcap : as :func:`cuattn.attention`, over the positions of
+        the whole key sequence. Chunks that no query row sees are not uploaded.
+    return_lse : bool. Also return ``lse`` ``(batch, heads_q, seqlen_q)`` float32.
+    chunk_tokens : keys per chunk for a ``(k, v)`` pair; default: 256 MiB of K and V per chunk.
+    seqlen_k : the total number of keys; required for an iterable of chunks under a causal or
+        window mask (where the diagonal sits depends on it), checked against the chunks.
+    progress : optional callable ``progress(keys_done, keys_total)``, called as chunks finish
+        on the GPU (``keys_total`` is None for an iterable of unknown length).
+
+    Returns
+    -------
+    ``out`` like ``q`` (or ``(out, lse)``), in q's framework. Each chunk's partial result is
+    folded into the fp32 accumulator by the forward kernel's epilogue and the sum is rounded
+    to q's dtype once. The call returns when every chunk has been uploaded (host arrays may
+    then be reused); the computation finishes in order on the caller's stream.
+    """
+    return_lse = check_bool("return_lse", return_lse)
+    ctx, a, c_type, options, source = _prepare(q, kv_chunks, causal, window, align, scale, softcap, chunk_tokens, seqlen_k, {})
+    qa = a["q"]
+    batch, seqlen_q, heads_q, head_dim = qa.shape
+    ctx.stage(qa)
+    out = ctx.empty(qa.shape, qa.dtype)
+    lse = ctx.empty((batch, heads_q, seqlen_q), np.float32)
+    acc = ctx.empty(qa.shape, np.float32)
+    fields = _mask_fields(options, seqlen_q, source.total)
+    first_key, last_key = visible_keys(seqlen_q, source.total, fields) if source.total is not None else (0, 2**62)
+
+    streams = _Streams(ctx, downloads=False)
+    launched = 0
+    slot = 0
+    done = []
+    with _Lookahead(c for c in source if seqlen_q and heads_q and c.length and c.start + c.length > first_key and c.start <= last_key) as chunks:
+        for chunk, last in chunks:
+            k, v = streams.upload(slot, chunk) if chunk.on_host else (chunk.k, chunk.v)
+            p = attn_params(qa, k, v, boundary.DeviceArray(0 if not last else out.ptr, out.shape, out.strides, out.dtype, None), lse, options)
+            _set_mask(p, _chunk_fields(fields, chunk.start))
+            p["accum"], p["accum_strides"], p["accum_fresh"] = acc.ptr, acc.strides[:3], int(launched == 0)
+            launch_forward(ctx, c_type, p, seqlen_q, heads_q, batch)
+            launched += 1
+            streams.computed(slot)
+            done.append((streams.free[slot], chunk.start + chunk.length))
+            _report(progress, done, source.total, wait_before=len(done) - 2)
+            slot ^= 1
+    streams.finish()
+    if launched == 0:  # no chunk, or no key any row sees: out = 0, lse = -inf
+        ctx.zero(out)
+        _fill(ctx, lse, -np.inf)
+    if progress is not None:
+        _report(progress, done, source.total, wait_before=len(done))
+    result = ctx.export(out)
+    return (result, ctx.export(lse)) if return_lse else result
+
+
+def _report(progress, done: list, total, wait_before: int) -> None:
+    """Waits for the chunks before index ``wait_before`` (at most two chunks in flight) and
+    reports them to ``progress``."""
+    while done and wait_before > 0:
+        event, keys = done.pop(0)
+        wait_before -= 1
+        event.synchronize()
+        if progress is not None:
+            progress(keys, total)
+
+
+class _Lookahead:
+    """Pairs each item of an iterator with whether it is the last one."""
+
+    def __init__(self, items: Iterable):
+        self.items = iter(items)
+
+    def __enter__(self):
+        return self._pairs()
+
+    def __exit__(self, *exc):
+        return False
+
+    def _pairs(self):
+        sentinel = object()
+        current = next(self.items, sentinel)
+        while current is not sentinel:
+            following = next(self.items, sentinel)
+            yield current, following is sentinel
+            current = following
+
+
+def attention_chunked_backward(
+    dout, q, kv_chunks, out, lse, *, causal=False, window=None, align="bottom_right", scale=None, softcap=None, dlse=None,
+    chunk_tokens=None, seqlen_k=None, deterministic=False, progress=None,
+):
+    """Gradients of :func:`attention_chunked`, streaming the same chunks of K/V again.
+
+    Each chunk's backward uses the global ``out`` and ``lse`` (the forward's results over all
+    keys), so it gives that chunk's exact dK / dV and its share of dQ; dK / dV go back to host
+    memory chunk by chunk on a second copy stream, and the dQ shares are summed in fp32 and
+    rounded once. Device memory: two chunks of K/V and of dK/dV, plus the arrays of q's size.
+
+    Parameters
+    ----------
+    dout, q, out, lse : device arrays; ``lse`` from ``return_lse=True``.
+    kv_chunks, causal, window, align, scale, softcap, chunk_tokens, seqlen_k, progress : exactly
+        as given to the forward (an iterable of chunks must yield the same chunks again).
+    dlse : optional ``(batch, heads_q, seqlen_q)`` float32 gradient flowing into ``lse``.
+    deterministic : as :func:`cuattn.attention_backward`.
+
+    Returns
+    -------
+    ``(dq, dk, dv)``: ``dq`` like ``q`` in q's framework. For a ``(k, v)`` pair of host arrays,
+    ``dk`` and ``dv`` are host arrays of their shape and type (NumPy, or CPU torch tensors) in
+    page-locked memory, complete when the call returns. For an iterable, ``dk`` and ``dv`` are
+    lists with one array per chunk, where that chunk was (host chunks: page-locked host arrays).
+    Chunks no query row sees get zero gradients.
+    """
+    deterministic = check_bool("deterministic", deterministic)
+    require_arrays({"dout": dout, "out": out, "lse": lse})
+    ctx, a, c_type, options, source = _prepare(
+        q, kv_chunks, causal, window, align, scale, softcap, chunk_tokens, seqlen_k, dict(dout=dout, out=out, lse=lse, dlse=dlse),
+    )
+    qa = a["q"]
+    batch, seqlen_q, heads_q, head_dim = qa.shape
+    check_dout(a["dout"], qa, c_type, _LAYOUT)
+    validation.check_rank("out", a["out"], 4, _LAYOUT)
+    validation.check_shape("out", a["out"], qa.shape, "(the shape of q)")
+    validation.check_same_dtype("out", a["out"], "q", qa)
+    validation.check_unit_last_stride("out", a["out"])
+    check_row_stats(a, ("lse", "dlse"), (batch, heads_q, seqlen_q))
+    ctx.stage(*a.values())
+
+    dq = ctx.empty(qa.shape, qa.dtype)
+    dq_piece = ctx.empty(qa.shape, qa.dtype)
+    dq_sum = ctx.empty(qa.shape, np.float32)
+    delta = ctx.empty((batch, heads_q, seqlen_q), np.float32)
+    fields = _mask_fields(options, seqlen_q, source.total)
+    first_key, last_key = visible_keys(seqlen_q, source.total, fields) if source.total is not None else (0, 2**62)
+    host_grads = _host_outputs(source) if source.pair else None
+    results: dict[int, tuple] = {}  # an iterable's gradients by chunk index
+
+    def visible(chunks):
+        for c in chunks:
+            if seqlen_q and heads_q and c.length and c.start + c.length > first_key and c.start <= last_key:
+                yield c
+            else:
+                results[c.index] = _zero_grads(ctx, c, host_grads)
+
+    streams = _Streams(ctx, downloads=True)
+    launched, slot, done = 0, 0, []
+    with _Lookahead(visible(source)) as chunks:
+        for chunk, last in chunks:
+            if chunk.on_host:
+                k, v, dk, dv = streams.upload(slot, chunk)
+            else:
+                k, v = chunk.k, chunk.v
+                dk, dv = ctx.empty(k.shape, k.dtype), ctx.empty(v.shape, v.dtype)
+            attn = attn_params(qa, k, v, a["out"], a["lse"], options)
+            _set_mask(attn, _chunk_fields(fields, chunk.start))
+            grads = [dq_piece, dk, dv]
+            p = backward_params({"dout": a["dout"], "dlse": a["dlse"]}, grads, delta, attn)
+            grid = BackwardGrid("dense", batch, seqlen_q, chunk.length, heads_q, k.shape[2], head_dim, batch * seqlen_q, batch * chunk.length)
+            launch_backward(ctx, c_type, p, grid, deterministic)
+            _sum_pieces(ctx, c_type, dq_piece, dq_sum, dq if last else None, fresh=launched == 0)
+            launched += 1
+            streams.computed(slot)
+            if chunk.on_host:
+                hosts = _host_rows(host_grads, chunk) if host_grads is not None else _new_host_grads(chunk)
+                streams.download(slot, (dk, dv), hosts, chunk.length)
+                if host_grads is None:
+                    results[chunk.index] = tuple(h.native for h in hosts)
+            else:
+                results[chunk.index] = (ctx.export(dk), ctx.export(dv))
+            done.append((streams.free[slot], chunk.start + chunk.length))
+            _report(progress, done, source.total, wait_before=len(done) - 2)
+            slot ^= 1
+    streams.finish()
+    if launched == 0:
+        ctx.zero(dq)
+    if progress is not None:
+        _report(progress, done, source.total, wait_before=len(done))
+    if host_grads is not None:
+        return ctx.export(dq), host_grads[0].native, host_grads[1].native
+    ordered = [results[i] for i in range(len(results))]
+    return ctx.export(dq), [g[0] for g in ordered], [g[1] for g in ordered]
+
+
+def check_row_stats(a: dict, names, shape: tuple) -> None:
+    """Per-row float32 statistics (lse, dlse) ``(batch, heads_q, seqlen_q)`` with unit row stride."""
+    for name in names:
+        x = a[name]
+        if x is None:
+            continue
+        validation.check_rank(name, x, 3, _LSE_LAYOUT)
+        validation.check_shape(name, x, shape, _LSE_LAYOUT)
+        validation.check_float32(name, x)
+        validation.check_unit_last_stride(name, x)
+
+
+def _sum_pieces(ctx, c_type: str, piece, total, out, fresh: bool) -> None:
+    """total <- (fresh ? 0 : total) + piece in fp32, or out <- that, rounded (merge/sum_partials.cu)."""
+    count = piece.size
+    if count == 0:
+        return
+    p = params.pack(params.SUM_PARAMS, piece=piece.ptr, sum=total.ptr, out=0 if out is None else out.ptr, count=count, fresh=int(fresh))
+    variant = merge_plan.sum_variant(c_type)
+    with ctx.device, ctx.stream:
+        ctx.launch(variant, merge_plan.sum_grid(count, ctx.device.attributes["MultiProcessorCount"]), (variant.threads, 1, 1), p)
+
+
+def _pinned_like(h: HostArray, shape) -> HostArray:
+    """A page-locked host array of ``shape`` and h's dtype, of h's kind (NumPy or torch)."""
+    if isinstance(h.native, np.ndarray):
+        import cupyx
+
+        return host_array(cupyx.empty_pinned(shape, h.dtype))
+    import torch
+
+    return host_array(torch.empty(shape, dtype=h.native.dtype, pin_memory=True))
+
+
+def _host_outputs(source: _Source) -> tuple[HostArray, HostArray]:
+    return _pinned_like(source.k, source.k.shape), _pinned_like(source.v, source.v.shape)
+
+
+def _host_rows(host_grads, chunk: Chunk) -> tuple[HostArray, HostArray]:
+    return tuple(g.rows(chunk.start, chunk.start + chunk.length) for g in host_grads)
+
+
+def _new_host_grads(chunk: Chunk) -> tuple[HostArray, HostArray]:
+    return _pinned_like(chunk.k, chunk.k.shape), _pinned_like(chunk.v, chunk.v.shape)
+
+
+def _zero_grads(ctx, chunk: Chunk, host_grads):
+    """Zero dK, dV of a chunk no query row sees (rows of the pair's outputs, or new arrays)."""
+    if host_grads is not None:
+        for g in host_grads:
+            g.native[:, chunk.start:chunk.start + chunk.length] = 0
+        return None
+    if chunk.on_host:
+        grads = [h.native for h in _new_host_grads(chunk)]
+        for g in grads:
+            g[...] = 0
+        return tuple(grads)
+    grads = [ctx.empty(x.shape, x.dtype) for x in (chunk.k, chunk.v)]
+    ctx.zero(*grads)
+    return tuple(ctx.export(g) for g in grads)

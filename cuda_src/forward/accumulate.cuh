@@ -1,0 +1,46 @@
+// Folding a forward's partial result into an fp32 accumulator (AttnParams::accum). Schedules
+// that visit a row's keys in pieces (K/V chunks streamed from the host, ring steps) merge each
+// piece on the spot by the exact rule
+//   lse = log(exp(lse_acc) + exp(lse_piece)),
+//   acc = acc * exp(lse_acc - lse) + out_piece * exp(lse_piece - lse),
+// and round to the output dtype once, in the launch of the last piece. A side whose lse is
+// -inf (it saw no key, or the accumulator is fresh) weighs 0 and its values are not read.
+#pragma once
+#include "../common/dtypes.cuh"
+#include "../common/params.cuh"
+
+namespace cuattn {
+
+struct Fold {
+  float keep;  // weight of the accumulator's values
+  float take;  // weight of the piece's normalized output
+  float lse;   // the merged lse
+};
+
+__device__ __forceinline__ Fold fold_weights(float acc_lse, float piece_lse) {
+  const float top = fmaxf(acc_lse, piece_lse);
+  if (top == neg_inf()) return {0.f, 0.f, neg_inf()};
+  const float keep = acc_lse == neg_inf() ? 0.f : expf(acc_lse - top);  // one of the two is 1
+  const float take = piece_lse == neg_inf() ? 0.f : expf(piece_lse - top);
+  const float total = keep + take;
+  return {keep / total, take / total, top + log1pf(fminf(keep, take))};
+}
+
+// The accumulator's lse of a row (-inf when fresh, or for a thread that does not read it): the
+// one thread that reads a row's lse writes it back, and shares it by shuffle.
+__device__ __forceinline__ float accumulated_lse(const AttnParams& p, const float* lse_row, bool in_range) {
+  return p.accum_fresh || !in_range ? neg_inf() : *lse_row;
+}
+
+// acc[0..1] <- keep * acc + piece; returns the new values. `piece` is already weighted by take.
+__device__ __forceinline__ float2 fold_pair(float* acc, float2 piece, float keep) {
+  if (keep > 0.f) {
+    const float2 old = *reinterpret_cast<const float2*>(acc);
+    piece.x = fmaf(keep, old.x, piece.x);
+    piece.y = fmaf(keep, old.y, piece.y);
+  }
+  *reinterpret_cast<float2*>(acc) = piece;
+  return piece;
+}
+
+}  // namespace cuattn

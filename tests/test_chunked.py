@@ -1,0 +1,305 @@
+"""K/V streamed from host memory in chunks (cuattn.attention_chunked and its backward): the
+results against the float64 reference with masks across chunk borders, GQA, every dtype and
+both forward kernel paths, the device memory held at any moment, iterables of host and device
+chunks, chunks that no row sees (GPU); which keys a mask leaves visible and the argument
+checks (no GPU needed)."""
+
+import numpy as np
+import pytest
+
+import cuattn
+from cuattn import boundary, chunked, reference
+from cuattn.options import AttnOptions
+from helpers import (
+    KERNEL_PATHS, assert_attention_accuracy, kernel_path, max_err, naive_attention, naive_attention_backward, poison_cupy_pool, randn,
+)
+
+gpu = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("sq, sk", [(1, 1), (5, 40), (40, 5), (113, 1023)])
+@pytest.mark.parametrize(
+    "kw", [{}, {"causal": True}, {"causal": True, "align": "top_left"}, {"window": (7, 2)}, {"window": (3, None), "align": "top_left"}],
+)
+def test_visible_keys_bound_what_the_mask_shows(sq, sk, kw):
+    options = AttnOptions.from_user(**kw, head_dim=64)
+    fields = options.kernel_fields(sq, sk)
+    first, last = chunked.visible_keys(sq, sk, fields)
+    left, right = reference.window_bounds(kw.get("causal", False), kw.get("window"))
+    seen = reference.visible(np.arange(sq), np.arange(sk), reference.diagonal_offset(sq, sk, kw.get("align", "bottom_right")), left, right).any(0)
+    cols = np.flatnonzero(seen)
+    if cols.size:
+        assert (first, last) == (cols[0], cols[-1])
+    else:
+        assert last < first
+    for start in range(0, sk, 16):  # the chunk's own mask, moved by its start, shows the same keys
+        stop = min(start + 16, sk)
+        local = chunked._chunk_fields(fields, start)
+        ok = reference.visible(np.arange(sq), np.arange(stop - start), local["diagonal_offset"], local["window_left"], local["window_right"])
+        full = reference.visible(np.arange(sq), np.arange(sk), fields["diagonal_offset"], fields["window_left"], fields["window_right"])
+        np.testing.assert_array_equal(ok, full[:, start:stop])
+
+
+def test_split_keys_and_default_chunk_size():
+    assert chunked.split_keys(10, 4) == [(0, 4), (4, 8), (8, 10)]
+    assert chunked.split_keys(0, 4) == []
+    tokens = chunked.default_chunk_tokens(2, 8, 128, 2)
+    assert tokens % 128 == 0 and 2 * 2 * 8 * 128 * 2 * tokens <= chunked.DEFAULT_CHUNK_BYTES
+
+
+def _q(shape=(2, 5, 4, 64), dtype=np.float16):
+    """q's metadata as the kernels see it (no device needed for the checks)."""
+    strides = tuple(int(s) for s in np.cumprod((1,) + shape[::-1][:-1])[::-1])
+    return boundary.DeviceArray(0, shape, strides, np.dtype(dtype), None)
+
+
+@pytest.mark.parametrize(
+    "kv, kw, exc, match",
+    [
+        ((np.ones((2, 9, 2, 64), np.float16), np.ones((2, 9, 2, 32), np.float16)), {}, ValueError, r"kv_chunks\[1\] has shape"),
+        ((np.ones((2, 9, 2, 64), np.float32), np.ones((2, 9, 2, 64), np.float32)), {}, TypeError, "dtype float32 but q"),
+        ((np.ones((2, 9, 3, 64), np.float16), np.ones((2, 9, 3, 64), np.float16)), {}, ValueError, "multiple of heads_kv"),
+        ((np.ones((3, 9, 2, 64), np.float16), np.ones((3, 9, 2, 64), np.float16)), {}, ValueError, "expected \\(batch=2"),
+        ((np.ones((2, 2, 9, 64), np.float16).transpose(0, 2, 1, 3),) * 2, {}, ValueError, "must be contiguous"),
+        ((np.ones((2, 9, 2, 64), np.float16),) * 2, {"chunk_tokens": 0}, ValueError, "chunk_tokens must be positive"),
+        ((np.ones((2, 9, 2, 64), np.float16),) * 2, {"chunk_tokens": 2.0}, TypeError, "chunk_tokens must be an int"),
+        ((np.ones((2, 9, 2, 64), np.float16),) * 2, {"seqlen_k": 8}, ValueError, "seqlen_k \\(8\\) differs"),
+        ((np.ones((2, 9, 2, 64), np.float16), [1]), {}, TypeError, "must be a host array"),
+    ],
+)
+def test_bad_pairs_are_refused(kv, kw, exc, match):
+    with pytest.raises(exc, match=match):
+        chunked._Source(kv, _q(), None, kw.get("chunk_tokens"), kw.get("seqlen_k"), needs_total=False)
+
+
+def test_iterables_need_their_length_under_a_mask_and_well_formed_chunks():
+    k = np.ones((2, 9, 2, 64), np.float16)
+    with pytest.raises(ValueError, match="seqlen_k .* is required"):
+        chunked._Source(iter([(k, k)]), _q(), None, None, None, needs_total=True)
+    with pytest.raises(ValueError, match="chunk_tokens applies to a"):
+        chunked._Source([(k, k), (k, k)], _q(), None, 4, None, needs_total=False)
+    with pytest.raises(TypeError, match=r"kv_chunks\[1\] must be a \(k, v\) pair"):
+        list(chunked._Source([(k, k), k], _q(), None, None, None, needs_total=False))
+    with pytest.raises(ValueError, match="KV heads but the earlier chunks"):
+        list(chunked._Source([(k, k), (k[:, :, :1], k[:, :, :1])], _q(), None, None, None, needs_total=False))
+    with pytest.raises(ValueError, match="the chunks hold 18 keys but seqlen_k is 20"):
+        list(chunked._Source([(k, k), (k, k)], _q(), None, None, 20, needs_total=True))
+    with pytest.raises(ValueError, match=r"more than seqlen_k \(10\)"):
+        list(chunked._Source([(k, k), (k, k)], _q(), None, None, 10, needs_total=True))
+    chunks = list(chunked._Source([(k, k), (k[:, :4], k[:, :4])], _q(), None, None, None, needs_total=False))
+    assert [(c.start, c.length, c.index, c.on_host) for c in chunks] == [(0, 9, 0, True), (9, 4, 1, True)]
+
+
+def test_host_q_is_refused():
+    k = np.ones((1, 9, 2, 64), np.float16)
+    with pytest.raises(TypeError, match="q must be a device array"):
+        cuattn.attention_chunked(np.ones((1, 3, 2, 64), np.float16), (k, k))
+
+
+def _pinned(x):
+    import cupyx
+
+    p = cupyx.empty_pinned(x.shape, x.dtype)
+    p[...] = x
+    return p
+
+
+def _inputs(rng, dtype, b, sq, sk, hq, hk, d):
+    q, k, v = randn(rng, (b, sq, hq, d), dtype), randn(rng, (b, sk, hk, d), dtype), randn(rng, (b, sk, hk, d), dtype)
+    return q, k, v, randn(rng, (b, sq, hq, d), dtype), rng.standard_normal((b, hq, sq)).astype(np.float32)
+
+
+def _check_grads(grads, dout, q, k, v, ref_out, ref_lse, dtype, dlse, kw):
+    ref = reference.attention_backward(dout, q, k, v, ref_out, ref_lse, dlse=dlse, **kw)
+    naive = naive_attention_backward(dout, q, k, v, dtype, dlse=dlse, **kw)
+    for name, g, r, n in zip(("dq", "dk", "dv"), grads, ref, naive):
+        assert g.shape == r.shape, name
+        assert_attention_accuracy(g, r, n, factor=3.0, floor=1e-4)
+
+
+CASES = [  # dtype, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, chunk_tokens, mask
+    ("bfloat16", 2, 113, 1023, 4, 2, 64, 256, {"causal": True}),
+    ("float16", 1, 300, 700, 8, 1, 128, 128, {}),
+    ("bfloat16", 2, 64, 500, 2, 2, 128, 100, {"window": (60, 5)}),
+    ("float16", 1, 1023, 113, 2, 1, 64, 32, {"causal": True}),  # bottom-right: most rows see no key
+    ("bfloat16", 2, 1, 1, 2, 1, 64, 1, {}),
+    ("float16", 1, 200, 600, 2, 2, 256, 256, {"causal": True, "align": "top_left"}),  # chunks past the last row's keys are skipped
+    ("float32", 1, 37, 300, 4, 2, 64, 64, {"window": (20, 20), "align": "top_left"}),
+    ("bfloat16", 1, 96, 400, 2, 1, 96, 128, {"softcap": 15.0, "causal": True}),
+]
+
+
+@gpu
+@pytest.mark.parametrize("path", KERNEL_PATHS)
+@pytest.mark.parametrize("dtype, b, sq, sk, hq, hk, d, chunk, kw", CASES)
+def test_streamed_forward_and_backward_match_the_reference(path, dtype, b, sq, sk, hq, hk, d, chunk, kw):
+    import cupy
+
+    rng = np.random.default_rng(sq * 31 + sk)
+    q, k, v, dout, dlse = _inputs(rng, dtype, b, sq, sk, hq, hk, d)
+    ref_out, ref_lse = reference.attention(q, k, v, return_lse=True, **kw)
+    pinned = sk % 2 == 1  # page-locked and pageable host memory both
+    kv = (_pinned(k), _pinned(v)) if pinned else (k, v)
+    with kernel_path(path):
+        poison_cupy_pool()
+        qd, doutd, dlsed = cupy.asarray(q), cupy.asarray(dout), cupy.asarray(dlse)
+        out, lse = cuattn.attention_chunked(qd, kv, chunk_tokens=chunk, return_lse=True, **kw)
+        assert_attention_accuracy(out.get(), ref_out, naive_attention(q, k, v, dtype, **kw))
+        np.testing.assert_allclose(lse.get(), ref_lse, rtol=1e-5, atol=1e-5)
+        poison_cupy_pool()
+        dq, dk, dv = cuattn.attention_chunked_backward(doutd, qd, kv, out, lse, dlse=dlsed, chunk_tokens=chunk, **kw)
+        assert isinstance(dk, np.ndarray) and dk.dtype == k.dtype
+        _check_grads((dq.get(), dk, dv), dout, q, k, v, ref_out, ref_lse, dtype, dlse, kw)
+
+
+@gpu
+def test_one_chunk_is_bit_identical_to_attention():
+    """With one chunk the fold takes the partial as it is: the same bits as cuattn.attention."""
+    import cupy
+
+    rng = np.random.default_rng(3)
+    q, k, v, dout, _ = _inputs(rng, "bfloat16", 2, 200, 300, 4, 2, 128)
+    qd = cupy.asarray(q)
+    out, lse = cuattn.attention(qd, cupy.asarray(k), cupy.asarray(v), causal=True, return_lse=True)
+    out_c, lse_c = cuattn.attention_chunked(qd, (k, v), chunk_tokens=300, causal=True, return_lse=True)
+    assert cupy.array_equal(out.view(cupy.uint16), out_c.view(cupy.uint16)) and cupy.array_equal(lse, lse_c)
+    grads = cuattn.attention_backward(cupy.asarray(dout), qd, cupy.asarray(k), cupy.asarray(v), out, lse, causal=True, deterministic=True)
+    grads_c = cuattn.attention_chunked_backward(cupy.asarray(dout), qd, (k, v), out, lse, chunk_tokens=300, causal=True, deterministic=True)
+    for g, g_c in zip(grads, grads_c):
+        np.testing.assert_array_equal(g.get().view(np.uint16) if hasattr(g, "get") else g, np.asarray(g_c.get() if hasattr(g_c, "get") else g_c).view(np.uint16))
+
+
+@gpu
+def test_error_does_not_grow_with_the_number_of_chunks():
+    """Partials are folded in fp32 and rounded once: 64 chunks err like one."""
+    import cupy
+
+    rng = np.random.default_rng(4)
+    q, k, v, _, _ = _inputs(rng, "bfloat16", 1, 128, 4096, 4, 1, 64)
+    ref = reference.attention(q, k, v)
+    qd = cupy.asarray(q)
+    one = max_err(cuattn.attention_chunked(qd, (k, v), chunk_tokens=4096).get(), ref)
+    many = max_err(cuattn.attention_chunked(qd, (k, v), chunk_tokens=64).get(), ref)
+    assert many <= 1.1 * one, (many, one)
+
+
+class _PeakPool:
+    """CuPy's allocator through a memory pool whose largest use is recorded."""
+
+    def __init__(self):
+        import cupy
+
+        self.pool = cupy.cuda.MemoryPool()
+        self.peak = 0
+
+    def malloc(self, size):
+        mem = self.pool.malloc(size)
+        self.peak = max(self.peak, self.pool.used_bytes())
+        return mem
+
+
+@gpu
+def test_device_memory_stays_two_chunks_whatever_the_key_length():
+    import cupy
+
+    rng = np.random.default_rng(6)
+    b, sq, sk, hq, hk, d, chunk = 1, 64, 1 << 15, 2, 2, 64, 1024
+    q, k, v, dout, _ = _inputs(rng, "float16", b, sq, sk, hq, hk, d)
+    kv = (_pinned(k), _pinned(v))
+    kv_bytes = 2 * k.nbytes
+    tracker = _PeakPool()
+    cupy.cuda.set_allocator(tracker.malloc)
+    try:
+        qd, doutd = cupy.asarray(q), cupy.asarray(dout)
+        base = tracker.pool.used_bytes()
+        out, lse = cuattn.attention_chunked(qd, kv, chunk_tokens=chunk, causal=True, return_lse=True)
+        dq, dk, dv = cuattn.attention_chunked_backward(doutd, qd, kv, out, lse, chunk_tokens=chunk, causal=True)
+        cupy.cuda.get_current_stream().synchronize()
+        peak = tracker.peak - base
+    finally:
+        cupy.cuda.set_allocator(cupy.get_default_memory_pool().malloc)
+    chunk_bytes = kv_bytes * chunk // sk
+    q_size = q.nbytes
+    # two slots of K, V, dK, dV; out, lse, the fp32 accumulators, dQ and its pieces, delta, lse
+    assert peak <= 2 * 2 * chunk_bytes + 16 * q_size, (peak, chunk_bytes, q_size)
+    assert peak < kv_bytes / 4
+    ref_out, ref_lse = reference.attention(q, k, v, causal=True, return_lse=True)
+    assert_attention_accuracy(out.get(), ref_out, naive_attention(q, k, v, "float16", causal=True))
+    ref = reference.attention_backward(dout, q, k, v, ref_out, ref_lse, causal=True)
+    assert max_err(dk, ref[1]) < 1e-2 and max_err(dv, ref[2]) < 1e-2
+
+
+@gpu
+def test_iterables_of_host_and_device_chunks():
+    """Chunks of uneven lengths (one empty), some on the host and some on the device; a causal
+    mask needs seqlen_k; gradients come back per chunk, where each chunk was."""
+    import cupy
+
+    rng = np.random.default_rng(7)
+    q, k, v, dout, dlse = _inputs(rng, "bfloat16", 2, 150, 777, 4, 2, 64)
+    kw = {"causal": True}
+    bounds = [0, 100, 100, 400, 650, 777]
+    pieces = [(k[:, a:b], v[:, a:b]) for a, b in zip(bounds, bounds[1:])]
+    chunks = [(cupy.asarray(kc), cupy.asarray(vc)) if i % 2 else (_pinned(kc), np.ascontiguousarray(vc)) for i, (kc, vc) in enumerate(pieces)]
+    ref_out, ref_lse = reference.attention(q, k, v, return_lse=True, **kw)
+    qd = cupy.asarray(q)
+    seen = []
+    out, lse = cuattn.attention_chunked(qd, iter(chunks), seqlen_k=777, return_lse=True, progress=lambda d, t: seen.append((d, t)), **kw)
+    assert_attention_accuracy(out.get(), ref_out, naive_attention(q, k, v, "bfloat16", **kw))
+    assert seen[-1] == (777, 777) and [s[0] for s in seen] == sorted(s[0] for s in seen)
+    dq, dks, dvs = cuattn.attention_chunked_backward(cupy.asarray(dout), qd, iter(chunks), out, lse, dlse=cupy.asarray(dlse), seqlen_k=777, **kw)
+    assert [type(x).__module__.split(".")[0] for x in dks] == ["numpy", "cupy", "numpy", "cupy", "numpy"]
+    to_np = lambda xs: np.concatenate([x.get() if hasattr(x, "get") else x for x in xs], axis=1)  # noqa: E731
+    _check_grads((dq.get(), to_np(dks), to_np(dvs)), dout, q, k, v, ref_out, ref_lse, "bfloat16", dlse, kw)
+    with pytest.raises(ValueError, match="seqlen_k"):
+        cuattn.attention_chunked(qd, iter(chunks), **kw)
+    out_nomask = cuattn.attention_chunked(qd, (c for c in chunks))  # no mask: the length is not needed
+    assert_attention_accuracy(out_nomask.get(), reference.attention(q, k, v), naive_attention(q, k, v, "bfloat16"))
+
+
+@gpu
+def test_chunks_no_row_sees_are_skipped_with_zero_gradients():
+    """A window near the start (top-left): the later chunks are never uploaded (their host
+    memory may be anything) and get zero gradients."""
+    import cupy
+
+    rng = np.random.default_rng(8)
+    q, k, v, dout, _ = _inputs(rng, "float16", 1, 50, 1000, 2, 2, 64)
+    kw = {"window": (10, 10), "align": "top_left"}
+    kh, vh = _pinned(k), _pinned(v)
+    kh[:, 128:], vh[:, 128:] = np.nan, np.nan  # never read: keys 60.. are seen by no row
+    qd = cupy.asarray(q)
+    out, lse = cuattn.attention_chunked(qd, (kh, vh), chunk_tokens=64, return_lse=True, **kw)
+    ref_out, ref_lse = reference.attention(q, k, v, return_lse=True, **kw)
+    assert_attention_accuracy(out.get(), ref_out, naive_attention(q, k, v, "float16", **kw))
+    dq, dk, dv = cuattn.attention_chunked_backward(cupy.asarray(dout), qd, (kh, vh), out, lse, chunk_tokens=64, **kw)
+    assert not np.isnan(dk.astype(np.float32)).any() and np.all(dk[:, 128:] == 0) and np.all(dv[:, 128:] == 0)
+    _check_grads((dq.get(), dk, dv), dout, q, k, v, ref_out, ref_lse, "float16", None, kw)
+
+
+@gpu
+def test_no_keys_gives_zero_out_and_minus_inf_lse():
+    import cupy
+
+    q = cupy.asarray(randn(np.random.default_rng(9), (1, 7, 2, 64), "float16"))
+    empty = np.ones((1, 0, 2, 64), np.float16)
+    out, lse = cuattn.attention_chunked(q, (empty, empty), return_lse=True)
+    assert out.shape == q.shape and cupy.all(out == 0) and cupy.all(lse == -cupy.inf)
+    dq, dk, dv = cuattn.attention_chunked_backward(q, q, (empty, empty), out, lse)
+    assert cupy.all(dq == 0) and dk.shape == (1, 0, 2, 64)
+
+
+@gpu
+def test_torch_tensors_cross_in_and_out():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(10)
+    q, k, v, dout, _ = _inputs(rng, "float16", 1, 80, 500, 4, 2, 64)
+    kt, vt = torch.from_numpy(k), torch.from_numpy(v).pin_memory()
+    qt, doutt = torch.from_numpy(q).cuda(), torch.from_numpy(dout).cuda()
+    out, lse = cuattn.attention_chunked(qt, (kt, vt), chunk_tokens=128, causal=True, return_lse=True)
+    assert isinstance(out, torch.Tensor) and out.is_cuda
+    ref_out, ref_lse = reference.attention(q, k, v, causal=True, return_lse=True)
+    assert_attention_accuracy(out.cpu().numpy(), ref_out, naive_attention(q, k, v, "float16", causal=True))
+    dq, dk, dv = cuattn.attention_chunked_backward(doutt, qt, (kt, vt), out, lse, chunk_tokens=128, causal=True)
+    assert isinstance(dk, torch.Tensor) and dk.device.type == "cpu" and dk.is_pinned()
+    _check_grads((dq.cpu().numpy(), dk.numpy(), dv.numpy()), dout, q, k, v, ref_out, ref_lse, "float16", None, {"causal": True})
