@@ -183,10 +183,12 @@ def attn_params(q, k, v, out, lse, options: AttnOptions, packed=None, sink=None)
 
 def launch_forward(ctx, c_type, p, rows, heads_q, batch, layout="dense") -> None:
     """Launches the forward kernel of ``layout`` over ``rows`` query rows per sequence (for
-    packed sequences a bound that sizes the grid, common/seq_layout.cuh)."""
+    packed sequences a bound that sizes the grid, common/seq_layout.cuh); the accumulating form
+    when ``p`` names an accumulator."""
     with ctx.device, ctx.stream:
         arch = device_arch(ctx.device.id)
-        variant = forward.select(c_type, head_dim_bucket(int(p["head_dim"])), p["softcap"] > 0, arch, wgmma_enabled(), layout)
+        fold = bool(p["accum"])
+        variant = forward.select(c_type, head_dim_bucket(int(p["head_dim"])), p["softcap"] > 0, arch, wgmma_enabled(), layout, fold)
         for grid, block, batch_offset in forward.launches(variant, rows, heads_q, batch):
             p["batch_offset"] = batch_offset
             ctx.launch(variant, grid, block, p)

@@ -30,9 +30,10 @@ def main() -> None:
     parser.add_argument("--csv", default="docs/bench/suite.csv")
     parser.add_argument("--out", default="results/sink_cost.csv")
     parser.add_argument("--plain-only", action="store_true")
+    parser.add_argument("--modes", default="fwd,bwd", help="the suite's rows of these modes")
     args = parser.parse_args()
     print(f"cuattn from {pathlib.Path(cuattn.__file__).parent}")
-    recorded = [r for r in csv.DictReader(open(args.csv)) if r["mode"] in ("fwd", "bwd") and int(r["seqlen_q"]) >= 1024]
+    recorded = [r for r in csv.DictReader(open(args.csv)) if r["mode"] in args.modes.split(",") and int(r["seqlen_q"]) >= 1024]
     rows = []
     print(f"{'case':<40} {'recorded':>9} {'plain':>8} {'sink':>8} {'plain/rec':>9} {'sink/plain':>10}")
     for r in recorded:

@@ -49,9 +49,18 @@ def wgmma_smem_bytes(bucket: int) -> int:
     return (64 * warpgroups + 2 * STAGES * block_n) * bucket * 2 + swizzle_alignment
 
 
+def _fold_arg(fold: bool, layout: str) -> tuple[str, str]:
+    """(template argument, uri suffix) of a kernel that folds its result into an fp32
+    accumulator (forward/accumulate.cuh; dense layout only)."""
+    if fold and layout != "dense":
+        raise ValueError(f"the accumulating forward is compiled for the dense layout only, not {layout!r}")
+    return (", true", "/fold") if fold else ("", "")
+
+
 @functools.cache
-def variant(c_type: str, bucket: int, softcap: bool, layout: str = "dense") -> Variant:
-    """The portable kernel: tensor cores (mma.sync) for float16 / bfloat16, CUDA cores for float32."""
+def variant(c_type: str, bucket: int, softcap: bool, layout: str = "dense", fold: bool = False) -> Variant:
+    """The portable kernel: tensor cores (mma.sync) for float16 / bfloat16, CUDA cores for
+    float32 (which folds into an accumulator at run time: ``fold`` changes nothing there)."""
     if c_type == "float":
         return Variant(
             family=FAMILY, kernel="forward_fp32",
@@ -63,10 +72,12 @@ def variant(c_type: str, bucket: int, softcap: bool, layout: str = "dense") -> V
         )
     block_m, block_n, warps = TILES[bucket]
     traits = f"cuattn::ForwardTraits<{bucket}, {block_m}, {block_n}, {warps}>"
+    fold_arg, fold_uri = _fold_arg(fold, layout)
     return Variant(
         family=FAMILY, kernel="forward",
-        expression=f"cuattn::forward_kernel<{cxx_type(c_type)}, {bucket}, {block_m}, {block_n}, {warps}, {softcap_arg(softcap)}, {layout_arg(layout)}>",
-        uri=f"forward/{c_type}/d{bucket}/m{block_m}n{block_n}w{warps}" + softcap_uri(softcap) + layout_uri(layout),
+        expression=(f"cuattn::forward_kernel<{cxx_type(c_type)}, {bucket}, {block_m}, {block_n}, {warps}, {softcap_arg(softcap)}, "
+                    f"{layout_arg(layout)}{fold_arg}>"),
+        uri=f"forward/{c_type}/d{bucket}/m{block_m}n{block_n}w{warps}" + softcap_uri(softcap) + layout_uri(layout) + fold_uri,
         hot=True,
         dynamic_smem=smem_bytes(bucket) + page_ahead_bytes(block_n, layout),
         threads=warps * 32,
@@ -79,13 +90,15 @@ def variant(c_type: str, bucket: int, softcap: bool, layout: str = "dense") -> V
 
 
 @functools.cache
-def wgmma_variant(c_type: str, bucket: int, softcap: bool, layout: str = "dense") -> Variant:
+def wgmma_variant(c_type: str, bucket: int, softcap: bool, layout: str = "dense", fold: bool = False) -> Variant:
     block_n, warpgroups, ctas = WGMMA_TILES[bucket]
     traits = f"cuattn::WgmmaForwardTraits<{bucket}, {block_n}, {warpgroups}>"
+    fold_arg, fold_uri = _fold_arg(fold, layout)
     return Variant(
         family=FAMILY, kernel="forward_wgmma",
-        expression=f"cuattn::forward_wgmma_kernel<{cxx_type(c_type)}, {bucket}, {block_n}, {warpgroups}, {ctas}, {softcap_arg(softcap)}, {layout_arg(layout)}>",
-        uri=f"forward_wgmma/{c_type}/d{bucket}/n{block_n}wg{warpgroups}c{ctas}" + softcap_uri(softcap) + layout_uri(layout),
+        expression=(f"cuattn::forward_wgmma_kernel<{cxx_type(c_type)}, {bucket}, {block_n}, {warpgroups}, {ctas}, {softcap_arg(softcap)}, "
+                    f"{layout_arg(layout)}{fold_arg}>"),
+        uri=f"forward_wgmma/{c_type}/d{bucket}/n{block_n}wg{warpgroups}c{ctas}" + softcap_uri(softcap) + layout_uri(layout) + fold_uri,
         hot=True,
         dynamic_smem=wgmma_smem_bytes(bucket) + page_ahead_bytes(block_n, layout),
         threads=128 * warpgroups,
@@ -98,12 +111,12 @@ def wgmma_variant(c_type: str, bucket: int, softcap: bool, layout: str = "dense"
     )
 
 
-def select(c_type: str, bucket: int, softcap: bool, arch: str, allow_wgmma: bool = True, layout: str = "dense") -> Variant:
+def select(c_type: str, bucket: int, softcap: bool, arch: str, allow_wgmma: bool = True, layout: str = "dense", fold: bool = False) -> Variant:
     """The forward kernel for a problem on a target: the Hopper kernel where one exists for it,
-    else the portable one."""
+    else the portable one; ``fold``: the form that folds into an fp32 accumulator."""
     if allow_wgmma and arch == WGMMA_ARCH and c_type != "float" and bucket in WGMMA_TILES:
-        return wgmma_variant(c_type, bucket, softcap, layout)
-    return variant(c_type, bucket, softcap, layout)
+        return wgmma_variant(c_type, bucket, softcap, layout, fold)
+    return variant(c_type, bucket, softcap, layout, fold and c_type != "float")
 
 
 def launches(v: Variant, rows: int, heads_q: int, batch: int) -> list[tuple[tuple, tuple, int]]:
@@ -115,6 +128,12 @@ def variants(arch: str | None = None) -> list[Variant]:
     """Every forward variant; with ``arch``, those whose shared memory fits it (the paged-cache
     kernels at head_dim 256 do not fit 99 KB parts)."""
     out = []
+    for c_type in ("f16", "bf16"):  # the accumulating forms (attention_chunked)
+        for bucket in HEAD_DIM_BUCKETS:
+            for softcap in (False, True):
+                out.append(variant(c_type, bucket, softcap, "dense", fold=True))
+                if bucket in WGMMA_TILES:
+                    out.append(wgmma_variant(c_type, bucket, softcap, "dense", fold=True))
     for layout in SEQ_LAYOUTS + CACHE_LAYOUTS:
         for c_type in ("f16", "bf16") + (("float",) if layout in SEQ_LAYOUTS else ()):
             for bucket in HEAD_DIM_BUCKETS:

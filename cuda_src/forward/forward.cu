@@ -15,7 +15,7 @@
 namespace cuattn {
 
 /// \brief One block of query rows of one (sequence, head): writes its rows of out and lse.
-template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, bool SOFTCAP, SeqLayout LAYOUT>
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, bool SOFTCAP, SeqLayout LAYOUT, bool FOLD>
 __device__ __forceinline__ void forward_block(const AttnParams& p, int seq, const SeqSpan& span, const HeadView<T>& head_view, int m_block,
                                               unsigned char* smem_raw) {
   using Tr = ForwardTraits<HEAD_DIM, BLOCK_M, BLOCK_N, WARPS>;
@@ -151,7 +151,7 @@ __device__ __forceinline__ void forward_block(const AttnParams& p, int seq, cons
   // there is one: forward/accumulate.cuh), and stage the warp's rows of out in its own rows of sQ
   // (no other warp reads them), then store them in 16-byte chunks.
   T* sOut = sQ + warp_row0 * Tr::kRowStride;
-  const bool folds = LAYOUT == SeqLayout::kDense && head_view.accum != nullptr;
+  constexpr bool folds = FOLD;  // dense layout only (cuattn/kernels/forward.py)
 #pragma unroll
   for (int mt = 0; mt < Tr::kMTiles; ++mt) {
 #pragma unroll
@@ -181,7 +181,7 @@ __device__ __forceinline__ void forward_block(const AttnParams& p, int seq, cons
   for (int i = 0; i < kOutChunks / 32; ++i) {
     const int chunk = i * 32 + lane;
     const int r = chunk / Tr::kChunksPerRow, c = (chunk % Tr::kChunksPerRow) * 8;
-    if (warp_first_row + r < span.seqlen_q && c < p.head_dim && p.out != nullptr) {
+    if (warp_first_row + r < span.seqlen_q && c < p.head_dim && (!FOLD || p.out != nullptr)) {
       *reinterpret_cast<uint4*>(head_view.out + (warp_first_row + r) * p.out_strides[1] + c) =
           *reinterpret_cast<const uint4*>(sOut + r * Tr::kRowStride + c);
     }
@@ -190,7 +190,8 @@ __device__ __forceinline__ void forward_block(const AttnParams& p, int seq, cons
 
 /// \brief Attention forward: one CTA per (block of query rows, head, sequence)
 /// (common/grid.cuh, common/seq_layout.cuh); query blocks run heaviest-first.
-template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, bool SOFTCAP, SeqLayout LAYOUT>
+/// FOLD: fold the result into the fp32 accumulator AttnParams::accum (forward/accumulate.cuh).
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, bool SOFTCAP, SeqLayout LAYOUT, bool FOLD = false>
 __global__ void __launch_bounds__(WARPS * 32) forward_kernel(const __grid_constant__ AttnParams p) {
   using Tr = ForwardTraits<HEAD_DIM, BLOCK_M, BLOCK_N, WARPS>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -199,7 +200,7 @@ __global__ void __launch_bounds__(WARPS * 32) forward_kernel(const __grid_consta
   const SeqSpan span = seq_span<LAYOUT>(p, seq);
   const HeadView<T> head_view(p, seq, head, span);
   const bool covered = for_each_row_block<LAYOUT, BLOCK_M>(span.seqlen_q, [&](int m_block) {
-    forward_block<T, HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, SOFTCAP, LAYOUT>(p, seq, span, head_view, m_block, smem_raw);
+    forward_block<T, HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, SOFTCAP, LAYOUT, FOLD>(p, seq, span, head_view, m_block, smem_raw);
   });
   if (!covered && blockIdx.x == 0)
     mark_uncovered_rows<T>(head_view.out, p.out_strides[1], head_view.lse, p.head_dim, int(gridDim.x) * BLOCK_M, span.seqlen_q);

@@ -17,7 +17,7 @@
 namespace cuattn {
 
 /// \brief One block of query rows of one (sequence, head): writes its rows of out and lse.
-template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, bool SOFTCAP, SeqLayout LAYOUT>
+template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, bool SOFTCAP, SeqLayout LAYOUT, bool FOLD>
 __device__ __forceinline__ void forward_wgmma_block(const AttnParams& p, int seq, const SeqSpan& span, const HeadView<T>& head_view, int m_block,
                                                     unsigned char* smem_raw) {
   using Tr = WgmmaForwardTraits<HEAD_DIM, BLOCK_N, WARPGROUPS>;
@@ -112,7 +112,7 @@ __device__ __forceinline__ void forward_wgmma_block(const AttnParams& p, int seq
   // Epilogue: normalize (folding into the accumulator when there is one: forward/accumulate.cuh),
   // stage the warpgroup's rows of out in its own rows of sQ (no other warpgroup reads them; its
   // own matmuls are done), then store them in 16-byte chunks.
-  const bool folds = LAYOUT == SeqLayout::kDense && head_view.accum != nullptr;
+  constexpr bool folds = FOLD;  // dense layout only (cuattn/kernels/forward.py)
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const RowTotal total = finish_row(row_max[0][h], row_sum[0][h], p.exp2_scale, head_view.sink);
@@ -140,7 +140,7 @@ __device__ __forceinline__ void forward_wgmma_block(const AttnParams& p, int seq
   for (int i = 0; i < kOutChunks / 128; ++i) {
     const int chunk = i * 128 + threadIdx.x % 128;
     const int r = wg * 64 + chunk / Tr::kChunksPerRow, c = chunk % Tr::kChunksPerRow;
-    if (m0 + r < span.seqlen_q && c * 8 < p.head_dim && p.out != nullptr) {
+    if (m0 + r < span.seqlen_q && c * 8 < p.head_dim && (!FOLD || p.out != nullptr)) {
       *reinterpret_cast<uint4*>(head_view.out + (m0 + r) * p.out_strides[1] + c * 8) = *reinterpret_cast<const uint4*>(
           sQ + (c / 8) * Tr::kBlockM * kSwizzleRowBytes + swizzled_chunk(r, c % 8));
     }
@@ -150,7 +150,8 @@ __device__ __forceinline__ void forward_wgmma_block(const AttnParams& p, int seq
 /// \brief Attention forward: one CTA per (block of query rows, head, sequence)
 /// (common/grid.cuh, common/seq_layout.cuh); query blocks run heaviest-first. CTAS_PER_SM
 /// bounds the registers (65536 / (threads * CTAS_PER_SM)).
-template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int CTAS_PER_SM, bool SOFTCAP, SeqLayout LAYOUT>
+/// FOLD: fold the result into the fp32 accumulator AttnParams::accum (forward/accumulate.cuh).
+template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int CTAS_PER_SM, bool SOFTCAP, SeqLayout LAYOUT, bool FOLD = false>
 __global__ void __launch_bounds__(WARPGROUPS * 128, CTAS_PER_SM) forward_wgmma_kernel(const __grid_constant__ AttnParams p) {
   using Tr = WgmmaForwardTraits<HEAD_DIM, BLOCK_N, WARPGROUPS>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -159,7 +160,7 @@ __global__ void __launch_bounds__(WARPGROUPS * 128, CTAS_PER_SM) forward_wgmma_k
   const SeqSpan span = seq_span<LAYOUT>(p, seq);
   const HeadView<T> head_view(p, seq, head, span);
   const bool covered = for_each_row_block<LAYOUT, Tr::kBlockM>(span.seqlen_q, [&](int m_block) {
-    forward_wgmma_block<T, HEAD_DIM, BLOCK_N, WARPGROUPS, SOFTCAP, LAYOUT>(p, seq, span, head_view, m_block, smem_raw);
+    forward_wgmma_block<T, HEAD_DIM, BLOCK_N, WARPGROUPS, SOFTCAP, LAYOUT, FOLD>(p, seq, span, head_view, m_block, smem_raw);
   });
   if (!covered && blockIdx.x == 0)
     mark_uncovered_rows<T>(head_view.out, p.out_strides[1], head_view.lse, p.head_dim, int(gridDim.x) * Tr::kBlockM, span.seqlen_q);
