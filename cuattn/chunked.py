@@ -25,7 +25,7 @@ from cuattn.kernels.backward import BackwardGrid
 from cuattn.options import AttnOptions
 from cuattn.validation import check_bool
 
-DEFAULT_CHUNK_BYTES = 256 << 20  # K and V of one chunk, when chunk_tokens is not given
+DEFAULT_CHUNK_BYTES = 128 << 20  # K and V of one chunk, when chunk_tokens is not given (benchmarks/NOTES.md)
 _INT32_REACH = 2**31 - 1
 
 
@@ -69,7 +69,7 @@ def host_array(x) -> HostArray | None:
 
 def _is_pinned(ptr: int) -> bool:
     """Whether a host address is page-locked (cudaHostAlloc / cudaHostRegister): what the copy
-    engine reads asynchronously. Pageable memory is staged by the driver (the host waits)."""
+    engine reads asynchronously. Pageable memory is first copied into page-locked buffers."""
     try:
         import cupy
 
@@ -229,6 +229,8 @@ class _Streams:
         self.slots: list[tuple | None] = [None, None]
         self.free = [None, None]  # per slot: the event after which its k, v may be overwritten
         self.downloaded = [None, None]  # per slot: the event after which its dk, dv may be overwritten
+        self.staged = [None, None]  # per slot: the event after its upload (its staging buffers are free again)
+        self.staging = [[None, None], [None, None]]  # per slot: page-locked copies of pageable K, V
 
     def event(self, stream):
         import cupy
@@ -258,16 +260,37 @@ class _Streams:
         """Queues the chunk's upload into ``slot`` and makes the caller's stream wait for it;
         returns the slot's views (k, v, and dk, dv when downloading)."""
         bufs = self._buffers(slot, chunk.k, chunk.length)
+        hosts = (chunk.k, chunk.v) if chunk.k.pinned and chunk.v.pinned else self._stage(slot, chunk)
         with self.ctx.device:
             if self.free[slot] is not None:
                 self.up.wait_event(self.free[slot])
-            for host, buf in zip((chunk.k, chunk.v), bufs):
+            for host, buf in zip(hosts, bufs):
                 _copy_rows(buf.ptr, buf.strides[0], host.ptr, host.strides[0], chunk.length * host.strides[1], host.shape[0],
                            host.dtype.itemsize, "h2d", self.up)
-            self.ctx.stream.wait_event(self.event(self.up))
+            self.staged[slot] = self.event(self.up)
+            self.ctx.stream.wait_event(self.staged[slot])
             if self.downloaded[slot] is not None:
                 self.ctx.stream.wait_event(self.downloaded[slot])
         return [self.view(b, chunk.length) for b in bufs]
+
+    def _stage(self, slot: int, chunk: Chunk) -> tuple[HostArray, HostArray]:
+        """Pageable rows copied by host threads into the slot's page-locked staging buffers, once
+        the copy engine has finished reading them (the DMA of the chunk before last)."""
+        import cupyx
+
+        if self.staged[slot] is not None:
+            self.staged[slot].synchronize()
+        out = []
+        for i, host in enumerate((chunk.k, chunk.v)):
+            row_bytes = chunk.length * host.strides[1] * host.dtype.itemsize
+            staging = self.staging[slot][i]
+            if staging is None or staging.nbytes < row_bytes * host.shape[0]:
+                staging = self.staging[slot][i] = cupyx.empty_pinned(row_bytes * host.shape[0], np.uint8)
+            base = int(staging.ctypes.data)
+            _parallel_copy([(base + b * row_bytes, host.ptr + b * host.strides[0] * host.dtype.itemsize, row_bytes) for b in range(host.shape[0])])
+            strides = (chunk.length * host.strides[1], *host.strides[1:])
+            out.append(HostArray(base, host.shape, strides, host.dtype, True, staging))
+        return out[0], out[1]
 
     def computed(self, slot: int) -> None:
         """The caller's stream has queued its work on ``slot``'s inputs."""
@@ -303,6 +326,26 @@ def _copy_rows(dst: int, dst_pitch: int, src: int, src_pitch: int, row_elems: in
     dpitch = dst_pitch * itemsize if rows > 1 else width
     direction = rt.memcpyHostToDevice if kind == "h2d" else rt.memcpyDeviceToHost
     rt.memcpy2DAsync(dst, dpitch, src, spitch, width, rows, direction, stream.ptr)
+
+
+_COPY_WORKERS = 8
+_copy_pool = None
+
+
+def _parallel_copy(runs) -> None:
+    """Host memcpy of (dst, src, nbytes) runs, in pieces over a few threads (ctypes.memmove
+    releases the GIL): one thread's memcpy is well below the PCIe rate."""
+    import concurrent.futures
+    import ctypes
+    import os
+
+    global _copy_pool
+    if _copy_pool is None:
+        _copy_pool = concurrent.futures.ThreadPoolExecutor(max_workers=min(_COPY_WORKERS, os.cpu_count() or 1), thread_name_prefix="cuattn-stage")
+    piece = max(1 << 20, -(-sum(n for _, _, n in runs) // _COPY_WORKERS))  # every thread busy, pieces of at least 1 MiB
+    pieces = [(d + o, s + o, min(piece, n - o)) for d, s, n in runs for o in range(0, n, piece)]
+    for f in [_copy_pool.submit(ctypes.memmove, *piece) for piece in pieces]:
+        f.result()
 
 
 def _fill(ctx, a: boundary.DeviceArray, value: float) -> None:
@@ -373,12 +416,12 @@ def attention_chunked(
         ``(batch, n_i, heads_kv, head_dim)`` (host arrays, or device arrays of q's framework and
         device), chunk ``i`` holding the keys that follow chunk ``i - 1``. Page-locked host
         memory (``cupyx.empty_pinned``, ``torch.empty(..., pin_memory=True)``) is copied
-        while the GPU computes; pageable memory is staged by the CUDA driver, the host waiting
-        for each copy (still overlapped with the GPU's work on the previous chunk).
+        while the GPU computes; pageable memory is first copied by host threads into two
+        page-locked staging buffers, overlapped with the copy and compute of the chunk before.
     causal, window, align, scale, softcap : as :func:`cuattn.attention`, over the positions of
         the whole key sequence. Chunks that no query row sees are not uploaded.
     return_lse : bool. Also return ``lse`` ``(batch, heads_q, seqlen_q)`` float32.
-    chunk_tokens : keys per chunk for a ``(k, v)`` pair; default: 256 MiB of K and V per chunk.
+    chunk_tokens : keys per chunk for a ``(k, v)`` pair; default: 128 MiB of K and V per chunk.
     seqlen_k : the total number of keys; required for an iterable of chunks under a causal or
         window mask (where the diagonal sits depends on it), checked against the chunks.
     progress : optional callable ``progress(keys_done, keys_total)``, called as chunks finish

@@ -303,3 +303,17 @@ def test_torch_tensors_cross_in_and_out():
     dq, dk, dv = cuattn.attention_chunked_backward(doutt, qt, (kt, vt), out, lse, chunk_tokens=128, causal=True)
     assert isinstance(dk, torch.Tensor) and dk.device.type == "cpu" and dk.is_pinned()
     _check_grads((dq.cpu().numpy(), dk.numpy(), dv.numpy()), dout, q, k, v, ref_out, ref_lse, "float16", None, {"causal": True})
+
+
+def test_host_staging_copies_every_byte_of_strided_runs():
+    """The threads that stage pageable rows copy runs split into pieces, none lost or shifted."""
+    rng = np.random.default_rng(11)
+    src = rng.integers(0, 255, size=(3, 5 << 20), dtype=np.uint8)  # runs of 3 MiB cut into pieces of 1.125 MiB
+    dst = np.zeros((3, 3 << 20), np.uint8)
+    base_s, base_d = src.__array_interface__["data"][0], dst.__array_interface__["data"][0]
+    chunked._parallel_copy([(base_d + b * dst.shape[1], base_s + b * src.shape[1] + 1000, dst.shape[1]) for b in range(3)])
+    np.testing.assert_array_equal(dst, src[:, 1000:1000 + dst.shape[1]])
+    big = rng.integers(0, 255, size=20 << 20, dtype=np.uint8)
+    out = np.zeros_like(big)
+    chunked._parallel_copy([(out.__array_interface__["data"][0], big.__array_interface__["data"][0], big.nbytes)])
+    np.testing.assert_array_equal(out, big)

@@ -239,7 +239,7 @@ Launches = list[tuple[Variant, list[tuple[tuple, tuple, int | None]]]]
 def launches(g: BackwardGrid, c_type: str, softcap: bool, arch: str, allow_wgmma: bool, smem_limit: int, fused: bool, sink: bool = False) -> Launches:
     """Every launch of one backward call, in order: (variant, [(grid, block, batch_offset)]);
     ``fused``: dQ through the accumulator by the fused kernel (``select_fused`` serves it);
-    ``sink``: the sinks' gradient too (dense rows)."""
+    ``sink``: the sinks' gradient too (dense or packed rows)."""
     bucket, layout = head_dim_bucket(g.head_dim), g.layout
     row_groups = g.rows * g.heads_q
     row_launch = [((-(-row_groups // ROWS_PER_CTA), 1, 1), (32 * ROW_WARPS, 1, 1), None)]

@@ -4,9 +4,9 @@
 // the dS = P (dP - delta) rule with dP = 0. One CTA per query head, its rows (every sequence)
 // dealt to the threads in a fixed order, kSinkGradRowsInFlight loads of lse and delta in
 // flight per thread (a head's rows are few CTAs' work: latency, not bandwidth, bounds it), and
-// summed in fp64: deterministic. Runs after
-// backward_prep has written delta. PACKED: the statistics are (heads_q, total_q), the kernels'
-// one-sequence view (cuattn/packed.py one_sequence_view).
+// summed in fp64: deterministic. Runs after backward_prep has written delta. PACKED: the
+// statistics are (heads_q, total_q), the kernels' one-sequence view (cuattn/packed.py
+// one_sequence_view).
 #include "common/dtypes.cuh"
 #include "common/params.cuh"
 
