@@ -17,10 +17,10 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from cuattn import boundary, params, validation
+from cuattn import boundary, validation
 from cuattn.attention import _LAYOUT, attn_params, check_qkv, launch_forward, require_arrays
 from cuattn.backward import _LSE_LAYOUT, backward_params, check_dout, launch_backward
-from cuattn.kernels import merge as merge_plan
+from cuattn.merge import sum_rows
 from cuattn.kernels.backward import BackwardGrid
 from cuattn.options import AttnOptions
 from cuattn.validation import check_bool
@@ -576,7 +576,7 @@ def attention_chunked_backward(
             p = backward_params({"dout": a["dout"], "dlse": a["dlse"]}, grads, delta, attn)
             grid = BackwardGrid("dense", batch, seqlen_q, chunk.length, heads_q, k.shape[2], head_dim, batch * seqlen_q, batch * chunk.length)
             launch_backward(ctx, c_type, p, grid, deterministic)
-            _sum_pieces(ctx, c_type, dq_piece, dq_sum, dq if last else None, fresh=launched == 0)
+            sum_rows(ctx, dq_piece, dq_sum, dq if last else None, fresh=launched == 0)
             launched += 1
             streams.computed(slot)
             if chunk.on_host:
@@ -610,17 +610,6 @@ def check_row_stats(a: dict, names, shape: tuple) -> None:
         validation.check_shape(name, x, shape, _LSE_LAYOUT)
         validation.check_float32(name, x)
         validation.check_unit_last_stride(name, x)
-
-
-def _sum_pieces(ctx, c_type: str, piece, total, out, fresh: bool) -> None:
-    """total <- (fresh ? 0 : total) + piece in fp32, or out <- that, rounded (merge/sum_partials.cu)."""
-    count = piece.size
-    if count == 0:
-        return
-    p = params.pack(params.SUM_PARAMS, piece=piece.ptr, sum=total.ptr, out=0 if out is None else out.ptr, count=count, fresh=int(fresh))
-    variant = merge_plan.sum_variant(c_type)
-    with ctx.device, ctx.stream:
-        ctx.launch(variant, merge_plan.sum_grid(count, ctx.device.attributes["MultiProcessorCount"]), (variant.threads, 1, 1), p)
 
 
 def _pinned_like(h: HostArray, shape) -> HostArray:

@@ -37,7 +37,7 @@ def grid(rows: int, head_dim: int, vec: int) -> tuple[int, int, int]:
 
 
 def variants(arch: str | None = None) -> list[Variant]:
-    return [variant(c_type, vec) for c_type, vecs in VEC_WIDTHS.items() for vec in vecs] + [sum_variant(c) for c in VEC_WIDTHS]
+    return [variant(c_type, vec) for c_type, vecs in VEC_WIDTHS.items() for vec in vecs] + [sum_variant(c) for c in VEC_WIDTHS] + [sum_variant("float", c) for c in ("f16", "bf16")]
 
 
 def common_variants() -> list[Variant]:
@@ -49,11 +49,14 @@ SUM_VEC = 8  # elements per thread per step
 
 
 @functools.cache
-def sum_variant(c_type: str) -> Variant:
+def sum_variant(c_type: str, out_type: str | None = None) -> Variant:
+    """Pieces of ``c_type`` summed in fp32; the total written as ``out_type`` (default the
+    pieces' type)."""
+    out_type = out_type or c_type
     return Variant(
         family=FAMILY, kernel="sum_partials",
-        expression=f"cuattn::sum_partials_kernel<{cxx_type(c_type)}>",
-        uri=f"merge/sum_partials/{c_type}",
+        expression=f"cuattn::sum_partials_kernel<{cxx_type(c_type)}, {cxx_type(out_type)}>",
+        uri=f"merge/sum_partials/{c_type}" + ("" if out_type == c_type else f"_to_{out_type}"),
         threads=SUM_THREADS,
         contract=(("cuattn::kSumThreads", SUM_THREADS),),
     )

@@ -26,13 +26,19 @@ struct MergeParams {
 };
 
 // A sum of partial gradients in fp32 (merge/sum_partials.cu): sum <- (fresh ? 0 : sum) + piece,
-// or, when out is set, out <- sum + piece rounded to the piece's type (sum is not written).
-// Contiguous arrays of count elements, count a multiple of 8, 16-byte aligned.
+// or, when out is set, out <- sum + piece rounded to the output type (sum is not written). A
+// null piece adds nothing. Each array is `outer` runs of `inner` contiguous elements, run i at
+// i * its stride (a slice of rows of a contiguous (batch, seqlen, heads, head_dim) array);
+// inner and the strides multiples of 8, addresses 16-byte aligned.
 struct SumParams {
   const void* piece;
   float* sum;
   void* out;
-  i64 count;
+  i64 outer;
+  i64 inner;
+  i64 piece_stride;
+  i64 sum_stride;
+  i64 out_stride;
   int fresh;
 };
 

@@ -1,0 +1,108 @@
+"""How a sequence is dealt to the ranks of a ring, and the mask between two ranks' pieces.
+
+A rank's rows (of q, and of k and v alike) are one or two *runs* of token positions: rows
+``[local_start, local_start + length)`` of its shard hold positions ``first + stride * i``.
+
+- ``"contiguous"``: rank r holds positions ``[r S/W, (r + 1) S/W)``.
+- ``"zigzag"``: the sequence cut into 2W chunks, rank r holds chunks r and 2W-1-r, so that
+  under a causal mask every rank does the same work.
+- ``"stripe"``: rank r holds positions r, r + W, r + 2W, ...
+
+Masks are functions of positions (causal: key <= query; window: query - left <= key <=
+query + right), so the mask between a run of queries and a run of keys is the kernels' band
+(``diagonal_offset``, ``window_left``, ``window_right``) on local row and column indices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+LAYOUTS = ("contiguous", "zigzag", "stripe")
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    local_start: int
+    length: int
+    first: int  # position of the run's first row
+    stride: int  # positions between consecutive rows
+
+
+def check_layout(layout: str, seqlen: int, world: int) -> None:
+    if not isinstance(layout, str) or layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    parts = 2 * world if layout == "zigzag" else world
+    if seqlen % parts:
+        raise ValueError(f"the {layout} layout needs the sequence length ({seqlen}) to be a multiple of {parts} ({world} ranks)")
+
+
+def runs(seqlen: int, world: int, rank: int, layout: str) -> list[Run]:
+    """The runs of rank ``rank``'s rows, in local order."""
+    check_layout(layout, seqlen, world)
+    if layout == "contiguous":
+        n = seqlen // world
+        return [Run(0, n, rank * n, 1)]
+    if layout == "stripe":
+        return [Run(0, seqlen // world, rank, world)]
+    c = seqlen // (2 * world)
+    return [Run(0, c, rank * c, 1), Run(c, c, (2 * world - 1 - rank) * c, 1)]
+
+
+def positions(seqlen: int, world: int, rank: int, layout: str) -> np.ndarray:
+    """Token positions of rank ``rank``'s rows, in local order (for position embeddings)."""
+    return np.concatenate([r.first + r.stride * np.arange(r.length) for r in runs(seqlen, world, rank, layout)])
+
+
+def shard(x, world: int, rank: int, layout: str, axis: int = 1):
+    """Rank ``rank``'s rows of a full sequence ``x`` (any array with a sequence axis; NumPy,
+    CuPy or torch indexing), as a new array."""
+    index = positions(x.shape[axis], world, rank, layout)
+    if type(x).__module__.startswith("torch"):
+        import torch
+
+        return x.index_select(axis, torch.as_tensor(index, device=x.device))
+    xp = np if isinstance(x, np.ndarray) else __import__(type(x).__module__.split(".")[0])
+    return xp.take(x, xp.asarray(index), axis=axis)
+
+
+def unshard(shards, layout: str, axis: int = 1):
+    """The full sequence from every rank's rows (the inverse of :func:`shard`)."""
+    world = len(shards)
+    seqlen = sum(s.shape[axis] for s in shards)
+    order = np.argsort(np.concatenate([positions(seqlen, world, r, layout) for r in range(world)]))
+    if type(shards[0]).__module__.startswith("torch"):
+        import torch
+
+        full = torch.cat(list(shards), dim=axis)
+        return full.index_select(axis, torch.as_tensor(order, device=full.device))
+    xp = np if isinstance(shards[0], np.ndarray) else __import__(type(shards[0]).__module__.split(".")[0])
+    return xp.take(xp.concatenate(list(shards), axis=axis), xp.asarray(order), axis=axis)
+
+
+def band(q: Run, k: Run, left: int, right: int) -> dict | None:
+    """The kernels' mask fields for queries ``q`` against keys ``k`` under the position window
+    ``(left, right)`` (-1: unbounded; causal is right = 0), or None when no query of the run
+    sees a key of the other."""
+    if q.stride != k.stride:
+        raise ValueError("runs of different strides")
+    w, d = q.stride, q.first - k.first
+    # key j visible to query i:  j >= i + ceil((d - left) / w)  and  j <= i + floor((d + right) / w)
+    lo = None if left < 0 else -((left - d) // w)
+    hi = None if right < 0 else (d + right) // w
+    if lo is not None and hi is not None and hi < lo:
+        return None
+    if hi is not None:
+        offset, win_right = hi, 0
+        win_left = -1 if lo is None else hi - lo
+    elif lo is not None:
+        offset, win_left, win_right = lo, 0, -1
+    else:
+        offset, win_left, win_right = 0, -1, -1
+    fields = {"diagonal_offset": offset, "window_left": win_left, "window_right": win_right}
+    first = 0 if win_left < 0 else max(0, offset - win_left)
+    last = k.length - 1 if win_right < 0 else min(k.length - 1, q.length - 1 + offset + win_right)
+    if q.length == 0 or k.length == 0 or last < first:
+        return None
+    return fields

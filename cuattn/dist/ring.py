@@ -1,0 +1,286 @@
+"""Ring attention (context parallelism), the schedule of DESIGN.md's ring row.
+
+Each of W ranks holds a shard of the queries, keys and values (:mod:`cuattn.dist.layout`).
+At step s rank r computes its queries against the K/V shard of rank r - s, which it received
+from rank r - 1 while it computed step s - 1, and folds the result into an fp32 accumulator
+with the forward kernels' accumulating form (forward/accumulate.cuh): the output is rounded
+once, in the launch of its last piece. Only the KV heads travel.
+
+The backward passes K/V around the ring again with each shard's dK / dV accumulators (fp32):
+rank r adds its queries' contribution to the shard it holds, computed from its global ``out``
+and ``lse``, then sends the accumulators on; after W steps they are back with their owner.
+dQ is summed in fp32 on its rank. Each piece of dQ / dK / dV comes out of the backward
+kernels in the input dtype and is added in fp32 (one rounding per piece).
+
+A rank's work is a generator of exchanges: it yields ``("send", channel, send_arrays,
+recv_arrays)`` and ``("wait", channel)``, and a driver carries them out. The driver here runs
+every rank in one process on one GPU (:func:`ring_attention_simulated`), each exchange a set
+of device copies on a separate stream; a NCCL driver would run one rank per process with the
+same generators.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from cuattn import boundary, validation
+from cuattn.attention import _LAYOUT, attn_params, check_qkv, launch_forward
+from cuattn.backward import backward_params, check_dout, launch_backward
+from cuattn.chunked import check_row_stats
+from cuattn.dist import layout as layouts
+from cuattn.kernels.backward import BackwardGrid
+from cuattn.merge import sum_rows
+from cuattn.options import AttnOptions
+from cuattn.validation import check_bool
+
+
+@dataclasses.dataclass
+class Plan:
+    """One rank's work: its runs of rows, and for each step the (query run, key run, mask
+    fields) pairs it computes against the shard it then holds (rank - step); pairs no query
+    sees are left out."""
+
+    runs: list
+    steps: list
+
+
+def plan(seqlen: int, world: int, rank: int, layout: str, left: int, right: int) -> Plan:
+    mine = layouts.runs(seqlen, world, rank, layout)
+    steps = []
+    for s in range(world):
+        theirs = layouts.runs(seqlen, world, (rank - s) % world, layout)
+        steps.append([(q, k, f) for q in mine for k in theirs if (f := layouts.band(q, k, left, right)) is not None])
+    return Plan(mine, steps)
+
+
+def _rows(a: boundary.DeviceArray, run: layouts.Run) -> boundary.DeviceArray:
+    """Rows of a run of a (batch, seqlen, heads, head_dim) array."""
+    return boundary.DeviceArray(a.ptr + run.local_start * a.strides[1] * a.dtype.itemsize, (a.shape[0], run.length, *a.shape[2:]),
+                                a.strides, a.dtype, a.native)
+
+
+def _stat_rows(a: boundary.DeviceArray, run: layouts.Run) -> boundary.DeviceArray:
+    """Rows of a run of a (batch, heads, seqlen) statistic (row stride 1)."""
+    return boundary.DeviceArray(a.ptr + run.local_start * a.dtype.itemsize, (*a.shape[:2], run.length), a.strides, a.dtype, a.native)
+
+
+def _mask(options: AttnOptions) -> tuple[int, int]:
+    """The position window of the options, causal folded in (right <= 0)."""
+    right = options.window_right
+    if options.causal:
+        right = 0 if right < 0 else min(right, 0)
+    return options.window_left, right
+
+
+def forward_steps(ctx, c_type: str, q, k, v, out, lse, options: AttnOptions, work: Plan):
+    """One rank's forward: writes ``out`` and ``lse``, yielding its exchanges."""
+    acc = ctx.empty(q.shape, np.float32)
+    launches = [qr.local_start for pairs in work.steps for qr, _, _ in pairs]
+    last = {start: i for i, start in enumerate(launches)}
+    if set(last) != {r.local_start for r in work.runs}:  # a query sees its own position, whatever the mask
+        raise AssertionError("a run of queries sees no key")
+    started, i, cur = set(), 0, (k, v)
+    for s, pairs in enumerate(work.steps):
+        more = s < len(work.steps) - 1
+        if more:
+            nxt = (ctx.empty(k.shape, k.dtype), ctx.empty(v.shape, v.dtype))
+            yield ("send", "kv", cur, nxt)
+        for qr, kr, fields in pairs:
+            dst = _rows(out, qr) if last[qr.local_start] == i else boundary.DeviceArray(0, out.shape, out.strides, out.dtype, None)
+            p = attn_params(_rows(q, qr), _rows(cur[0], kr), _rows(cur[1], kr), dst, _stat_rows(lse, qr), options)
+            for name, value in fields.items():
+                p[name] = value
+            p["accum"], p["accum_strides"], p["accum_fresh"] = _rows(acc, qr).ptr, acc.strides[:3], int(qr.local_start not in started)
+            started.add(qr.local_start)
+            launch_forward(ctx, c_type, p, qr.length, q.shape[2], q.shape[0])
+            i += 1
+        if more:
+            yield ("wait", "kv")
+            cur = nxt
+
+
+def backward_steps(ctx, c_type: str, a: dict, grads: tuple, options: AttnOptions, work: Plan, deterministic: bool):
+    """One rank's backward: writes ``grads`` (dq, dk, dv), yielding its exchanges. ``a``: the
+    rank's dout, q, k, v, out, lse, dlse."""
+    q, k, v = a["q"], a["k"], a["v"]
+    batch, _, heads_q, head_dim = q.shape
+    dq_acc = ctx.empty(q.shape, np.float32)
+    ctx.zero(dq_acc)
+    accs = (ctx.empty(k.shape, np.float32), ctx.empty(v.shape, np.float32))
+    ctx.zero(*accs)
+    pieces = (ctx.empty(q.shape, q.dtype), ctx.empty(k.shape, k.dtype), ctx.empty(v.shape, v.dtype))
+    delta = ctx.empty((batch, heads_q, q.shape[1]), np.float32)
+    cur = (k, v)
+    for s, pairs in enumerate(work.steps):
+        more = s < len(work.steps) - 1
+        if more:
+            nxt = (ctx.empty(k.shape, k.dtype), ctx.empty(v.shape, v.dtype))
+            yield ("send", "kv", cur, nxt)
+        if s > 0:
+            yield ("wait", "acc")  # the accumulators of the shard now held
+        for qr, kr, fields in pairs:
+            kv = (_rows(cur[0], kr), _rows(cur[1], kr))
+            views = [_rows(pieces[0], qr), _rows(pieces[1], kr), _rows(pieces[2], kr)]
+            attn = attn_params(_rows(q, qr), *kv, _rows(a["out"], qr), _stat_rows(a["lse"], qr), options)
+            for name, value in fields.items():
+                attn[name] = value
+            rows = {"dout": _rows(a["dout"], qr), "dlse": None if a["dlse"] is None else _stat_rows(a["dlse"], qr)}
+            p = backward_params(rows, views, _stat_rows(delta, qr), attn)
+            grid = BackwardGrid("dense", batch, qr.length, kr.length, heads_q, k.shape[2], head_dim, batch * qr.length, batch * kr.length)
+            launch_backward(ctx, c_type, p, grid, deterministic)
+            sum_rows(ctx, views[0], _rows(dq_acc, qr))
+            sum_rows(ctx, views[1], _rows(accs[0], kr))
+            sum_rows(ctx, views[2], _rows(accs[1], kr))
+        received = (ctx.empty(k.shape, np.float32), ctx.empty(v.shape, np.float32))
+        yield ("send", "acc", accs, received)  # after this step's sums: the next rank adds to them
+        accs = received
+        if more:
+            yield ("wait", "kv")
+            cur = nxt
+    yield ("wait", "acc")  # this rank's own accumulators, back from the last rank that held them
+    for total, dst in zip((dq_acc, *accs), grads):
+        sum_rows(ctx, None, total, dst)
+
+
+def _world(q) -> int:
+    if not isinstance(q, (list, tuple)) or not q:
+        raise TypeError(f"q must be a non-empty list of shards (one per rank), got {type(q).__name__}")
+    return len(q)
+
+
+def _check_shards(shards: dict, world: int) -> None:
+    for name, xs in shards.items():
+        if not isinstance(xs, (list, tuple)) or len(xs) != world:
+            raise ValueError(f"{name} must be a list of {world} shards (one per rank, as q), got {type(xs).__name__}"
+                             + (f" of {len(xs)}" if isinstance(xs, (list, tuple)) else ""))
+        for r, x in enumerate(xs):
+            if x is None:
+                raise TypeError(f"{name}[{r}] is required, got None")
+
+
+def _simulate(ctx, generators) -> None:
+    """Runs every rank's generator in lockstep on one device: a send copies rank r's arrays
+    into rank r + 1's receive buffers on a copy stream (after what the caller's stream has
+    queued); a wait makes the caller's stream wait for that channel's copies."""
+    import cupy
+
+    with ctx.device:
+        copy = cupy.cuda.Stream(non_blocking=True)
+    done = {}  # channel: (event, the arrays in flight, held until the caller's stream waits)
+    world = len(generators)
+    while True:
+        ops = [next(g, None) for g in generators]
+        if all(op is None for op in ops):
+            break
+        if any(op is None for op in ops) or len({op[:2] for op in ops}) != 1:
+            raise AssertionError(f"ranks out of step: {[op[:2] if op else None for op in ops]}")
+        kind, channel = ops[0][:2]
+        with ctx.device:
+            if kind == "send":
+                ready = cupy.cuda.Event(disable_timing=True)
+                ready.record(ctx.stream)
+                copy.wait_event(ready)
+                for r in range(world):
+                    sent, into = ops[(r - 1) % world][2], ops[r][3]
+                    for src, dst in zip(sent, into):
+                        nbytes = src.size * src.dtype.itemsize
+                        cupy.cuda.runtime.memcpyAsync(dst.ptr, src.ptr, nbytes, cupy.cuda.runtime.memcpyDeviceToDevice, copy.ptr)
+                event = cupy.cuda.Event(disable_timing=True)
+                event.record(copy)
+                done[channel] = (event, ops)
+            else:
+                ctx.stream.wait_event(done.pop(channel)[0])
+
+
+def _import_shards(named: dict):
+    """One call context for every rank's arrays (one framework, one device: the simulation)."""
+    flat = {f"{name}[{r}]": x for name, xs in named.items() if xs is not None for r, x in enumerate(xs)}
+    ctx, a = boundary.import_arrays(**flat)
+    return ctx, {name: None if xs is None else [a[f"{name}[{r}]"] for r in range(len(xs))] for name, xs in named.items()}
+
+
+def _check_common(q, k, v, world: int, layout: str):
+    c_type = check_qkv(q[0], k[0], v[0], None)
+    for name, xs in (("q", q), ("k", k), ("v", v)):
+        for r, x in enumerate(xs):
+            validation.check_shape(f"{name}[{r}]", x, xs[0].shape, f"(the shape of {name}[0])")
+            validation.check_same_dtype(f"{name}[{r}]", x, "q[0]", q[0])
+            if not _contiguous(x):
+                raise ValueError(f"{name}[{r}] must be contiguous: shards travel around the ring as whole buffers")
+    if q[0].shape[1] != k[0].shape[1]:
+        raise ValueError(f"ring attention is self-attention: q and k shards must hold as many rows ({q[0].shape[1]} and {k[0].shape[1]})")
+    layouts.check_layout(layout, q[0].shape[1] * world, world)
+    return c_type
+
+
+def _contiguous(x) -> bool:
+    expected, step = [], 1
+    for n in reversed(x.shape):
+        expected.append(step)
+        step *= n
+    return tuple(s for s, n in zip(x.strides, x.shape) if n > 1) == tuple(e for e, n in zip(reversed(expected), x.shape) if n > 1)
+
+
+def ring_attention_simulated(q, k, v, *, layout="zigzag", causal=True, window=None, scale=None, softcap=None, return_lse=False):
+    """Ring attention over W ranks, simulated in one process on one GPU.
+
+    ``q``, ``k``, ``v``: lists of W shards (rank r's rows, :func:`cuattn.dist.shard` of the full
+    sequence under ``layout``), each ``(batch, seqlen / W, heads, head_dim)``, contiguous.
+    Masks as :func:`cuattn.attention` on token positions (self-attention: ``align`` does not
+    matter). Returns the list of each rank's ``out`` (and the list of its ``lse``), equal to
+    single-device attention over the whole sequence, sharded the same way.
+    """
+    return_lse = check_bool("return_lse", return_lse)
+    world = _world(q)
+    _check_shards({"q": q, "k": k, "v": v}, world)
+    ctx, s = _import_shards({"q": q, "k": k, "v": v})
+    c_type = _check_common(s["q"], s["k"], s["v"], world, layout)
+    batch, local, heads_q, head_dim = s["q"][0].shape
+    options = AttnOptions.from_user(causal, window, "bottom_right", scale, softcap, head_dim=head_dim)
+    left, right = _mask(options)
+    ctx.stage(*s["q"], *s["k"], *s["v"])
+    outs = [ctx.empty(x.shape, x.dtype) for x in s["q"]]
+    lses = [ctx.empty((batch, heads_q, local), np.float32) for _ in range(world)]
+    if batch * local * heads_q:
+        generators = [
+            forward_steps(ctx, c_type, s["q"][r], s["k"][r], s["v"][r], outs[r], lses[r], options, plan(local * world, world, r, layout, left, right))
+            for r in range(world)
+        ]
+        _simulate(ctx, generators)
+    outs = [ctx.export(o) for o in outs]
+    return (outs, [ctx.export(x) for x in lses]) if return_lse else outs
+
+
+def ring_attention_backward_simulated(
+    dout, q, k, v, out, lse, *, layout="zigzag", causal=True, window=None, scale=None, softcap=None, dlse=None, deterministic=False,
+):
+    """Gradients of :func:`ring_attention_simulated`: lists of W shards in, ``(dq, dk, dv)``
+    lists of W shards out. ``out`` and ``lse`` are the forward's (each rank's global result);
+    ``dlse`` optional, a list like ``lse``."""
+    deterministic = check_bool("deterministic", deterministic)
+    world = _world(q)
+    named = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}
+    _check_shards({**named, **({} if dlse is None else {"dlse": dlse})}, world)
+    ctx, s = _import_shards({**named, "dlse": dlse})
+    c_type = _check_common(s["q"], s["k"], s["v"], world, layout)
+    batch, local, heads_q, head_dim = s["q"][0].shape
+    for r in range(world):
+        check_dout(s["dout"][r], s["q"][r], c_type, _LAYOUT)
+        for name in ("out",):
+            validation.check_shape(f"{name}[{r}]", s[name][r], s["q"][r].shape, "(the shape of q)")
+            validation.check_same_dtype(f"{name}[{r}]", s[name][r], "q[0]", s["q"][0])
+        check_row_stats({"lse": s["lse"][r], "dlse": None if dlse is None else s["dlse"][r]}, ("lse", "dlse"), (batch, heads_q, local))
+    options = AttnOptions.from_user(causal, window, "bottom_right", scale, softcap, head_dim=head_dim)
+    left, right = _mask(options)
+    ctx.stage(*(x for xs in s.values() if xs is not None for x in xs))
+    grads = [tuple(ctx.empty(s[n][r].shape, s[n][r].dtype) for n in ("q", "k", "v")) for r in range(world)]
+    if batch * local * heads_q:
+        generators = []
+        for r in range(world):
+            a = {n: s[n][r] for n in named}
+            a["dlse"] = None if dlse is None else s["dlse"][r]
+            generators.append(backward_steps(ctx, c_type, a, grads[r], options, plan(local * world, world, r, layout, left, right), deterministic))
+        _simulate(ctx, generators)
+    return tuple([ctx.export(g[i]) for g in grads] for i in range(3))
