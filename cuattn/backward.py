@@ -14,6 +14,9 @@ from cuattn.options import AttnOptions
 from cuattn.validation import check_bool
 
 _LSE_LAYOUT = "(batch, heads_q, seqlen_q)"
+# BackwardParams.sum_grads: the kernels add dQ (1) / dK and dV (2) into fp32 arrays passed in
+# their place (dense layout; backward/score_grad.cuh kSumDq, kSumDkDv).
+SUM_DQ, SUM_DKDV = 1, 2
 
 
 def attention_backward(
@@ -122,6 +125,7 @@ def backward_params(a, grads, delta, attn: np.void) -> np.void:
         dv_strides=dv.strides[:3], dlse_strides=(0, 0) if dlse is None else dlse.strides[:2],
         delta_strides=delta.strides[:2],
         dq_accum=0, dq_accum_tile_strides=(0, 0), dq_accum_cols=0,  # set by launch_backward when the fused kernel runs
+        sum_grads=0,
     )
 
 

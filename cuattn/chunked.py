@@ -3,9 +3,10 @@
 The schedule of DESIGN.md's "K/V streamed from host memory" row. Each chunk of keys is uploaded
 on a copy stream into one of two device slots while the caller's stream computes the previous
 chunk; the forward kernels fold each chunk's partial result into an fp32 accumulator by its
-lse (AttnParams::accum) and round once, with the last chunk. The backward streams the same
-chunks again with the global ``out`` and ``lse``, sends each chunk's dK / dV back to host
-memory on a second copy stream, and sums dQ over the chunks in fp32. Masks are computed from
+lse (AttnParams::accum); the sum is rounded to the output dtype once, at the end. The backward
+streams the same chunks again with the global ``out`` and ``lse``, sends each chunk's dK / dV
+back to host memory on a second copy stream, and has the kernels add each chunk's dQ into an
+fp32 sum (BackwardParams::sum_grads), rounded once. Masks are computed from
 key positions: a chunk starting at key ``start`` sees the diagonal moved by ``-start``, and
 chunks that no query row sees are neither uploaded nor computed.
 """
@@ -18,8 +19,8 @@ from collections.abc import Iterable
 import numpy as np
 
 from cuattn import boundary, validation
-from cuattn.attention import _LAYOUT, attn_params, check_qkv, launch_forward, require_arrays
-from cuattn.backward import _LSE_LAYOUT, backward_params, check_dout, launch_backward
+from cuattn.attention import _LAYOUT, MAX_HEADS_KV, attn_params, check_qkv, launch_forward, require_arrays
+from cuattn.backward import _LSE_LAYOUT, SUM_DQ, backward_params, check_dout, launch_backward
 from cuattn.merge import sum_rows
 from cuattn.kernels.backward import BackwardGrid
 from cuattn.options import AttnOptions
@@ -118,8 +119,9 @@ class _Source:
         self.pair = _is_pair(kv_chunks)
         if self.pair:
             k, v = (self._host("kv_chunks[%d]" % i, x) for i, x in enumerate(kv_chunks))
-            validation.check_shape("kv_chunks[1]", v, k.shape, "(the shape of the keys)")
             self._check_kv("kv_chunks[0]", k)
+            validation.check_shape("kv_chunks[1]", v, k.shape, "(the shape of the keys)")
+            self._check_kv("kv_chunks[1]", v)
             self.k, self.v = k, v
             total = k.shape[1]
             if seqlen_k is not None and seqlen_k != total:
@@ -158,10 +160,15 @@ class _Source:
             raise ValueError(f"heads_q ({q.shape[2]}, from q) must be a multiple of heads_kv ({heads_kv}, from {name})")
         if getattr(self, "heads_kv", None) not in (None, heads_kv):
             raise ValueError(f"{name} has {heads_kv} KV heads but the earlier chunks have {self.heads_kv}")
-        if isinstance(a, HostArray) and a.shape[1] * a.shape[2] * a.shape[3] and a.strides[1:] != (a.shape[2] * a.shape[3], a.shape[3], 1):
+        if heads_kv > MAX_HEADS_KV:
+            raise ValueError(f"at most {MAX_HEADS_KV} KV heads are supported, got {heads_kv} ({name})")
+        row_elems = a.shape[1] * a.shape[2] * a.shape[3]
+        if isinstance(a, HostArray) and row_elems and (
+            a.strides[1:] != (a.shape[2] * a.shape[3], a.shape[3], 1) or (a.shape[0] > 1 and a.strides[0] < row_elems)
+        ):
             raise ValueError(
                 f"{name} has strides {a.strides} (elements); host keys and values are copied row by row and must be contiguous "
-                "in (seqlen, heads, head_dim)"
+                "in (seqlen, heads, head_dim), batches apart by at least one sequence"
             )
 
     def __iter__(self):
@@ -184,6 +191,7 @@ class _Source:
                 on_host = False
             self._check_kv(names[0], k)
             validation.check_shape(names[1], v, k.shape, "(the shape of the keys)")
+            self._check_kv(names[1], v)
             self.heads_kv = k.shape[2]
             if self.total is not None and start + k.shape[1] > self.total:
                 raise ValueError(f"the chunks hold more than seqlen_k ({self.total}) keys")
@@ -291,6 +299,13 @@ class _Streams:
             strides = (chunk.length * host.strides[1], *host.strides[1:])
             out.append(HostArray(base, host.shape, strides, host.dtype, True, staging))
         return out[0], out[1]
+
+    def consumed(self, slot: int, chunk: Chunk, pair: bool) -> None:
+        """Before the next chunk of an iterable is drawn: the host waits until this chunk's
+        page-locked arrays have been read (a producer may refill the same buffer). Device chunks
+        are read in the caller's stream order; a (k, v) pair is not changed during the call."""
+        if chunk.on_host and not pair and chunk.k.pinned and chunk.v.pinned:
+            self.staged[slot].synchronize()
 
     def computed(self, slot: int) -> None:
         """The caller's stream has queued its work on ``slot``'s inputs."""
@@ -414,7 +429,9 @@ def attention_chunked(
         head_dim)`` (NumPy, or CPU torch tensors), contiguous in ``(seqlen, heads, head_dim)``,
         cut into chunks of ``chunk_tokens`` keys; or an iterable of ``(k, v)`` chunk pairs of
         ``(batch, n_i, heads_kv, head_dim)`` (host arrays, or device arrays of q's framework and
-        device), chunk ``i`` holding the keys that follow chunk ``i - 1``. Page-locked host
+        device), chunk ``i`` holding the keys that follow chunk ``i - 1``. The next chunk is
+        drawn once the previous one's host memory has been read, so a producer may refill one
+        buffer; device chunks are read in the caller's stream order. Page-locked host
         memory (``cupyx.empty_pinned``, ``torch.empty(..., pin_memory=True)``) is copied
         while the GPU computes; pageable memory is first copied by host threads into two
         page-locked staging buffers, overlapped with the copy and compute of the chunk before.
@@ -446,23 +463,27 @@ def attention_chunked(
     first_key, last_key = visible_keys(seqlen_q, source.total, fields) if source.total is not None else (0, 2**62)
 
     streams = _Streams(ctx, downloads=False)
-    launched = 0
-    slot = 0
-    done = []
-    with _Lookahead(c for c in source if seqlen_q and heads_q and c.length and c.start + c.length > first_key and c.start <= last_key) as chunks:
-        for chunk, last in chunks:
+    launched, slot, done = 0, 0, []
+    try:
+        for chunk in source:
+            if not (seqlen_q and heads_q and chunk.length and chunk.start + chunk.length > first_key and chunk.start <= last_key):
+                continue
             k, v = streams.upload(slot, chunk) if chunk.on_host else (chunk.k, chunk.v)
-            p = attn_params(qa, k, v, boundary.DeviceArray(0 if not last else out.ptr, out.shape, out.strides, out.dtype, None), lse, options)
+            p = attn_params(qa, k, v, boundary.DeviceArray(0, out.shape, out.strides, out.dtype, None), lse, options)
             _set_mask(p, _chunk_fields(fields, chunk.start))
             p["accum"], p["accum_strides"], p["accum_fresh"] = acc.ptr, acc.strides[:3], int(launched == 0)
             launch_forward(ctx, c_type, p, seqlen_q, heads_q, batch)
             launched += 1
             streams.computed(slot)
             done.append((streams.free[slot], chunk.start + chunk.length))
+            streams.consumed(slot, chunk, source.pair)
             _report(progress, done, source.total, wait_before=len(done) - 2)
             slot ^= 1
-    streams.finish()
-    if launched == 0:  # no chunk, or no key any row sees: out = 0, lse = -inf
+    finally:
+        streams.finish()
+    if launched:
+        sum_rows(ctx, None, acc, out)  # the sum of every chunk, rounded once
+    else:  # no chunk, or no key any row sees: out = 0, lse = -inf
         ctx.zero(out)
         _fill(ctx, lse, -np.inf)
     if progress is not None:
@@ -482,27 +503,6 @@ def _report(progress, done: list, total, wait_before: int) -> None:
             progress(keys, total)
 
 
-class _Lookahead:
-    """Pairs each item of an iterator with whether it is the last one."""
-
-    def __init__(self, items: Iterable):
-        self.items = iter(items)
-
-    def __enter__(self):
-        return self._pairs()
-
-    def __exit__(self, *exc):
-        return False
-
-    def _pairs(self):
-        sentinel = object()
-        current = next(self.items, sentinel)
-        while current is not sentinel:
-            following = next(self.items, sentinel)
-            yield current, following is sentinel
-            current = following
-
-
 def attention_chunked_backward(
     dout, q, kv_chunks, out, lse, *, causal=False, window=None, align="bottom_right", scale=None, softcap=None, dlse=None,
     chunk_tokens=None, seqlen_k=None, deterministic=False, progress=None,
@@ -511,8 +511,8 @@ def attention_chunked_backward(
 
     Each chunk's backward uses the global ``out`` and ``lse`` (the forward's results over all
     keys), so it gives that chunk's exact dK / dV and its share of dQ; dK / dV go back to host
-    memory chunk by chunk on a second copy stream, and the dQ shares are summed in fp32 and
-    rounded once. Device memory: two chunks of K/V and of dK/dV, plus the arrays of q's size.
+    memory chunk by chunk on a second copy stream, and the kernels add the dQ shares into an
+    fp32 sum, rounded once. Device memory: two chunks of K/V and of dK/dV, plus the arrays of q's size.
 
     Parameters
     ----------
@@ -546,25 +546,21 @@ def attention_chunked_backward(
     ctx.stage(*a.values())
 
     dq = ctx.empty(qa.shape, qa.dtype)
-    dq_piece = ctx.empty(qa.shape, qa.dtype)
-    dq_sum = ctx.empty(qa.shape, np.float32)
+    dq_sum = ctx.empty(qa.shape, np.float32)  # the backward kernels add each chunk's dQ into it (sum_grads)
+    ctx.zero(dq_sum)
     delta = ctx.empty((batch, heads_q, seqlen_q), np.float32)
     fields = _mask_fields(options, seqlen_q, source.total)
     first_key, last_key = visible_keys(seqlen_q, source.total, fields) if source.total is not None else (0, 2**62)
     host_grads = _host_outputs(source) if source.pair else None
     results: dict[int, tuple] = {}  # an iterable's gradients by chunk index
 
-    def visible(chunks):
-        for c in chunks:
-            if seqlen_q and heads_q and c.length and c.start + c.length > first_key and c.start <= last_key:
-                yield c
-            else:
-                results[c.index] = _zero_grads(ctx, c, host_grads)
-
     streams = _Streams(ctx, downloads=True)
     launched, slot, done = 0, 0, []
-    with _Lookahead(visible(source)) as chunks:
-        for chunk, last in chunks:
+    try:
+        for chunk in source:
+            if not (seqlen_q and heads_q and chunk.length and chunk.start + chunk.length > first_key and chunk.start <= last_key):
+                results[chunk.index] = _zero_grads(ctx, chunk, host_grads)
+                continue
             if chunk.on_host:
                 k, v, dk, dv = streams.upload(slot, chunk)
             else:
@@ -572,11 +568,10 @@ def attention_chunked_backward(
                 dk, dv = ctx.empty(k.shape, k.dtype), ctx.empty(v.shape, v.dtype)
             attn = attn_params(qa, k, v, a["out"], a["lse"], options)
             _set_mask(attn, _chunk_fields(fields, chunk.start))
-            grads = [dq_piece, dk, dv]
-            p = backward_params({"dout": a["dout"], "dlse": a["dlse"]}, grads, delta, attn)
+            p = backward_params({"dout": a["dout"], "dlse": a["dlse"]}, [dq_sum, dk, dv], delta, attn)
+            p["sum_grads"] = SUM_DQ
             grid = BackwardGrid("dense", batch, seqlen_q, chunk.length, heads_q, k.shape[2], head_dim, batch * seqlen_q, batch * chunk.length)
             launch_backward(ctx, c_type, p, grid, deterministic)
-            sum_rows(ctx, dq_piece, dq_sum, dq if last else None, fresh=launched == 0)
             launched += 1
             streams.computed(slot)
             if chunk.on_host:
@@ -587,11 +582,12 @@ def attention_chunked_backward(
             else:
                 results[chunk.index] = (ctx.export(dk), ctx.export(dv))
             done.append((streams.free[slot], chunk.start + chunk.length))
+            streams.consumed(slot, chunk, source.pair)
             _report(progress, done, source.total, wait_before=len(done) - 2)
             slot ^= 1
-    streams.finish()
-    if launched == 0:
-        ctx.zero(dq)
+    finally:
+        streams.finish()
+    sum_rows(ctx, None, dq_sum, dq)  # every chunk's share, rounded once (zeros when none ran)
     if progress is not None:
         _report(progress, done, source.total, wait_before=len(done))
     if host_grads is not None:

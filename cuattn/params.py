@@ -110,6 +110,7 @@ BACKWARD_PARAMS = np.dtype(
         ("delta_strides", np.int64, (2,)),
         ("dq_accum_tile_strides", np.int64, (2,)),
         ("dq_accum_cols", np.int32),
+        ("sum_grads", np.int32),
     ],
     align=True,
 )

@@ -65,6 +65,10 @@ def _q(shape=(2, 5, 4, 64), dtype=np.float16):
         ((np.ones((2, 9, 2, 64), np.float16),) * 2, {"chunk_tokens": 2.0}, TypeError, "chunk_tokens must be an int"),
         ((np.ones((2, 9, 2, 64), np.float16),) * 2, {"seqlen_k": 8}, ValueError, "seqlen_k \\(8\\) differs"),
         ((np.ones((2, 9, 2, 64), np.float16), [1]), {}, TypeError, "must be a host array"),
+        ((np.ones((2, 9, 2, 64), np.float16), np.ones((2, 2, 9, 64), np.float16).transpose(0, 2, 1, 3)), {}, ValueError,
+         r"kv_chunks\[1\] has strides .* must be contiguous"),
+        ((np.ones((2, 9, 2, 64), np.float16), np.ones((2, 9, 2, 64), np.float32)), {}, TypeError, r"kv_chunks\[1\] has dtype float32"),
+        ((np.ones((2, 9, 2, 64), np.float16), np.ones((2, 9, 2, 64), np.float16)[::-1]), {}, ValueError, "batches apart"),
     ],
 )
 def test_bad_pairs_are_refused(kv, kw, exc, match):
@@ -80,6 +84,10 @@ def test_iterables_need_their_length_under_a_mask_and_well_formed_chunks():
         chunked._Source([(k, k), (k, k)], _q(), None, 4, None, needs_total=False)
     with pytest.raises(TypeError, match=r"kv_chunks\[1\] must be a \(k, v\) pair"):
         list(chunked._Source([(k, k), k], _q(), None, None, None, needs_total=False))
+    with pytest.raises(TypeError, match=r"kv_chunks\[0\]\[1\] has dtype float32"):
+        list(chunked._Source([(k, k.astype(np.float32))], _q(), None, None, None, needs_total=False))
+    with pytest.raises(ValueError, match=r"kv_chunks\[0\]\[1\] has strides"):
+        list(chunked._Source([(k, np.ones((2, 2, 9, 64), np.float16).transpose(0, 2, 1, 3))], _q(), None, None, None, needs_total=False))
     with pytest.raises(ValueError, match="KV heads but the earlier chunks"):
         list(chunked._Source([(k, k), (k[:, :, :1], k[:, :, :1])], _q(), None, None, None, needs_total=False))
     with pytest.raises(ValueError, match="the chunks hold 18 keys but seqlen_k is 20"):
@@ -171,16 +179,22 @@ def test_one_chunk_is_bit_identical_to_attention():
 
 @gpu
 def test_error_does_not_grow_with_the_number_of_chunks():
-    """Partials are folded in fp32 and rounded once: 64 chunks err like one."""
+    """Partials are folded in fp32 and rounded once, and the kernels add each chunk's dQ into
+    an fp32 sum: 64 chunks err like one, forward and dQ (dK / dV are per chunk anyway)."""
     import cupy
 
     rng = np.random.default_rng(4)
-    q, k, v, _, _ = _inputs(rng, "bfloat16", 1, 128, 4096, 4, 1, 64)
-    ref = reference.attention(q, k, v)
-    qd = cupy.asarray(q)
-    one = max_err(cuattn.attention_chunked(qd, (k, v), chunk_tokens=4096).get(), ref)
-    many = max_err(cuattn.attention_chunked(qd, (k, v), chunk_tokens=64).get(), ref)
-    assert many <= 1.1 * one, (many, one)
+    q, k, v, dout, _ = _inputs(rng, "bfloat16", 1, 128, 4096, 4, 1, 64)
+    ref, ref_lse = reference.attention(q, k, v, return_lse=True)
+    ref_dq = reference.attention_backward(dout, q, k, v, ref, ref_lse)[0]
+    qd, doutd = cupy.asarray(q), cupy.asarray(dout)
+    errors = []
+    for chunk in (4096, 64):
+        out, lse = cuattn.attention_chunked(qd, (k, v), chunk_tokens=chunk, return_lse=True)
+        dq = cuattn.attention_chunked_backward(doutd, qd, (k, v), out, lse, chunk_tokens=chunk)[0]
+        errors.append((max_err(out.get(), ref), max_err(dq.get(), ref_dq)))
+    (out_one, dq_one), (out_many, dq_many) = errors
+    assert out_many <= 1.1 * out_one and dq_many <= 1.1 * dq_one, errors
 
 
 class _PeakPool:
@@ -267,14 +281,65 @@ def test_chunks_no_row_sees_are_skipped_with_zero_gradients():
     q, k, v, dout, _ = _inputs(rng, "float16", 1, 50, 1000, 2, 2, 64)
     kw = {"window": (10, 10), "align": "top_left"}
     kh, vh = _pinned(k), _pinned(v)
-    kh[:, 128:], vh[:, 128:] = np.nan, np.nan  # never read: keys 60.. are seen by no row
+    assert chunked.host_array(kh).pinned and not chunked.host_array(k).pinned  # page-locked input takes the direct copy
+    kh[:, 64:], vh[:, 64:] = np.nan, np.nan  # never read: keys 60.. are seen by no row, chunks from 64 are skipped
     qd = cupy.asarray(q)
     out, lse = cuattn.attention_chunked(qd, (kh, vh), chunk_tokens=64, return_lse=True, **kw)
     ref_out, ref_lse = reference.attention(q, k, v, return_lse=True, **kw)
     assert_attention_accuracy(out.get(), ref_out, naive_attention(q, k, v, "float16", **kw))
     dq, dk, dv = cuattn.attention_chunked_backward(cupy.asarray(dout), qd, (kh, vh), out, lse, chunk_tokens=64, **kw)
-    assert not np.isnan(dk.astype(np.float32)).any() and np.all(dk[:, 128:] == 0) and np.all(dv[:, 128:] == 0)
+    assert not np.isnan(dk.astype(np.float32)).any() and np.all(dk[:, 64:] == 0) and np.all(dv[:, 64:] == 0)
     _check_grads((dq.get(), dk, dv), dout, q, k, v, ref_out, ref_lse, "float16", None, kw)
+
+
+@gpu
+@pytest.mark.parametrize("where", ["pinned", "device"])
+def test_a_producer_may_refill_one_buffer(where):
+    """An iterable that reads every chunk into the same buffer (from disk, say): each chunk is
+    read before the next is drawn."""
+    import cupy
+
+    rng = np.random.default_rng(12)
+    q, k, v, dout, _ = _inputs(rng, "bfloat16", 1, 64, 1024, 4, 2, 64)
+    buf = [(_pinned(k[:, :256]), _pinned(v[:, :256])), (cupy.empty((1, 256, 2, 64), k.dtype), cupy.empty((1, 256, 2, 64), k.dtype))][
+        where == "device"]
+
+    def chunks():
+        for s in range(0, 1024, 256):
+            if where == "device":
+                buf[0].set(k[:, s:s + 256]), buf[1].set(v[:, s:s + 256])
+            else:
+                buf[0][...], buf[1][...] = k[:, s:s + 256], v[:, s:s + 256]
+            yield buf
+
+    qd = cupy.asarray(q)
+    out, lse = cuattn.attention_chunked(qd, chunks(), return_lse=True)
+    ref_out, ref_lse = reference.attention(q, k, v, return_lse=True)
+    assert_attention_accuracy(out.get(), ref_out, naive_attention(q, k, v, "bfloat16"))
+    dq, dks, dvs = cuattn.attention_chunked_backward(cupy.asarray(dout), qd, chunks(), out, lse)
+    ref = reference.attention_backward(dout, q, k, v, ref_out, ref_lse)
+    naive = naive_attention_backward(dout, q, k, v, "bfloat16")
+    assert_attention_accuracy(dq.get(), ref[0], naive[0], factor=3.0, floor=1e-4)
+
+
+@gpu
+def test_an_error_midway_leaves_nothing_in_flight():
+    """A chunk refused after others were launched: the error names it, the copies are waited
+    for, and the next call works."""
+    import cupy
+
+    rng = np.random.default_rng(13)
+    q, k, v, _, _ = _inputs(rng, "float16", 1, 32, 512, 2, 2, 64)
+    qd = cupy.asarray(q)
+
+    def chunks():
+        yield _pinned(k[:, :256]), _pinned(v[:, :256])
+        yield k[:, 256:], v[:, 256:].astype(np.float32)
+
+    with pytest.raises(TypeError, match=r"kv_chunks\[1\]\[1\] has dtype float32"):
+        cuattn.attention_chunked(qd, chunks())
+    out = cuattn.attention_chunked(qd, (k, v), chunk_tokens=128)
+    assert_attention_accuracy(out.get(), reference.attention(q, k, v), naive_attention(q, k, v, "float16"))
 
 
 @gpu

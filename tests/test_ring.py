@@ -136,10 +136,9 @@ def test_ring_matches_single_device_attention(lay, world, dtype, hq, hk, d, kw):
 @pytest.mark.parametrize("lay", layouts.LAYOUTS)
 def test_error_does_not_grow_with_the_ring(lay):
     """Error against float64 at W = 2, 4, 8 against W = 1 (one rank: single-device attention
-    through the same code). The forward folds in fp32 and rounds once: <= 1.1x. The backward
-    rounds each (query run, key run) piece of dK / dV to the input dtype before the fp32 sum,
-    so its error grows with the pieces (measured up to 2.6x for dV on the H100); the bound
-    here is 3x until the backward kernels can add into an fp32 accumulator."""
+    through the same code) <= 1.1x, forward and backward: every piece is added in fp32 and each
+    result rounded once. (Rounding each piece of dK / dV before the sum grew dV's error 2.6x at
+    W = 8.)"""
     rng = np.random.default_rng(21)
     dtype, kw = "bfloat16", {"causal": True}
     full = tuple(randn(rng, (1, 1024, h, 64), dtype) for h in (4, 2, 2, 4))
@@ -153,4 +152,4 @@ def test_error_does_not_grow_with_the_ring(lay):
     for world in (2, 4, 8):
         assert errors[world][0] <= 1.1 * errors[1][0], (world, errors)
         for i in (1, 2, 3):
-            assert errors[world][i] <= 3.0 * errors[1][i], (world, i, errors)
+            assert errors[world][i] <= 1.1 * errors[1][i], (world, i, errors)

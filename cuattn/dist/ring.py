@@ -9,8 +9,8 @@ once, in the launch of its last piece. Only the KV heads travel.
 The backward passes K/V around the ring again with each shard's dK / dV accumulators (fp32):
 rank r adds its queries' contribution to the shard it holds, computed from its global ``out``
 and ``lse``, then sends the accumulators on; after W steps they are back with their owner.
-dQ is summed in fp32 on its rank. Each piece of dQ / dK / dV comes out of the backward
-kernels in the input dtype and is added in fp32 (one rounding per piece).
+dQ is summed in fp32 on its rank: the backward kernels add every piece of dQ, dK and dV into
+those fp32 sums (BackwardParams::sum_grads), and each gradient is rounded once, at the end.
 
 A rank's work is a generator of exchanges: it yields ``("send", channel, send_arrays,
 recv_arrays)`` and ``("wait", channel)``, and a driver carries them out. The driver here runs
@@ -27,7 +27,7 @@ import numpy as np
 
 from cuattn import boundary, validation
 from cuattn.attention import _LAYOUT, attn_params, check_qkv, launch_forward
-from cuattn.backward import backward_params, check_dout, launch_backward
+from cuattn.backward import SUM_DKDV, SUM_DQ, backward_params, check_dout, launch_backward
 from cuattn.chunked import check_row_stats
 from cuattn.dist import layout as layouts
 from cuattn.kernels.backward import BackwardGrid
@@ -110,7 +110,6 @@ def backward_steps(ctx, c_type: str, a: dict, grads: tuple, options: AttnOptions
     ctx.zero(dq_acc)
     accs = (ctx.empty(k.shape, np.float32), ctx.empty(v.shape, np.float32))
     ctx.zero(*accs)
-    pieces = (ctx.empty(q.shape, q.dtype), ctx.empty(k.shape, k.dtype), ctx.empty(v.shape, v.dtype))
     delta = ctx.empty((batch, heads_q, q.shape[1]), np.float32)
     cur = (k, v)
     for s, pairs in enumerate(work.steps):
@@ -121,18 +120,15 @@ def backward_steps(ctx, c_type: str, a: dict, grads: tuple, options: AttnOptions
         if s > 0:
             yield ("wait", "acc")  # the accumulators of the shard now held
         for qr, kr, fields in pairs:
-            kv = (_rows(cur[0], kr), _rows(cur[1], kr))
-            views = [_rows(pieces[0], qr), _rows(pieces[1], kr), _rows(pieces[2], kr)]
-            attn = attn_params(_rows(q, qr), *kv, _rows(a["out"], qr), _stat_rows(a["lse"], qr), options)
+            attn = attn_params(_rows(q, qr), _rows(cur[0], kr), _rows(cur[1], kr), _rows(a["out"], qr), _stat_rows(a["lse"], qr), options)
             for name, value in fields.items():
                 attn[name] = value
             rows = {"dout": _rows(a["dout"], qr), "dlse": None if a["dlse"] is None else _stat_rows(a["dlse"], qr)}
-            p = backward_params(rows, views, _stat_rows(delta, qr), attn)
+            sums = [_rows(dq_acc, qr), _rows(accs[0], kr), _rows(accs[1], kr)]  # the kernels add into them
+            p = backward_params(rows, sums, _stat_rows(delta, qr), attn)
+            p["sum_grads"] = SUM_DQ | SUM_DKDV
             grid = BackwardGrid("dense", batch, qr.length, kr.length, heads_q, k.shape[2], head_dim, batch * qr.length, batch * kr.length)
             launch_backward(ctx, c_type, p, grid, deterministic)
-            sum_rows(ctx, views[0], _rows(dq_acc, qr))
-            sum_rows(ctx, views[1], _rows(accs[0], kr))
-            sum_rows(ctx, views[2], _rows(accs[1], kr))
         received = (ctx.empty(k.shape, np.float32), ctx.empty(v.shape, np.float32))
         yield ("send", "acc", accs, received)  # after this step's sums: the next rank adds to them
         accs = received

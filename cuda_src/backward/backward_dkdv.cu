@@ -139,6 +139,13 @@ __global__ void __launch_bounds__(128, 1) backward_dkdv_kernel(const __grid_cons
   }
 
   const SeqSpan out_span = seq_span<LAYOUT>(a, batch);  // read again: fewer registers live in the loop
+  if (LAYOUT == SeqLayout::kDense && (p.sum_grads & kSumDkDv)) {  // added into fp32 sums
+    float* dk_sum = head_rows<float>(p.dk, p.dk_strides, batch, kv_head, out_span.k_row0) + col0;
+    float* dv_sum = head_rows<float>(p.dv, p.dv_strides, batch, kv_head, out_span.k_row0) + col0;
+    add_acc_rows<Tr::kOutTiles>(dk, a.scale, dk_sum, p.dk_strides[1], warp_key0, out_span.seqlen_k, a.head_dim - col0, lane);
+    add_acc_rows<Tr::kOutTiles>(dv, 1.f, dv_sum, p.dv_strides[1], warp_key0, out_span.seqlen_k, a.head_dim - col0, lane);
+    return;
+  }
   T* dk_out = head_rows<T>(p.dk, p.dk_strides, batch, kv_head, out_span.k_row0) + col0;
   T* dv_out = head_rows<T>(p.dv, p.dv_strides, batch, kv_head, out_span.k_row0) + col0;
   store_acc_rows<T, Tr::kOutTiles>(dk, a.scale, dk_out, p.dk_strides[1], warp_key0, out_span.seqlen_k, a.head_dim - col0, lane);

@@ -113,6 +113,11 @@ __global__ void __launch_bounds__(128, 1) backward_dq_kernel(const __grid_consta
   }
 
   const SeqSpan out_span = seq_span<LAYOUT>(a, batch);  // read again: fewer registers live in the loop
+  if (LAYOUT == SeqLayout::kDense && (p.sum_grads & kSumDq)) {  // added into the fp32 sum
+    float* dq_sum = head_rows<float>(p.dq, p.dq_strides, batch, head, out_span.q_row0);
+    add_acc_rows<Tr::kDTiles>(dq, a.scale, dq_sum, p.dq_strides[1], warp_first_row, out_span.seqlen_q, a.head_dim, lane);
+    return;
+  }
   T* dq_out = head_rows<T>(p.dq, p.dq_strides, batch, head, out_span.q_row0);
   store_acc_rows<T, Tr::kDTiles>(dq, a.scale, dq_out, p.dq_strides[1], warp_first_row, out_span.seqlen_q, a.head_dim, lane);
 }

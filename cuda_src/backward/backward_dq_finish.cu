@@ -1,5 +1,6 @@
 // The last pass of the fused backward (backward_wgmma_fused.cu): dq = scale * dq_accum, from the
-// fp32 accumulator's tiles (backward/dq_accum.cuh) into dq's layout and dtype.
+// fp32 accumulator's tiles (backward/dq_accum.cuh) into dq's layout and dtype (or added into an
+// fp32 dq: BackwardParams::sum_grads).
 #include "backward/head_rows.cuh"
 #include "common/params.cuh"
 #include "common/vector_io.cuh"
@@ -30,7 +31,7 @@ __global__ void __launch_bounds__(kFinishWarps * 32) backward_dq_finish_kernel(c
     row_in_seq = r.row - span.q_row0;
     if (span.seqlen_k > a.seqlen_k) factor = __int_as_float(0x7fc00000);
   }
-  T* dq = static_cast<T*>(p.dq) + r.batch * p.dq_strides[0] + r.row * p.dq_strides[1] + r.head * p.dq_strides[2];
+  const i64 dq_offset = r.batch * p.dq_strides[0] + r.row * p.dq_strides[1] + r.head * p.dq_strides[2];
   constexpr int kSteps = (HEAD_DIM + kRowLanes * kVec - 1) / (kRowLanes * kVec);
   float x[kSteps][kVec];  // every load issued before the first store
 #pragma unroll
@@ -44,7 +45,16 @@ __global__ void __launch_bounds__(kFinishWarps * 32) backward_dq_finish_kernel(c
     if (c >= a.head_dim) continue;
 #pragma unroll
     for (int e = 0; e < kVec; ++e) x[i][e] *= factor;
-    store_floats<T, kVec>(dq + c, x[i]);
+    if (LAYOUT == SeqLayout::kDense && (p.sum_grads & kSumDq)) {  // added into the fp32 sum (BackwardParams::sum_grads)
+      float* sum = static_cast<float*>(p.dq) + dq_offset + c;
+      float old[kVec];
+      load_floats<float, kVec>(sum, old);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) x[i][e] += old[e];
+      store_floats<float, kVec>(sum, x[i]);
+    } else {
+      store_floats<T, kVec>(static_cast<T*>(p.dq) + dq_offset + c, x[i]);
+    }
   }
 }
 

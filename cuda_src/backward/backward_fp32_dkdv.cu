@@ -88,8 +88,12 @@ __global__ void __launch_bounds__(kF32BwdWarps * 32, 1) backward_fp32_dkdv_kerne
     for (int c = 0; c < kCols; ++c) {
       const int col = lane + 32 * c;
       if (col < a.head_dim) {
-        dk_out[key * p.dk_strides[1] + col] = float(dk[r][c] * a.scale);
-        dv_out[key * p.dv_strides[1] + col] = float(dv[r][c]);
+        const float dk_value = float(dk[r][c] * a.scale), dv_value = float(dv[r][c]);
+        float& dk_slot = dk_out[key * p.dk_strides[1] + col];
+        float& dv_slot = dv_out[key * p.dv_strides[1] + col];
+        const bool sum = p.sum_grads & kSumDkDv;  // added into the fp32 sums
+        dk_slot = sum ? dk_slot + dk_value : dk_value;
+        dv_slot = sum ? dv_slot + dv_value : dv_value;
       }
     }
   }

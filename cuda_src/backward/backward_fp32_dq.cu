@@ -81,7 +81,9 @@ __global__ void __launch_bounds__(kF32BwdWarps * 32, 1) backward_fp32_dq_kernel(
     if (row >= span.seqlen_q) continue;
 #pragma unroll
     for (int c = 0; c < kCols; ++c) {
-      if (lane + 32 * c < a.head_dim) dq_out[row * p.dq_strides[1] + lane + 32 * c] = float(dq[r][c] * a.scale);
+      if (lane + 32 * c >= a.head_dim) continue;
+      float& slot = dq_out[row * p.dq_strides[1] + lane + 32 * c];
+      slot = (p.sum_grads & kSumDq) ? slot + float(dq[r][c] * a.scale) : float(dq[r][c] * a.scale);  // added into the fp32 sum
     }
   }
 }

@@ -152,4 +152,27 @@ __device__ __forceinline__ void store_acc_rows(const float (&acc)[D][4], float m
   }
 }
 
+// Bits of BackwardParams::sum_grads: which gradients the kernels add into fp32 sums.
+constexpr int kSumDq = 1, kSumDkDv = 2;
+
+// store_acc_rows' rows added into fp32 ones instead (BackwardParams::sum_grads).
+template <int D>
+__device__ __forceinline__ void add_acc_rows(const float (&acc)[D][4], float mul, float* base, i64 row_stride, int row0, int row_end, int head_dim, int lane) {
+  const int g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = row0 + g + h * 8;
+    if (row >= row_end) continue;
+#pragma unroll
+    for (int dt = 0; dt < D; ++dt) {
+      const int col = dt * 8 + 2 * t;
+      if (col < head_dim) {
+        float2* slot = reinterpret_cast<float2*>(base + row * row_stride + col);
+        const float2 old = *slot;
+        *slot = make_float2(fmaf(acc[dt][2 * h], mul, old.x), fmaf(acc[dt][2 * h + 1], mul, old.y));
+      }
+    }
+  }
+}
+
 }  // namespace cuattn

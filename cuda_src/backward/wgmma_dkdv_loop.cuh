@@ -221,6 +221,13 @@ __device__ __forceinline__ void backward_wgmma_dkdv_body(const BackwardParams& p
   }
   if (FUSE_DQ && issuer) bulk_wait<0>();
 
+  if (LAYOUT == SeqLayout::kDense && (p.sum_grads & kSumDkDv)) {  // added into fp32 sums
+    add_acc_rows<Tr::kDTiles>(dk, a.scale, head_rows<float>(p.dk, p.dk_strides, batch, kv_head, span.k_row0), p.dk_strides[1], warp_key0,
+                              span.seqlen_k, a.head_dim, lane);
+    add_acc_rows<Tr::kDTiles>(dv, 1.f, head_rows<float>(p.dv, p.dv_strides, batch, kv_head, span.k_row0), p.dv_strides[1], warp_key0,
+                              span.seqlen_k, a.head_dim, lane);
+    return;
+  }
   T* dk_out = head_rows<T>(p.dk, p.dk_strides, batch, kv_head, span.k_row0);
   T* dv_out = head_rows<T>(p.dv, p.dv_strides, batch, kv_head, span.k_row0);
   store_acc_rows<T, Tr::kDTiles>(dk, a.scale, dk_out, p.dk_strides[1], warp_key0, span.seqlen_k, a.head_dim, lane);

@@ -120,6 +120,8 @@ struct BackwardParams {
   i64 delta_strides[2];                     // batch, head; row stride 1
   i64 dq_accum_tile_strides[2];             // batch, head, in row blocks (backward/dq_accum.cuh)
   int dq_accum_cols;                        // the head-dim bucket of the dQ accumulator
+  int sum_grads;                            // bits: 1 dq, 2 dk and dv are fp32 sums the kernels add into (dense
+                                            //   layout; schedules over pieces of keys: cuattn/chunked.py, cuattn/dist/ring.py)
 };
 
 // Decoding against a KV cache (decode/decode.cu): the new query rows of each sequence attend
