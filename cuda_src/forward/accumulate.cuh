@@ -32,15 +32,20 @@ __device__ __forceinline__ float accumulated_lse(const AttnParams& p, const floa
   return p.accum_fresh || !in_range ? neg_inf() : *lse_row;
 }
 
-// acc[0..1] <- keep * acc + piece; returns the new values. `piece` is already weighted by take.
-__device__ __forceinline__ float2 fold_pair(float* acc, float2 piece, float keep) {
-  if (keep > 0.f) {
-    const float2 old = *reinterpret_cast<const float2*>(acc);
-    piece.x = fmaf(keep, old.x, piece.x);
-    piece.y = fmaf(keep, old.y, piece.y);
+// Column pairs of a row whose accumulator values are loaded together: every load of a group is
+// issued before any store, so that a row waits on memory once per group rather than once per
+// pair (and a group's registers stay few enough not to spill at head_dim 192).
+constexpr int kFoldLoads = 8;
+
+// The accumulator's values at this thread's column pairs d0 .. d0 + kFoldLoads - 1 of one row
+// (columns 8 dt + 2 (lane % 4), and the next), zeros where not read.
+template <int D_TILES>
+__device__ __forceinline__ void load_acc_pairs(float2 (&old)[kFoldLoads], const float* acc_row, int d0, int t, int head_dim, bool read) {
+#pragma unroll
+  for (int i = 0; i < kFoldLoads; ++i) {
+    const int col = (d0 + i) * 8 + 2 * t;
+    old[i] = read && d0 + i < D_TILES && col < head_dim ? *reinterpret_cast<const float2*>(acc_row + col) : make_float2(0.f, 0.f);
   }
-  *reinterpret_cast<float2*>(acc) = piece;
-  return piece;
 }
 
 }  // namespace cuattn
