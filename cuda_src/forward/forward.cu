@@ -151,36 +151,43 @@ __device__ __forceinline__ void forward_block(const AttnParams& p, int seq, cons
   // there is one: forward/accumulate.cuh), and stage the warp's rows of out in its own rows of sQ
   // (no other warp reads them), then store them in 16-byte chunks.
   T* sOut = sQ + warp_row0 * Tr::kRowStride;
-  constexpr bool folds = FOLD;  // dense layout only (cuattn/kernels/forward.py)
 #pragma unroll
   for (int mt = 0; mt < Tr::kMTiles; ++mt) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const RowTotal total = finish_row(row_max[mt][h], row_sum[mt][h], p.exp2_scale, head_view.sink);
       const int r = mt * 16 + g + h * 8;
-      const int row = warp_first_row + r;
-      const bool in_range = row < span.seqlen_q;
-      Fold fold = {0.f, 1.f, total.lse};
-      if (folds)  // the same for the whole CTA; the quad's first lane reads and writes lse
-        fold = fold_weights(__shfl_sync(0xffffffff, accumulated_lse(p, head_view.lse + row, in_range && t == 0), lane & ~3), total.lse);
-      float* acc_row = folds ? head_view.accum + row * p.accum_strides[1] : nullptr;
+      if constexpr (!FOLD) {
 #pragma unroll
-      for (int d0 = 0; d0 < Tr::kDTiles; d0 += kFoldLoads) {
-        float2 old[kFoldLoads];
-        if (folds) load_acc_pairs<Tr::kDTiles>(old, acc_row, d0, t, p.head_dim, in_range && fold.keep > 0.f);
-#pragma unroll
-        for (int dt = d0; dt < d0 + kFoldLoads && dt < Tr::kDTiles; ++dt) {
-          const float w = total.inv * fold.take;
-          float2 o = make_float2(acc[mt][dt][2 * h] * w, acc[mt][dt][2 * h + 1] * w);
-          const int col = dt * 8 + 2 * t;
-          if (folds && in_range && col < p.head_dim) {
-            o = make_float2(fmaf(fold.keep, old[dt - d0].x, o.x), fmaf(fold.keep, old[dt - d0].y, o.y));
-            *reinterpret_cast<float2*>(acc_row + col) = o;
-          }
-          *reinterpret_cast<u32*>(sOut + r * Tr::kRowStride + col) = pack2<T>(o.x, o.y);
+        for (int dt = 0; dt < Tr::kDTiles; ++dt) {
+          *reinterpret_cast<u32*>(sOut + r * Tr::kRowStride + dt * 8 + 2 * t) =
+              pack2<T>(acc[mt][dt][2 * h] * total.inv, acc[mt][dt][2 * h + 1] * total.inv);
         }
+        const int row = warp_first_row + r;
+        if (t == 0 && row < span.seqlen_q && head_view.lse != nullptr) head_view.lse[row] = total.lse;
+      } else {  // the same for the whole CTA; the quad's first lane reads and writes lse
+        const int row = warp_first_row + r;
+        const bool in_range = row < span.seqlen_q;
+        const Fold fold = fold_weights(__shfl_sync(0xffffffff, accumulated_lse(p, head_view.lse + row, in_range && t == 0), lane & ~3), total.lse);
+        float* acc_row = head_view.accum + row * p.accum_strides[1];
+#pragma unroll
+        for (int d0 = 0; d0 < Tr::kDTiles; d0 += kFoldLoads) {
+          float2 old[kFoldLoads];
+          load_acc_pairs<Tr::kDTiles>(old, acc_row, d0, t, p.head_dim, in_range && fold.keep > 0.f);
+#pragma unroll
+          for (int dt = d0; dt < d0 + kFoldLoads && dt < Tr::kDTiles; ++dt) {
+            const float w = total.inv * fold.take;
+            float2 o = make_float2(acc[mt][dt][2 * h] * w, acc[mt][dt][2 * h + 1] * w);
+            const int col = dt * 8 + 2 * t;
+            if (in_range && col < p.head_dim) {
+              o = make_float2(fmaf(fold.keep, old[dt - d0].x, o.x), fmaf(fold.keep, old[dt - d0].y, o.y));
+              *reinterpret_cast<float2*>(acc_row + col) = o;
+            }
+            *reinterpret_cast<u32*>(sOut + r * Tr::kRowStride + col) = pack2<T>(o.x, o.y);
+          }
+        }
+        if (t == 0 && in_range && head_view.lse != nullptr) head_view.lse[row] = fold.lse;
       }
-      if (t == 0 && in_range && head_view.lse != nullptr) head_view.lse[row] = fold.lse;
     }
   }
   __syncwarp();

@@ -112,36 +112,44 @@ __device__ __forceinline__ void forward_wgmma_block(const AttnParams& p, int seq
   // Epilogue: normalize (folding into the accumulator when there is one: forward/accumulate.cuh),
   // stage the warpgroup's rows of out in its own rows of sQ (no other warpgroup reads them; its
   // own matmuls are done), then store them in 16-byte chunks.
-  constexpr bool folds = FOLD;  // dense layout only (cuattn/kernels/forward.py)
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const RowTotal total = finish_row(row_max[0][h], row_sum[0][h], p.exp2_scale, head_view.sink);
     const int r = wg * 64 + warp * 16 + g + h * 8;  // row of the CTA's tile
-    const int row = m0 + r;
-    const bool in_range = row < span.seqlen_q;
-    Fold fold = {0.f, 1.f, total.lse};
-    if (folds)  // the same for the whole CTA; the quad's first lane reads and writes lse
-      fold = fold_weights(__shfl_sync(0xffffffff, accumulated_lse(p, head_view.lse + row, in_range && t == 0), lane & ~3), total.lse);
-    float* acc_row = folds ? head_view.accum + row * p.accum_strides[1] : nullptr;
+    if constexpr (!FOLD) {
 #pragma unroll
-    for (int d0 = 0; d0 < Tr::kDTiles; d0 += kFoldLoads) {
-      float2 old[kFoldLoads];
-      if (folds) load_acc_pairs<Tr::kDTiles>(old, acc_row, d0, t, p.head_dim, in_range && fold.keep > 0.f);
-#pragma unroll
-      for (int dt = d0; dt < d0 + kFoldLoads && dt < Tr::kDTiles; ++dt) {
+      for (int dt = 0; dt < Tr::kDTiles; ++dt) {
         const int col = dt * 8 + 2 * t;
-        const float w = total.inv * fold.take;
-        float2 o = make_float2(acc[0][dt][2 * h] * w, acc[0][dt][2 * h + 1] * w);
-        if (folds && in_range && col < p.head_dim) {
-          o = make_float2(fmaf(fold.keep, old[dt - d0].x, o.x), fmaf(fold.keep, old[dt - d0].y, o.y));
-          *reinterpret_cast<float2*>(acc_row + col) = o;
-        }
         unsigned char* dst = sQ + (col / kSwizzleBlockElems) * Tr::kBlockM * kSwizzleRowBytes +
                              swizzled_chunk(r, col % kSwizzleBlockElems / 8) + (col % 8) * 2;
-        *reinterpret_cast<u32*>(dst) = pack2<T>(o.x, o.y);
+        *reinterpret_cast<u32*>(dst) = pack2<T>(acc[0][dt][2 * h] * total.inv, acc[0][dt][2 * h + 1] * total.inv);
       }
+      if (t == 0 && m0 + r < span.seqlen_q && head_view.lse != nullptr) head_view.lse[m0 + r] = total.lse;
+    } else {  // the same for the whole CTA; the quad's first lane reads and writes lse
+      const int row = m0 + r;
+      const bool in_range = row < span.seqlen_q;
+      const Fold fold = fold_weights(__shfl_sync(0xffffffff, accumulated_lse(p, head_view.lse + row, in_range && t == 0), lane & ~3), total.lse);
+      float* acc_row = head_view.accum + row * p.accum_strides[1];
+#pragma unroll
+      for (int d0 = 0; d0 < Tr::kDTiles; d0 += kFoldLoads) {
+        float2 old[kFoldLoads];
+        load_acc_pairs<Tr::kDTiles>(old, acc_row, d0, t, p.head_dim, in_range && fold.keep > 0.f);
+#pragma unroll
+        for (int dt = d0; dt < d0 + kFoldLoads && dt < Tr::kDTiles; ++dt) {
+          const int col = dt * 8 + 2 * t;
+          const float w = total.inv * fold.take;
+          float2 o = make_float2(acc[0][dt][2 * h] * w, acc[0][dt][2 * h + 1] * w);
+          if (in_range && col < p.head_dim) {
+            o = make_float2(fmaf(fold.keep, old[dt - d0].x, o.x), fmaf(fold.keep, old[dt - d0].y, o.y));
+            *reinterpret_cast<float2*>(acc_row + col) = o;
+          }
+          unsigned char* dst = sQ + (col / kSwizzleBlockElems) * Tr::kBlockM * kSwizzleRowBytes +
+                               swizzled_chunk(r, col % kSwizzleBlockElems / 8) + (col % 8) * 2;
+          *reinterpret_cast<u32*>(dst) = pack2<T>(o.x, o.y);
+        }
+      }
+      if (t == 0 && in_range && head_view.lse != nullptr) head_view.lse[row] = fold.lse;
     }
-    if (t == 0 && in_range && head_view.lse != nullptr) head_view.lse[row] = fold.lse;
   }
   asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");  // this warpgroup's rows staged
   constexpr int kOutChunks = 64 * Tr::kChunksPerRow;
