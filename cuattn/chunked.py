@@ -14,7 +14,6 @@ chunks that no query row sees are neither uploaded nor computed.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
 
 import numpy as np
 
@@ -396,11 +395,16 @@ def _prepare(q, kv_chunks, causal, window, align, scale, softcap, chunk_tokens, 
     needs_total = causal or options.window_left >= 0 or options.window_right >= 0
     source = _Source(kv_chunks, a["q"], ctx, chunk_tokens, seqlen_k, needs_total)
     if source.pair:
-        check_qkv(a["q"], _shape_only(source.k, a["q"]), _shape_only(source.v, a["q"]), None)
+        check_qkv(a["q"], _shape_only(source.k), _shape_only(source.v), None)
     return ctx, a, c_type, options, source
 
 
-def _shape_only(h: HostArray, q) -> boundary.DeviceArray:
+def _seen(chunk: Chunk, rows: int, first_key: int, last_key: int) -> bool:
+    """Whether some query row sees a key of the chunk (first_key..last_key from visible_keys)."""
+    return bool(rows and chunk.length and chunk.start + chunk.length > first_key and chunk.start <= last_key)
+
+
+def _shape_only(h: HostArray) -> boundary.DeviceArray:
     """A host array's shape and dtype for check_qkv (its strides are checked by _Source)."""
     return boundary.DeviceArray(None, h.shape, (0, 0, 0, 1), h.dtype, None)
 
@@ -466,7 +470,7 @@ def attention_chunked(
     launched, slot, done = 0, 0, []
     try:
         for chunk in source:
-            if not (seqlen_q and heads_q and chunk.length and chunk.start + chunk.length > first_key and chunk.start <= last_key):
+            if not _seen(chunk, seqlen_q * heads_q, first_key, last_key):
                 continue
             k, v = streams.upload(slot, chunk) if chunk.on_host else (chunk.k, chunk.v)
             p = attn_params(qa, k, v, boundary.DeviceArray(0, out.shape, out.strides, out.dtype, None), lse, options)
@@ -558,7 +562,7 @@ def attention_chunked_backward(
     launched, slot, done = 0, 0, []
     try:
         for chunk in source:
-            if not (seqlen_q and heads_q and chunk.length and chunk.start + chunk.length > first_key and chunk.start <= last_key):
+            if not _seen(chunk, seqlen_q * heads_q, first_key, last_key):
                 results[chunk.index] = _zero_grads(ctx, chunk, host_grads)
                 continue
             if chunk.on_host:

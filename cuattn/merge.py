@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from cuattn import boundary, params, replay, validation
+from cuattn import boundary, loader, params, replay, validation
 from cuattn.attention import require_arrays
 from cuattn.kernels import merge as merge_plan
 
@@ -33,7 +33,7 @@ def merge(outs, lses):
     -------
     (out, lse) : ``out`` like one partial (its dtype), ``lse`` ``(batch, heads, seqlen)`` float32,
         as arrays of the caller's framework. Arithmetic is fp32. A partial with ``lse = -inf``
-        (it saw no key) contributes nothing and its ``out`` is not read; rows where every partial
+        (it saw no key) contributes nothing, whatever its ``out`` holds (NaN included); rows where every partial
         is ``-inf`` get ``out = 0`` and ``lse = -inf``. More than 16 partials are merged 16 at a
         time, the running result rounded to the output dtype between groups.
     """
@@ -132,9 +132,8 @@ def _launch(ctx, outs, lses, dst, dst_lse) -> None:
         dst.dtype.itemsize, wide, head_dim,
     ) else 1
     batch, seqlen, heads, _ = dst.shape
-    grid = merge_plan.grid(batch * seqlen * heads, head_dim, vec)
     with ctx.device, ctx.stream:
-        variant = merge_plan.variant(c_type, vec)
+        sms = loader.device_sm_count(ctx.device.id)
         first = 0
         while first < len(outs):
             # After the first group, the running result in dst is partial 0 of the next.
@@ -142,6 +141,8 @@ def _launch(ctx, outs, lses, dst, dst_lse) -> None:
             take = params.MAX_MERGE_PARTIALS - len(carried)
             group = carried + list(zip(outs[first:first + take], lses[first:first + take]))
             first += take
+            variant = merge_plan.variant(c_type, vec, merge_plan.cap_for(len(group), vec))
+            grid = merge_plan.grid(batch * seqlen * heads, head_dim, vec, merge_plan.rows_of(variant), sms)
             p = params.new(params.MERGE_PARAMS)
             for i, (o, l) in enumerate(group):
                 p["outs"][i], p["lses"][i] = o.ptr, l.ptr
@@ -174,5 +175,5 @@ def sum_rows(ctx, piece, total, out=None, fresh: bool = False) -> None:
     )
     variant = merge_plan.sum_variant(c_type, out_type)
     with ctx.device, ctx.stream:
-        grid = merge_plan.sum_grid(batch * inner, ctx.device.attributes["MultiProcessorCount"])
+        grid = merge_plan.sum_grid(batch * inner, loader.device_sm_count(ctx.device.id))
         ctx.launch(variant, grid, (variant.threads, 1, 1), p)

@@ -66,7 +66,7 @@ def test_compile_command_reports_a_table(tmp_path):
     r = _run("compile", "merge/float/vec1", "--arch", "sm_80", "--json", str(report))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "merge/float/vec1" in r.stdout and "1 compiled, 0 failed" in r.stdout
-    assert [row["uri"] for row in json.loads(report.read_text())] == ["merge/float/vec1"]
+    assert [row["uri"] for row in json.loads(report.read_text())] == ["merge/float/vec1/cap16"]
 
 
 def test_a_name_that_matches_no_variant_is_an_error(capsys):

@@ -106,6 +106,7 @@ def fake(monkeypatch):
     kernels = {}  # load_kernel is memoized: one kernel object per variant
     monkeypatch.setattr(loader, "load_kernel", lambda v: kernels.setdefault(v, FakeRawKernel(v, state["launched"])))
     monkeypatch.setattr(loader, "device_arch", lambda device_id=None: "sm_90a")
+    monkeypatch.setattr(loader, "device_sm_count", lambda device_id: 132)
     monkeypatch.setattr(attention_module, "device_arch", lambda device_id=None: "sm_90a")
     monkeypatch.setattr(backward_module, "device_smem_limit", lambda device_id: 232448)
     monkeypatch.setattr(replay, "enabled", True)

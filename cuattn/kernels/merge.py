@@ -14,34 +14,60 @@ THREADS = 256  # merge_kernel's __launch_bounds__
 VEC_WIDTHS = {"f16": (8, 1), "bf16": (8, 1), "float": (4, 1)}
 
 
+# Compile-time bounds on the number of partials (the kernel keeps every partial's weight of a
+# row in registers); a launch takes the smallest that holds its partials. The element-wise
+# fallback (vec 1) has only the largest.
+CAPS = (2, 4, 8, 16)
+# Rows a lane group takes at a time, by cap: two rows keep more bytes in flight at two
+# partials; at more partials the registers of a second row cost more than they bring
+# (scripts/merge_probe.py, docs/bench/merge/probe.csv).
+ROWS_PER_LANE = {2: 2, 4: 1, 8: 1, 16: 1}
+
+
+def cap_for(partials: int, vec: int) -> int:
+    return next(c for c in CAPS if c >= partials) if vec > 1 else CAPS[-1]
+
+
 @functools.cache
-def variant(c_type: str, vec: int) -> Variant:
+def variant(c_type: str, vec: int, cap: int = CAPS[-1], rows: int | None = None) -> Variant:
+    rows = rows or (ROWS_PER_LANE[cap] if vec > 1 else 1)
     return Variant(
         family=FAMILY, kernel="merge",
-        expression=f"cuattn::merge_kernel<{cxx_type(c_type)}, {vec}>",
-        uri=f"merge/{c_type}/vec{vec}",
+        expression=f"cuattn::merge_kernel<{cxx_type(c_type)}, {vec}, {cap}, {rows}>",
+        uri=f"merge/{c_type}/vec{vec}/cap{cap}" + ("" if rows == 1 else f"/rows{rows}"),
         hot=True,
         threads=THREADS,
         contract=(("cuattn::kMergeThreads", THREADS),),
     )
 
 
-def grid(rows: int, head_dim: int, vec: int) -> tuple[int, int, int]:
-    """One pass: enough blocks to cover every row once (the kernel grid-strides past 2^31 rows)."""
+def rows_of(variant: Variant) -> int:
+    return int(variant.expression.rsplit(",", 1)[1].strip(" >"))
+
+
+BLOCKS_PER_SM = 16  # grid cap: fewer, longer-lived blocks (86-94% of copy at 2 partials, H100)
+
+
+def grid(rows: int, head_dim: int, vec: int, rows_per_lane: int = 1, sms: int = 132) -> tuple[int, int, int]:
+    """Blocks to cover every row once, at most BLOCKS_PER_SM per SM (the kernel strides)."""
     group = 1
     while group < 32 and group * vec < head_dim:
         group *= 2
-    rows_per_block = (THREADS // 32) * (32 // group)
+    rows_per_block = (THREADS // 32) * (32 // group) * rows_per_lane
     blocks = -(-rows // rows_per_block)
-    return (max(1, min(blocks, 2**31 - 1)), 1, 1)
+    return (max(1, min(blocks, BLOCKS_PER_SM * sms)), 1, 1)
 
 
 def variants(arch: str | None = None) -> list[Variant]:
-    return [variant(c_type, vec) for c_type, vecs in VEC_WIDTHS.items() for vec in vecs] + [sum_variant(c) for c in VEC_WIDTHS] + [sum_variant("float", c) for c in ("f16", "bf16")]
+    merges = [
+        variant(c_type, vec, cap) for c_type, vecs in VEC_WIDTHS.items() for vec in vecs
+        for cap in sorted({cap_for(n, vec) for n in range(1, CAPS[-1] + 1)})
+    ]
+    return merges + [sum_variant(c) for c in VEC_WIDTHS] + [sum_variant("float", c) for c in ("f16", "bf16")]
 
 
 def common_variants() -> list[Variant]:
-    return [variant(c, VEC_WIDTHS[c][0]) for c in VEC_WIDTHS]
+    return [variant(c, VEC_WIDTHS[c][0], cap) for c in VEC_WIDTHS for cap in CAPS]
 
 
 SUM_THREADS = 256  # sum_partials_kernel's __launch_bounds__
