@@ -16,7 +16,8 @@ MAX_HEAD_DIM = HEAD_DIM_BUCKETS[-1]
 
 
 def attention(
-    q, k, v, *, causal=False, window=None, align="bottom_right", scale=None, softcap=None, sink=None, return_lse=False, out=None,
+    q, k, v, *, causal=False, window=None, align="bottom_right", scale=None, softcap=None, sink=None, sink_tokens=0,
+    return_lse=False, out=None,
 ):
     """Exact softmax attention, ``softmax(scale * q k^T + mask) v``, in one tiled kernel.
 
@@ -56,6 +57,12 @@ def attention(
         weights sum to ``1 - exp(sink[h] - lse)``; ``lse`` includes it. A row that sees no key
         then gets ``out = 0`` and ``lse = sink[h]``. :func:`cuattn.attention_backward` returns
         its gradient.
+    sink_tokens : int, default 0
+        The StreamingLLM form: keys ``0 .. sink_tokens - 1`` stay visible to every row beside
+        ``window``'s left bound (the right bound and ``causal`` still apply). Computed as two
+        passes over disjoint key ranges, the sink tokens and the rest, the first folded into
+        an fp32 accumulator that the second merges by lse and rounds once (one more launch
+        and one fp32 read and write of the output's size). No effect without a left bound.
     return_lse : bool
         Also return ``lse``, ``(batch, heads_q, seqlen_q)`` float32: the natural log of each
         row's softmax denominator including its max, ``lse = m + log(l)``; merging partial
@@ -71,9 +78,10 @@ def attention(
         result = replay.run(
             "attention",
             lambda: attention(
-                q, k, v, causal=causal, window=window, align=align, scale=scale, softcap=softcap, sink=sink, return_lse=return_lse,
+                q, k, v, causal=causal, window=window, align=align, scale=scale, softcap=softcap, sink=sink, sink_tokens=sink_tokens,
+                return_lse=return_lse,
             ),
-            (q, k, v, sink), (causal, window, align, scale, softcap, return_lse),
+            (q, k, v, sink), (causal, window, align, scale, softcap, sink_tokens, return_lse),
         )
         if result is not replay.MISS:
             return result
@@ -87,16 +95,52 @@ def attention(
     if out is not None:  # out=q is safe: each CTA reads its query rows before it writes them
         validation.check_writable_output("out", a["out"], {"q": a["q"], "k": a["k"], "v": a["v"]}, same_as_ok="q")
     batch, seqlen_q, heads_q, head_dim = a["q"].shape
-    options = AttnOptions.from_user(causal, window, align, scale, softcap, head_dim=head_dim)
+    options = AttnOptions.from_user(causal, window, align, scale, softcap, head_dim=head_dim, sink_tokens=sink_tokens)
+    pieces = options.key_pieces(seqlen_q, a["k"].shape[1])
 
     ctx.stage(*a.values())
     dst = a["out"] if out is not None else ctx.empty(a["q"].shape, a["q"].dtype)
-    # Without return_lse the kernels skip lse (a null pointer): nothing to allocate.
-    lse = ctx.empty((batch, heads_q, seqlen_q), np.float32) if return_lse else NO_LSE
+    # Without return_lse the kernels skip lse (a null pointer): nothing to allocate, unless
+    # pieces are folded (the fold reads the accumulated lse).
+    lse = ctx.empty((batch, heads_q, seqlen_q), np.float32) if return_lse or len(pieces) > 1 else NO_LSE
     if batch and seqlen_q and heads_q:
-        launch_forward(ctx, c_type, attn_params(a["q"], a["k"], a["v"], dst, lse, options, sink=a["sink"]), seqlen_q, heads_q, batch)
+        if len(pieces) == 1:
+            p = attn_params(a["q"], a["k"], a["v"], dst, lse, options, sink=a["sink"])
+            set_mask(p, pieces[0].fields)
+            launch_forward(ctx, c_type, p, seqlen_q, heads_q, batch)
+        else:
+            _forward_pieces(ctx, c_type, a, dst, lse, options, pieces)
     result = out if out is not None else ctx.export(dst)
     return (result, ctx.export(lse)) if return_lse else result
+
+
+def _forward_pieces(ctx, c_type, a, dst, lse, options, pieces) -> None:
+    """Forward over disjoint key ranges: each launch folds its partial result into an fp32
+    accumulator (forward/accumulate.cuh), the last one writes ``dst``. The sink logit, if
+    any, joins the first piece's denominator only."""
+    q = a["q"]
+    acc = ctx.empty(q.shape, np.float32)
+    no_out = boundary.DeviceArray(0, dst.shape, dst.strides, dst.dtype, None)
+    for i, piece in enumerate(pieces):
+        last = i == len(pieces) - 1
+        k, v = key_rows(a["k"], piece.start, piece.stop), key_rows(a["v"], piece.start, piece.stop)
+        p = attn_params(q, k, v, dst if last else no_out, lse, options, sink=a["sink"] if i == 0 else None)
+        set_mask(p, piece.fields)
+        p["accum"], p["accum_strides"], p["accum_fresh"] = acc.ptr, acc.strides[:3], int(i == 0)
+        launch_forward(ctx, c_type, p, q.shape[1], q.shape[2], q.shape[0])
+
+
+def key_rows(x: boundary.DeviceArray, start: int, stop: int) -> boundary.DeviceArray:
+    """Rows ``start .. stop - 1`` of a ``(batch, seqlen, heads, head_dim)`` device view."""
+    return boundary.DeviceArray(
+        x.ptr + start * x.strides[1] * x.dtype.itemsize, (x.shape[0], stop - start, *x.shape[2:]), x.strides, x.dtype, None,
+    )
+
+
+def set_mask(p: np.void, fields: dict) -> None:
+    """The mask fields of AttnParams (window bounds, diagonal offset) from ``fields``."""
+    for name in ("window_left", "window_right", "diagonal_offset"):
+        p[name] = fields[name]
 
 
 MAX_HEADS_Q, MAX_HEADS_KV = 65535, 32767

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from cuattn import boundary, params, replay, validation
-from cuattn.attention import _LAYOUT, attn_params, check_qkv, check_sink, require_arrays
+from cuattn.attention import _LAYOUT, attn_params, check_qkv, check_sink, key_rows, require_arrays, set_mask
 from cuattn.kernels import backward
 from cuattn.kernels.backward import BackwardGrid
 from cuattn.kernels.variant import head_dim_bucket
@@ -21,7 +21,7 @@ SUM_DQ, SUM_DKDV = 1, 2
 
 def attention_backward(
     dout, q, k, v, out, lse, *, causal=False, window=None, align="bottom_right", scale=None, softcap=None, sink=None,
-    dlse=None, deterministic=False,
+    sink_tokens=0, dlse=None, deterministic=False,
 ):
     """Gradients of :func:`cuattn.attention` with respect to ``q``, ``k`` and ``v``.
 
@@ -33,7 +33,9 @@ def attention_backward(
     ----------
     dout : gradient of the loss with respect to ``out``, shaped and typed like ``q``.
     q, k, v, out, lse : the forward's inputs and outputs (``lse`` from ``return_lse=True``).
-    causal, window, align, scale, softcap, sink : exactly as given to the forward.
+    causal, window, align, scale, softcap, sink, sink_tokens : exactly as given to the forward.
+        With sink tokens outside the window, each of the two key ranges gets its own launches
+        (dK / dV written in place, dQ added into an fp32 sum rounded once).
     dlse : optional ``(batch, heads_q, seqlen_q)`` float32, the gradient that flowed into
         ``lse`` (for example through :func:`cuattn.merge`); ``None`` means zero.
     deterministic : bool. ``True`` gives bit-identical gradients across runs: dK and dV are
@@ -58,9 +60,9 @@ def attention_backward(
         "attention_backward",
         lambda: attention_backward(
             dout, q, k, v, out, lse, causal=causal, window=window, align=align, scale=scale, softcap=softcap, sink=sink,
-            dlse=dlse, deterministic=deterministic,
+            sink_tokens=sink_tokens, dlse=dlse, deterministic=deterministic,
         ),
-        (dout, q, k, v, out, lse, dlse, sink), (causal, window, align, scale, softcap, deterministic),
+        (dout, q, k, v, out, lse, dlse, sink), (causal, window, align, scale, softcap, sink_tokens, deterministic),
     )
     if result is not replay.MISS:
         return result
@@ -79,7 +81,7 @@ def attention_backward(
         validation.check_shape(name, x, (batch, heads_q, seqlen_q), _LSE_LAYOUT)
         validation.check_float32(name, x)
         validation.check_unit_last_stride(name, x)
-    options = AttnOptions.from_user(causal, window, align, scale, softcap, head_dim=head_dim)
+    options = AttnOptions.from_user(causal, window, align, scale, softcap, head_dim=head_dim, sink_tokens=sink_tokens)
 
     ctx.stage(*a.values())
     grads = [ctx.empty(a[n].shape, a[n].dtype) for n in ("q", "k", "v")]
@@ -87,13 +89,40 @@ def attention_backward(
         grads.append(ctx.empty((heads_q,), np.float32))
     delta = ctx.empty((batch, heads_q, seqlen_q), np.float32)
     seqlen_k, heads_kv = a["k"].shape[1], a["k"].shape[2]
-    if batch and heads_q and (seqlen_q or seqlen_k):
-        p = backward_params(a, grads, delta, attn_params(a["q"], a["k"], a["v"], a["out"], a["lse"], options, sink=a["sink"]))
+    pieces = options.key_pieces(seqlen_q, seqlen_k)
+    if batch and heads_q and (seqlen_q or seqlen_k) and len(pieces) == 1:
+        attn = attn_params(a["q"], a["k"], a["v"], a["out"], a["lse"], options, sink=a["sink"])
+        set_mask(attn, pieces[0].fields)
+        p = backward_params(a, grads, delta, attn)
         grid = BackwardGrid("dense", batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, batch * seqlen_q, batch * seqlen_k)
         launch_backward(ctx, c_type, p, grid, deterministic)
+    elif batch and heads_q and seqlen_q:
+        _backward_pieces(ctx, c_type, a, grads, delta, options, pieces, deterministic)
     elif any(g.size for g in grads):  # nothing to launch: no query head (K and V had no influence), or no rows at all
         ctx.zero(*(g for g in grads if g.size))
     return tuple(ctx.export(g) for g in grads)
+
+
+def _backward_pieces(ctx, c_type, a, grads, delta, options, pieces, deterministic) -> None:
+    """Backward over disjoint key ranges (AttnOptions.key_pieces) with the global ``out`` and
+    ``lse``: each range's dK / dV are exact and written in place; the kernels add each range's
+    dQ into an fp32 sum, rounded into ``dq`` once. dsink (from the global lse) with the first."""
+    from cuattn.merge import sum_rows
+
+    q = a["q"]
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    dq_sum = ctx.empty(q.shape, np.float32)
+    ctx.zero(dq_sum)
+    for i, piece in enumerate(pieces):
+        keys = piece.stop - piece.start
+        k, v, dk, dv = (key_rows(x, piece.start, piece.stop) for x in (a["k"], a["v"], grads[1], grads[2]))
+        attn = attn_params(q, k, v, a["out"], a["lse"], options, sink=a["sink"] if i == 0 else None)
+        set_mask(attn, piece.fields)
+        p = backward_params(a, [dq_sum, dk, dv, *grads[3:4 if i == 0 else 3]], delta, attn)
+        p["sum_grads"] = SUM_DQ
+        grid = BackwardGrid("dense", batch, seqlen_q, keys, heads_q, k.shape[2], head_dim, batch * seqlen_q, batch * keys)
+        launch_backward(ctx, c_type, p, grid, deterministic)
+    sum_rows(ctx, None, dq_sum, grads[0])
 
 
 def check_dout(dout, q, c_type: str, layout: str) -> None:

@@ -18,11 +18,11 @@ import dataclasses
 import numpy as np
 
 from cuattn import boundary, validation
-from cuattn.attention import _LAYOUT, MAX_HEADS_KV, attn_params, check_qkv, launch_forward, require_arrays
+from cuattn.attention import _LAYOUT, MAX_HEADS_KV, attn_params, check_qkv, launch_forward, require_arrays, set_mask
 from cuattn.backward import _LSE_LAYOUT, SUM_DQ, backward_params, check_dout, launch_backward
 from cuattn.merge import sum_rows
 from cuattn.kernels.backward import BackwardGrid
-from cuattn.options import AttnOptions
+from cuattn.options import AttnOptions, shifted
 from cuattn.validation import check_bool
 
 DEFAULT_CHUNK_BYTES = 128 << 20  # K and V of one chunk, when chunk_tokens is not given (benchmarks/NOTES.md)
@@ -372,16 +372,6 @@ def _fill(ctx, a: boundary.DeviceArray, value: float) -> None:
             a.native.fill(value)
 
 
-def _chunk_fields(fields: dict, start: int) -> dict:
-    """The mask of a chunk whose first key is key ``start`` of the sequence."""
-    return dict(fields, diagonal_offset=fields["diagonal_offset"] - start)
-
-
-def _set_mask(p: np.void, fields: dict) -> None:
-    for name in ("window_left", "window_right", "diagonal_offset"):
-        p[name] = fields[name]
-
-
 def _prepare(q, kv_chunks, causal, window, align, scale, softcap, chunk_tokens, seqlen_k, extra: dict):
     require_arrays({"q": q, "kv_chunks": kv_chunks})
     ctx, a = boundary.import_arrays(q=q, **extra)
@@ -474,7 +464,7 @@ def attention_chunked(
                 continue
             k, v = streams.upload(slot, chunk) if chunk.on_host else (chunk.k, chunk.v)
             p = attn_params(qa, k, v, boundary.DeviceArray(0, out.shape, out.strides, out.dtype, None), lse, options)
-            _set_mask(p, _chunk_fields(fields, chunk.start))
+            set_mask(p, shifted(fields, chunk.start))
             p["accum"], p["accum_strides"], p["accum_fresh"] = acc.ptr, acc.strides[:3], int(launched == 0)
             launch_forward(ctx, c_type, p, seqlen_q, heads_q, batch)
             launched += 1
@@ -571,7 +561,7 @@ def attention_chunked_backward(
                 k, v = chunk.k, chunk.v
                 dk, dv = ctx.empty(k.shape, k.dtype), ctx.empty(v.shape, v.dtype)
             attn = attn_params(qa, k, v, a["out"], a["lse"], options)
-            _set_mask(attn, _chunk_fields(fields, chunk.start))
+            set_mask(attn, shifted(fields, chunk.start))
             p = backward_params({"dout": a["dout"], "dlse": a["dlse"]}, [dq_sum, dk, dv], delta, attn)
             p["sum_grads"] = SUM_DQ
             grid = BackwardGrid("dense", batch, seqlen_q, chunk.length, heads_q, k.shape[2], head_dim, batch * seqlen_q, batch * chunk.length)

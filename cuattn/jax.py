@@ -29,11 +29,14 @@ from jax.experimental.buffer_callback import buffer_callback  # noqa: E402
 __all__ = ["attention", "attention_varlen", "attention_with_kvcache", "append_kv", "merge", "call"]
 
 
-def attention(q, k, v, *, causal=False, window=None, align="bottom_right", scale=None, softcap=None, sink=None, return_lse=False):
+def attention(
+    q, k, v, *, causal=False, window=None, align="bottom_right", scale=None, softcap=None, sink=None, sink_tokens=0, return_lse=False,
+):
     """:func:`cuattn.attention` on JAX arrays, differentiable in ``q``, ``k``, ``v``, the
     ``sink`` logits if given (``(heads_q,)`` float32), and through ``lse`` when it is returned
     and used."""
-    options = tuple(AttnOptions.from_user(causal, window, align, scale, softcap, head_dim=q.shape[-1]).flat().items())
+    user = AttnOptions.from_user(causal, window, align, scale, softcap, head_dim=q.shape[-1], sink_tokens=sink_tokens)
+    options = tuple(user.flat().items())
     if sink is None:
         out, lse = _differentiable("attention")(options, q, k, v)
     else:

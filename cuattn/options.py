@@ -35,18 +35,22 @@ class AttnOptions:
     align: str
     scale: float
     softcap: float
+    sink_tokens: int = 0  # keys 0 .. sink_tokens - 1 stay visible beside a window (StreamingLLM)
 
     @classmethod
-    def from_user(cls, causal=False, window=None, align="bottom_right", scale=None, softcap=None, *, head_dim: int) -> AttnOptions:
+    def from_user(
+        cls, causal=False, window=None, align="bottom_right", scale=None, softcap=None, *, head_dim: int, sink_tokens=0,
+    ) -> AttnOptions:
         """The public keywords, checked (TypeError / ValueError naming the option)."""
         causal = check_bool("causal", causal)
+        sink_tokens = check_sink_tokens(sink_tokens)
         left, right = (min(w, _MAX_WINDOW) for w in window_bounds(window))
         if not isinstance(align, str):
             raise TypeError(f"align must be a str, got {type(align).__name__} {align!r}")
         if align not in ALIGNS:
             raise ValueError(f"align must be 'bottom_right' or 'top_left', got {align!r}")
         scale, softcap = score_factors(scale, softcap, head_dim)
-        return cls(causal, left, right, align, scale, softcap)
+        return cls(causal, left, right, align, scale, softcap, sink_tokens)
 
     def flat(self) -> dict:
         """The op table's options (:data:`OP_SCHEMA`)."""
@@ -55,10 +59,12 @@ class AttnOptions:
     def user_keywords(self) -> dict:
         """The public keywords that give these options back."""
         unbounded = (lambda w: None if w == -1 else w)
-        return dict(
+        keywords = dict(
             causal=self.causal, window=(unbounded(self.window_left), unbounded(self.window_right)), align=self.align,
             scale=self.scale, softcap=self.softcap or None,
         )
+        # Only the dense calls take sink_tokens; the others see it only when it was set.
+        return {**keywords, "sink_tokens": self.sink_tokens} if self.sink_tokens else keywords
 
     @property
     def bottom_right(self) -> bool:
@@ -79,6 +85,44 @@ class AttnOptions:
             window_left=left, window_right=right, diagonal_offset=0 if packed else diagonal_offset(seqlen_q, seqlen_k, self.align),
             scale=self.scale, softcap=self.softcap, exp2_scale=LOG2E * (1.0 if self.softcap else self.scale),
         )
+
+    def key_pieces(self, seqlen_q: int, seqlen_k: int) -> list[KeyPiece]:
+        """The key ranges the kernels visit, each with its mask fields (:meth:`kernel_fields`
+        moved to the range's first key). One range, except when sink tokens sit outside a
+        window's left bound: then the sink tokens (masked on the right only) and the rest
+        (masked by the window), disjoint, whose union is the mask; their partial results merge
+        exactly by their lse."""
+        fields = self.kernel_fields(seqlen_q, seqlen_k)
+        sinks = min(self.sink_tokens, seqlen_k)
+        if sinks == 0 or fields["window_left"] < 0:
+            return [KeyPiece(0, seqlen_k, fields)]
+        unbounded_left = {**fields, "window_left": -1}
+        if sinks == seqlen_k:
+            return [KeyPiece(0, seqlen_k, unbounded_left)]
+        return [KeyPiece(0, sinks, unbounded_left), KeyPiece(sinks, seqlen_k, shifted(fields, sinks))]
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyPiece:
+    """Keys ``start .. stop - 1`` and the mask fields of a kernel that sees only them."""
+
+    start: int
+    stop: int
+    fields: dict
+
+
+def shifted(fields: dict, start: int) -> dict:
+    """Mask fields for a kernel whose key 0 is key ``start`` of the sequence: the diagonal moves
+    by ``-start``; window bounds are relative to it and stay."""
+    return {**fields, "diagonal_offset": fields["diagonal_offset"] - start}
+
+
+def check_sink_tokens(sink_tokens) -> int:
+    if isinstance(sink_tokens, (bool, np.bool_)) or not isinstance(sink_tokens, (int, np.integer)):
+        raise TypeError(f"sink_tokens must be an int, got {type(sink_tokens).__name__} {sink_tokens!r}")
+    if sink_tokens < 0:
+        raise ValueError(f"sink_tokens must be >= 0, got {sink_tokens}")
+    return int(sink_tokens)
 
 
 OP_SCHEMA = tuple((f.name, f.type) for f in dataclasses.fields(AttnOptions))  # (name, "bool" | "int" | "str" | "float")

@@ -38,13 +38,14 @@ def window_bounds(causal: bool, window) -> tuple[int, int]:
     return left, right
 
 
-def visible(rows: np.ndarray, cols: np.ndarray, offset: int, left: int, right: int) -> np.ndarray:
+def visible(rows: np.ndarray, cols: np.ndarray, offset: int, left: int, right: int, sink_tokens: int = 0) -> np.ndarray:
     """Boolean (len(rows), len(cols)): query row i sees key j when
-    i + offset - left <= j <= i + offset + right (a bound of -1 is unbounded)."""
+    i + offset - left <= j <= i + offset + right (a bound of -1 is unbounded); keys
+    j < sink_tokens are exempt from the left bound."""
     diag = rows[:, None] + offset
     ok = np.ones((len(rows), len(cols)), dtype=bool)
     if left >= 0:
-        ok &= cols[None, :] >= diag - left
+        ok &= (cols[None, :] >= diag - left) | (cols[None, :] < sink_tokens)
     if right >= 0:
         ok &= cols[None, :] <= diag + right
     return ok
@@ -62,7 +63,8 @@ def _expand_kv(x: np.ndarray, heads_q: int) -> np.ndarray:
     return np.repeat(x, heads_q // x.shape[2], axis=2)
 
 
-def attention(q, k, v, *, causal=False, window=None, align="bottom_right", scale=None, softcap=None, sink=None, return_lse=False, out=None):
+def attention(q, k, v, *, causal=False, window=None, align="bottom_right", scale=None, softcap=None, sink=None, sink_tokens=0,
+              return_lse=False, out=None):
     """Reference attention; see :func:`cuattn.attention`. Returns float64 ``out`` (and ``lse``)."""
     q, k, v = _f64(q), _f64(k), _f64(v)
     batch, seqlen_q, heads_q, head_dim = q.shape
@@ -82,7 +84,7 @@ def attention(q, k, v, *, causal=False, window=None, align="bottom_right", scale
             for n0 in range(0, seqlen_k, KEY_CHUNK):
                 cols = np.arange(n0, min(n0 + KEY_CHUNK, seqlen_k))
                 s = _scores(q[b, rows], kb[cols], scale, softcap)
-                s = np.where(visible(rows, cols, offset, left, right)[None], s, -np.inf)
+                s = np.where(visible(rows, cols, offset, left, right, sink_tokens)[None], s, -np.inf)
                 new_max = np.maximum(row_max, s.max(axis=2))
                 safe = np.where(np.isfinite(new_max), new_max, 0.0)
                 rescale = np.exp(row_max - safe)  # online softmax: old terms move to the new max
@@ -150,7 +152,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=No
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, align="bottom_right", scale=None, softcap=None, sink=None,
-                       dlse=None, deterministic=False):
+                       sink_tokens=0, dlse=None, deterministic=False):
     """Reference gradients ``(dq, dk, dv)`` of :func:`attention`, from the saved ``lse``
     (with ``sink``, ``(dq, dk, dv, dsink)``).
 
@@ -178,7 +180,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, al
                 cols = np.arange(n0, min(n0 + KEY_CHUNK, seqlen_k))
                 raw = np.einsum("mhd,nhd->hmn", q[b, rows], kb[cols]) * scale
                 s = softcap * np.tanh(raw / softcap) if softcap else raw
-                mask = visible(rows, cols, offset, left, right)[None]
+                mask = visible(rows, cols, offset, left, right, sink_tokens)[None]
                 row_lse = lse[b][:, rows][..., None]
                 p = np.where(mask & np.isfinite(row_lse), np.exp(s - np.where(np.isfinite(row_lse), row_lse, 0.0)), 0.0)
                 dp = np.einsum("mhd,nhd->hmn", dout[b, rows], vb[cols])

@@ -29,7 +29,9 @@ _LIBRARY = torch.library.Library("cuattn", "FRAGMENT")
 _TENSOR_KINDS = {"?": "Tensor?", "]": "Tensor[]"}
 
 
-def attention(q, k, v, *, causal=False, window=None, align="bottom_right", scale=None, softcap=None, sink=None, return_lse=False):
+def attention(
+    q, k, v, *, causal=False, window=None, align="bottom_right", scale=None, softcap=None, sink=None, sink_tokens=0, return_lse=False,
+):
     """:func:`cuattn.attention` on torch tensors, differentiable in ``q``, ``k``, ``v``, the
     ``sink`` logits if given (``(heads_q,)`` float32), and through ``lse`` when it is returned
     and used."""
@@ -37,13 +39,14 @@ def attention(q, k, v, *, causal=False, window=None, align="bottom_right", scale
     if _eager(*tensors):
         if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
             return core_attention(
-                q, k, v, causal=causal, window=window, align=align, scale=scale, softcap=softcap, sink=sink, return_lse=return_lse,
+                q, k, v, causal=causal, window=window, align=align, scale=scale, softcap=softcap, sink=sink, sink_tokens=sink_tokens,
+                return_lse=return_lse,
             )
-        out, lse = _EagerAttention.apply(q, k, v, sink, (causal, window, align, scale, softcap))
+        out, lse = _EagerAttention.apply(q, k, v, sink, (causal, window, align, scale, softcap, sink_tokens))
     elif sink is None:
-        out, lse = op("attention")(q, k, v, *_flat_mask_options(causal, window, align, scale, softcap, q.shape[-1]))
+        out, lse = op("attention")(q, k, v, *_flat_mask_options(causal, window, align, scale, softcap, q.shape[-1], sink_tokens))
     else:
-        out, lse = op("attention_sink")(q, k, v, sink, *_flat_mask_options(causal, window, align, scale, softcap, q.shape[-1]))
+        out, lse = op("attention_sink")(q, k, v, sink, *_flat_mask_options(causal, window, align, scale, softcap, q.shape[-1], sink_tokens))
     return (out, lse) if check_bool("return_lse", return_lse) else out
 
 
@@ -131,14 +134,16 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 _FLAT_OPTIONS: dict[tuple, tuple] = {}
 
 
-def _flat_mask_options(causal, window, align, scale, softcap, head_dim) -> tuple:
+def _flat_mask_options(causal, window, align, scale, softcap, head_dim, sink_tokens=0) -> tuple:
     """The op's option values (:class:`cuattn.options.AttnOptions`), remembered per distinct
     arguments once they passed its checks."""
     try:
-        key = replay.option_key((causal, window, align, scale, softcap, head_dim))
+        key = replay.option_key((causal, window, align, scale, softcap, head_dim, sink_tokens))
         return _FLAT_OPTIONS[key]
     except (KeyError, TypeError):
-        options = tuple(AttnOptions.from_user(causal, window, align, scale, softcap, head_dim=head_dim).flat().values())
+        options = tuple(
+            AttnOptions.from_user(causal, window, align, scale, softcap, head_dim=head_dim, sink_tokens=sink_tokens).flat().values()
+        )
     if len(_FLAT_OPTIONS) < replay.MAX_PLANS:
         _FLAT_OPTIONS[key] = options
     return options
@@ -162,8 +167,11 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, sink, options):
-        causal, window, align, scale, softcap = options
-        out, lse = core_attention(q, k, v, causal=causal, window=window, align=align, scale=scale, softcap=softcap, sink=sink, return_lse=True)
+        causal, window, align, scale, softcap, sink_tokens = options
+        out, lse = core_attention(
+            q, k, v, causal=causal, window=window, align=align, scale=scale, softcap=softcap, sink=sink, sink_tokens=sink_tokens,
+            return_lse=True,
+        )
         ctx.save_for_backward(q, k, v, out, lse, sink)
         ctx.options = options
         ctx.set_materialize_grads(False)
@@ -178,14 +186,15 @@ class _EagerAttention(torch.autograd.Function):
         dout, dlse = _kernel_ready(dout), _kernel_ready(dlse)
         deterministic = torch.are_deterministic_algorithms_enabled()
         if not _eager(*(t for t in (dout, q, k, v, out, lse, dlse, sink) if t is not None)):  # e.g. compiled autograd
-            flat = _flat_mask_options(*ctx.options, q.shape[-1])
+            causal, window, align, scale, softcap, sink_tokens = ctx.options
+            flat = _flat_mask_options(causal, window, align, scale, softcap, q.shape[-1], sink_tokens)
             if sink is None:
                 return (*op("attention_backward")(dout, q, k, v, out, lse, dlse, *flat, deterministic), None, None)
             return (*op("attention_sink_backward")(dout, q, k, v, out, lse, dlse, sink, *flat, deterministic), None)
-        causal, window, align, scale, softcap = ctx.options
+        causal, window, align, scale, softcap, sink_tokens = ctx.options
         grads = core_attention_backward(
             dout, q, k, v, out, lse, causal=causal, window=window, align=align, scale=scale, softcap=softcap, sink=sink,
-            dlse=dlse, deterministic=deterministic,
+            sink_tokens=sink_tokens, dlse=dlse, deterministic=deterministic,
         )
         return (*grads, None) if sink is not None else (*grads, None, None)
 

@@ -60,7 +60,7 @@ def to_host(x) -> np.ndarray:
     return np.asarray(x).astype(np.float64)
 
 
-def _naive_probs(q, k, rnd, causal, window, align, scale, softcap, sink=None):
+def _naive_probs(q, k, rnd, causal, window, align, scale, softcap, sink=None, sink_tokens=0):
     """(capped scores, probabilities, scale) of naive attention on fp32 q and head-expanded k;
     with ``sink`` (per head) the probabilities of the sink column come last along the keys."""
     import math
@@ -73,7 +73,7 @@ def _naive_probs(q, k, rnd, causal, window, align, scale, softcap, sink=None):
         s = rnd(softcap * np.tanh(s / softcap))
     sq, sk = q.shape[1], k.shape[1]
     left, right = reference.window_bounds(causal, window)
-    ok = reference.visible(np.arange(sq), np.arange(sk), reference.diagonal_offset(sq, sk, align), left, right)
+    ok = reference.visible(np.arange(sq), np.arange(sk), reference.diagonal_offset(sq, sk, align), left, right, sink_tokens)
     sm = np.where(ok, s, -np.inf)
     if sink is not None:
         sm = np.concatenate([sm, np.broadcast_to(np.asarray(sink, np.float32)[None, :, None, None], (*sm.shape[:3], 1))], axis=-1)
@@ -83,7 +83,7 @@ def _naive_probs(q, k, rnd, causal, window, align, scale, softcap, sink=None):
     return s, rnd(e / np.where(den > 0, den, 1)), scale
 
 
-def naive_attention(q, k, v, dtype, causal=False, window=None, align="bottom_right", scale=None, softcap=None, sink=None):
+def naive_attention(q, k, v, dtype, causal=False, window=None, align="bottom_right", scale=None, softcap=None, sink=None, sink_tokens=0):
     """Textbook attention done in the input precision (products accumulated in fp32, every
     intermediate rounded to ``dtype``): the yardstick of the FlashAttention test criterion."""
     dt = DTYPES[dtype]
@@ -91,7 +91,7 @@ def naive_attention(q, k, v, dtype, causal=False, window=None, align="bottom_rig
     q, k, v = (np.asarray(x).astype(np.float32) for x in (q, k, v))
     hq, hk = q.shape[2], k.shape[2]
     k, v = np.repeat(k, hq // hk, axis=2), np.repeat(v, hq // hk, axis=2)
-    _, p, _ = _naive_probs(q, k, rnd, causal, window, align, scale, softcap, sink)
+    _, p, _ = _naive_probs(q, k, rnd, causal, window, align, scale, softcap, sink, sink_tokens)
     return rnd(np.einsum("bhmn,bnhd->bmhd", p[..., : k.shape[1]], v))
 
 
@@ -115,7 +115,7 @@ def result_ulp(ref, dtype) -> float:
 
 
 def naive_attention_backward(dout, q, k, v, dtype, causal=False, window=None, align="bottom_right", scale=None, softcap=None, dlse=None,
-                             sink=None):
+                             sink=None, sink_tokens=0):
     """Textbook autograd of :func:`naive_attention` in the input precision (fp32 products,
     every intermediate rounded to ``dtype``): the yardstick for backward accuracy. With
     ``sink``, also its gradient (summed in fp32)."""
@@ -126,7 +126,7 @@ def naive_attention_backward(dout, q, k, v, dtype, causal=False, window=None, al
     group = hq // hk
     ke, ve = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
     sk = k.shape[1]
-    s, p, scale = _naive_probs(q, ke, rnd, causal, window, align, scale, softcap, sink)
+    s, p, scale = _naive_probs(q, ke, rnd, causal, window, align, scale, softcap, sink, sink_tokens)
     p, p_sink = p[..., :sk], p[..., sk:]
     dv = rnd(np.einsum("bhmn,bmhd->bnhd", p, dout))
     dp = rnd(np.einsum("bmhd,bnhd->bhmn", dout, ve))

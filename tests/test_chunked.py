@@ -9,7 +9,7 @@ import pytest
 
 import cuattn
 from cuattn import boundary, chunked, reference
-from cuattn.options import AttnOptions
+from cuattn.options import AttnOptions, shifted
 from helpers import (
     KERNEL_PATHS, assert_attention_accuracy, kernel_path, max_err, naive_attention, naive_attention_backward, poison_cupy_pool, randn,
 )
@@ -34,7 +34,7 @@ def test_visible_keys_bound_what_the_mask_shows(sq, sk, kw):
         assert last < first
     for start in range(0, sk, 16):  # the chunk's own mask, moved by its start, shows the same keys
         stop = min(start + 16, sk)
-        local = chunked._chunk_fields(fields, start)
+        local = shifted(fields, start)
         ok = reference.visible(np.arange(sq), np.arange(stop - start), local["diagonal_offset"], local["window_left"], local["window_right"])
         full = reference.visible(np.arange(sq), np.arange(sk), fields["diagonal_offset"], fields["window_left"], fields["window_right"])
         np.testing.assert_array_equal(ok, full[:, start:stop])
