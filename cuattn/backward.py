@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from cuattn import boundary, params, replay, validation
+from cuattn import boundary, loader, params, replay, validation
 from cuattn.attention import _LAYOUT, attn_params, check_qkv, check_sink, key_rows, require_arrays, set_mask
 from cuattn.kernels import backward
 from cuattn.kernels.backward import BackwardGrid
 from cuattn.kernels.variant import head_dim_bucket
 from cuattn.loader import device_smem_limit, wgmma_enabled
+from cuattn.merge import sum_rows
 from cuattn.options import AttnOptions
 from cuattn.validation import check_bool
 
@@ -106,23 +107,56 @@ def attention_backward(
 def _backward_pieces(ctx, c_type, a, grads, delta, options, pieces, deterministic) -> None:
     """Backward over disjoint key ranges (AttnOptions.key_pieces) with the global ``out`` and
     ``lse``: each range's dK / dV are exact and written in place; the kernels add each range's
-    dQ into an fp32 sum, rounded into ``dq`` once. dsink (from the global lse) with the first."""
-    from cuattn.merge import sum_rows
-
+    dQ into an fp32 sum, rounded into ``dq`` once. dsink (from the global lse) with the first.
+    A range of few key blocks (the sink tokens) splits each block's query steps over CTAs
+    (backward.query_splits), each adding into its own fp32 dK / dV, summed in a fixed order."""
     q = a["q"]
     batch, seqlen_q, heads_q, head_dim = q.shape
+    heads_kv = a["k"].shape[2]
     dq_sum = ctx.empty(q.shape, np.float32)
-    ctx.zero(dq_sum)
+    jobs = []  # everything allocated before the first fill or launch (plan_backward)
     for i, piece in enumerate(pieces):
         keys = piece.stop - piece.start
         k, v, dk, dv = (key_rows(x, piece.start, piece.stop) for x in (a["k"], a["v"], grads[1], grads[2]))
         attn = attn_params(q, k, v, a["out"], a["lse"], options, sink=a["sink"] if i == 0 else None)
         set_mask(attn, piece.fields)
-        p = backward_params(a, [dq_sum, dk, dv, *grads[3:4 if i == 0 else 3]], delta, attn)
-        p["sum_grads"] = SUM_DQ
-        grid = BackwardGrid("dense", batch, seqlen_q, keys, heads_q, k.shape[2], head_dim, batch * seqlen_q, batch * keys)
-        launch_backward(ctx, c_type, p, grid, deterministic)
+        grid = BackwardGrid("dense", batch, seqlen_q, keys, heads_q, heads_kv, head_dim, batch * seqlen_q, batch * keys)
+        sink_grad = grads[3:4] if i == 0 else []
+        # Shapes what is allocated: a traced JAX call records it (its trace has no device object).
+        splits = ctx.decide(f"query_splits_{i}", lambda: backward.query_splits(c_type, grid, loader.device_sm_count(ctx.device_index())))
+        partials = None
+        if splits == 1:
+            p = backward_params(a, [dq_sum, dk, dv, *sink_grad], delta, attn)
+            p["sum_grads"] = SUM_DQ
+        else:
+            partials = ctx.empty((2 * splits * batch, keys, heads_kv, head_dim), np.float32)  # dK's splits, then dV's
+            dk_parts, dv_parts = (_outer_rows(partials, first, batch) for first in (0, splits * batch))
+            p = backward_params(a, [dq_sum, dk_parts, dv_parts, *sink_grad], delta, attn)
+            p["sum_grads"], p["query_splits"], p["split_stride"] = SUM_DQ | SUM_DKDV, splits, batch * partials.strides[0]
+        jobs.append((p, grid, splits, plan_backward(ctx, c_type, p, grid, deterministic, splits), partials, dk, dv))
+    ctx.zero(dq_sum, *(job[4] for job in jobs if job[4] is not None))
+    for p, grid, splits, fused, partials, dk, dv in jobs:
+        launch_backward(ctx, c_type, p, grid, deterministic, splits, fused)
+        if partials is not None:
+            for first, out in ((0, dk), (splits * batch, dv)):
+                _sum_splits(ctx, partials, first, splits, batch, out)
     sum_rows(ctx, None, dq_sum, grads[0])
+
+
+def _outer_rows(x: boundary.DeviceArray, first: int, count: int) -> boundary.DeviceArray:
+    """Entries ``first .. first + count - 1`` of a device view's first dimension."""
+    return boundary.DeviceArray(x.ptr + first * x.strides[0] * x.dtype.itemsize, (count, *x.shape[1:]), x.strides, x.dtype, None)
+
+
+def _sum_splits(ctx, partials, first: int, splits: int, batch: int, out) -> None:
+    """``out`` <- the sum of ``splits`` fp32 partials of ``batch`` entries each from entry
+    ``first`` of ``partials``, rounded once: halves added pairwise (log2(splits) launches)."""
+    width = splits
+    while width > 2:
+        half = width // 2
+        sum_rows(ctx, _outer_rows(partials, first + half * batch, half * batch), _outer_rows(partials, first, half * batch))
+        width = half
+    sum_rows(ctx, _outer_rows(partials, first + batch, batch), _outer_rows(partials, first, batch), out)
 
 
 def check_dout(dout, q, c_type: str, layout: str) -> None:
@@ -154,31 +188,45 @@ def backward_params(a, grads, delta, attn: np.void) -> np.void:
         dv_strides=dv.strides[:3], dlse_strides=(0, 0) if dlse is None else dlse.strides[:2],
         delta_strides=delta.strides[:2],
         dq_accum=0, dq_accum_tile_strides=(0, 0), dq_accum_cols=0,  # set by launch_backward when the fused kernel runs
-        sum_grads=0,
+        sum_grads=0, query_splits=1, split_stride=0,
     )
 
 
-def launch_backward(ctx, c_type: str, p: np.void, g: BackwardGrid, deterministic: bool) -> None:
+def plan_backward(ctx, c_type: str, p: np.void, g: BackwardGrid, deterministic: bool, query_splits: int = 1) -> bool:
+    """Whether the fused kernel runs; allocates its dQ accumulator and points ``p`` at it. A
+    schedule of several backward calls plans them all before its first fill or launch (a
+    traced JAX call records allocations up to there). ``query_splits`` > 1 (p's query_splits
+    and split_stride set, dK / dV summed into fp32 partials) takes the unfused kernels."""
     bucket, softcap, layout = head_dim_bucket(g.head_dim), bool(p["attn"]["softcap"] > 0), g.layout
     # Whether dQ goes through an fp32 accumulator is decided once: a traced JAX call replays
     # the decision that sized its buffers, whatever CUATTN_WGMMA says by then; a device that
     # cannot run the fused kernel (not Hopper) takes the deterministic kernels and leaves the
     # accumulator unused.
-    use_accum = ctx.decide(
+    use_accum = query_splits == 1 and ctx.decide(
         "dq_accumulator",
         lambda: not deterministic and g.accumulator_fits()
         and backward.select_fused(c_type, bucket, softcap, ctx.arch(), wgmma_enabled(), layout) is not None,
     )
-    arch = ctx.arch()
-    fused = use_accum and backward.select_fused(c_type, bucket, softcap, arch, layout=layout) is not None
+    fused = use_accum and backward.select_fused(c_type, bucket, softcap, ctx.arch(), layout=layout) is not None
     if use_accum and g.rows * g.heads_q:
         shape, tile_strides = g.dq_accumulator(bucket)
         accum = ctx.empty(shape, np.float32)
         if fused:
             p["dq_accum"], p["dq_accum_tile_strides"], p["dq_accum_cols"] = accum.ptr, tile_strides, bucket
+    return fused
+
+
+def launch_backward(
+    ctx, c_type: str, p: np.void, g: BackwardGrid, deterministic: bool, query_splits: int = 1, fused: bool | None = None,
+) -> None:
+    """The backward's launches, planned here unless :func:`plan_backward` gave ``fused``."""
+    if fused is None:
+        fused = plan_backward(ctx, c_type, p, g, deterministic, query_splits)
+    softcap, arch = bool(p["attn"]["softcap"] > 0), ctx.arch()
     with ctx.device, ctx.stream:
         sink = bool(p["attn"]["sink"])
-        for variant, variant_launches in backward.launches(g, c_type, softcap, arch, wgmma_enabled(), device_smem_limit(ctx.device.id), fused, sink):
+        plan = backward.launches(g, c_type, softcap, arch, wgmma_enabled(), device_smem_limit(ctx.device.id), fused, sink, query_splits)
+        for variant, variant_launches in plan:
             for grid, block, batch_offset in variant_launches:
                 if batch_offset is not None:
                     p["attn"]["batch_offset"] = batch_offset

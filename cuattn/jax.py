@@ -19,7 +19,7 @@ import numpy as np
 
 from cuattn import boundary, ops, replay, requirements
 from cuattn.decode import check_num_splits
-from cuattn.options import AttnOptions, flat_seqlen_bounds
+from cuattn.options import WINDOW_SCHEMA, AttnOptions, flat_seqlen_bounds
 from cuattn.validation import check_bool
 
 requirements.require("jax", "cupy", by="cuattn.jax")  # before importing what older releases lack
@@ -51,7 +51,7 @@ def attention_varlen(
     """:func:`cuattn.attention_varlen` on JAX arrays (``cu_seqlens_*`` int32), differentiable
     in ``q``, ``k``, ``v`` (and through ``lse``). Under ``jax.jit`` the offsets are traced:
     pass ``max_seqlen_*`` as Python ints when known, else the grids are sized by the totals."""
-    options = {**AttnOptions.from_user(causal, window, align, scale, softcap, head_dim=q.shape[-1]).flat(),
+    options = {**AttnOptions.from_user(causal, window, align, scale, softcap, head_dim=q.shape[-1]).flat(WINDOW_SCHEMA),
                **flat_seqlen_bounds(max_seqlen_q, max_seqlen_k)}
     out, lse = _differentiable("attention_varlen")(tuple(options.items()), q, k, v, cu_seqlens_q, cu_seqlens_k)
     return (out, lse) if check_bool("return_lse", return_lse) else out
@@ -105,7 +105,7 @@ def attention_with_kvcache(
     v_cache)`` (``(out, lse, k_cache, v_cache)`` with ``return_lse``), the caches with the new
     rows written; donate the caches (``jax.jit(..., donate_argnums=...)``) and they are updated
     in place, else XLA copies them first."""
-    options = AttnOptions.from_user(causal, window, "bottom_right", scale, softcap, head_dim=q.shape[-1]).flat()
+    options = AttnOptions.from_user(causal, window, "bottom_right", scale, softcap, head_dim=q.shape[-1]).flat(WINDOW_SCHEMA)
     del options["align"]
     options["num_splits"] = -1 if num_splits is None else check_num_splits(num_splits)
     out, lse, *caches = call(

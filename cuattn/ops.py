@@ -17,7 +17,7 @@ from cuattn.attention import attention
 from cuattn.backward import attention_backward
 from cuattn.decode import append_kv, attention_with_kvcache
 from cuattn.merge import merge
-from cuattn.options import OP_SCHEMA, SEQLEN_SCHEMA, AttnOptions, user_seqlen_bounds
+from cuattn.options import OP_SCHEMA, SEQLEN_SCHEMA, WINDOW_SCHEMA, AttnOptions, user_seqlen_bounds
 from cuattn.varlen import attention_varlen, attention_varlen_backward
 
 # Array arguments: "name" a tensor, "name?" an optional one, "name[]" a list of tensors.
@@ -50,7 +50,7 @@ class OpEntry:
 
 
 MASK_OPTIONS = OP_SCHEMA  # cuattn.options.AttnOptions' fields
-VARLEN_OPTIONS = MASK_OPTIONS + SEQLEN_SCHEMA
+VARLEN_OPTIONS = WINDOW_SCHEMA + SEQLEN_SCHEMA
 
 
 def _attention_outputs(q, k, v, **_):
@@ -77,7 +77,7 @@ def _varlen_backward_outputs(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k
 
 # attention_with_kvcache: the mask options without align (new tokens are bottom-right aligned),
 # and the number of key splits (-1: chosen from the shapes).
-DECODE_OPTIONS = tuple((name, kind) for name, kind in MASK_OPTIONS if name != "align") + (("num_splits", "int"),)
+DECODE_OPTIONS = tuple((name, kind) for name, kind in WINDOW_SCHEMA if name != "align") + (("num_splits", "int"),)
 
 
 def _decode_keywords(num_splits: int, **flat) -> dict:

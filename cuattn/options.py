@@ -52,9 +52,9 @@ class AttnOptions:
         scale, softcap = score_factors(scale, softcap, head_dim)
         return cls(causal, left, right, align, scale, softcap, sink_tokens)
 
-    def flat(self) -> dict:
-        """The op table's options (:data:`OP_SCHEMA`)."""
-        return dataclasses.asdict(self)
+    def flat(self, schema: tuple | None = None) -> dict:
+        """The op table's options (:data:`OP_SCHEMA`, or ``schema``: :data:`WINDOW_SCHEMA`)."""
+        return {name: getattr(self, name) for name, _ in (OP_SCHEMA if schema is None else schema)}
 
     def user_keywords(self) -> dict:
         """The public keywords that give these options back."""
@@ -126,6 +126,7 @@ def check_sink_tokens(sink_tokens) -> int:
 
 
 OP_SCHEMA = tuple((f.name, f.type) for f in dataclasses.fields(AttnOptions))  # (name, "bool" | "int" | "str" | "float")
+WINDOW_SCHEMA = tuple(f for f in OP_SCHEMA if f[0] != "sink_tokens")  # the ops without sink tokens (varlen, decode)
 
 
 def window_bounds(window) -> tuple[int, int]:

@@ -111,6 +111,8 @@ BACKWARD_PARAMS = np.dtype(
         ("dq_accum_tile_strides", np.int64, (2,)),
         ("dq_accum_cols", np.int32),
         ("sum_grads", np.int32),
+        ("query_splits", np.int32),
+        ("split_stride", np.int64),
     ],
     align=True,
 )

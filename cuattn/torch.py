@@ -17,7 +17,7 @@ from cuattn.attention import attention as core_attention
 from cuattn.backward import attention_backward as core_attention_backward
 from cuattn.decode import append_kv as core_append_kv, attention_with_kvcache as core_attention_with_kvcache, check_num_splits
 from cuattn.merge import merge as core_merge
-from cuattn.options import AttnOptions, flat_seqlen_bounds
+from cuattn.options import OP_SCHEMA, WINDOW_SCHEMA, AttnOptions, flat_seqlen_bounds
 from cuattn.validation import check_bool
 from cuattn.varlen import attention_varlen as core_attention_varlen
 
@@ -62,7 +62,7 @@ def attention_varlen(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal,
             window=window, align=align, scale=scale, softcap=softcap, return_lse=return_lse,
         )
-    options = _flat_mask_options(causal, window, align, scale, softcap, q.shape[-1])
+    options = _flat_mask_options(causal, window, align, scale, softcap, q.shape[-1], schema=WINDOW_SCHEMA)
     bounds = tuple(flat_seqlen_bounds(max_seqlen_q, max_seqlen_k).values())
     out, lse = op("attention_varlen")(q, k, v, cu_seqlens_q, cu_seqlens_k, *options, *bounds)
     return (out, lse) if check_bool("return_lse", return_lse) else out
@@ -84,7 +84,7 @@ def attention_with_kvcache(
             cache_batch_idx=cache_batch_idx, causal=causal, window=window, scale=scale, softcap=softcap, sink=sink,
             num_splits=num_splits, return_lse=return_lse,
         )
-    flat = AttnOptions.from_user(causal, window, "bottom_right", scale, softcap, head_dim=q.shape[-1]).flat()
+    flat = AttnOptions.from_user(causal, window, "bottom_right", scale, softcap, head_dim=q.shape[-1]).flat(WINDOW_SCHEMA)
     del flat["align"]
     splits = -1 if num_splits is None else check_num_splits(num_splits)
     if k_new is None and v_new is None:
@@ -134,16 +134,15 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 _FLAT_OPTIONS: dict[tuple, tuple] = {}
 
 
-def _flat_mask_options(causal, window, align, scale, softcap, head_dim, sink_tokens=0) -> tuple:
-    """The op's option values (:class:`cuattn.options.AttnOptions`), remembered per distinct
-    arguments once they passed its checks."""
+def _flat_mask_options(causal, window, align, scale, softcap, head_dim, sink_tokens=0, schema=OP_SCHEMA) -> tuple:
+    """The op's option values (:class:`cuattn.options.AttnOptions` in ``schema``'s order),
+    remembered per distinct arguments once they passed its checks."""
     try:
-        key = replay.option_key((causal, window, align, scale, softcap, head_dim, sink_tokens))
+        key = replay.option_key((causal, window, align, scale, softcap, head_dim, sink_tokens, len(schema)))
         return _FLAT_OPTIONS[key]
     except (KeyError, TypeError):
-        options = tuple(
-            AttnOptions.from_user(causal, window, align, scale, softcap, head_dim=head_dim, sink_tokens=sink_tokens).flat().values()
-        )
+        user = AttnOptions.from_user(causal, window, align, scale, softcap, head_dim=head_dim, sink_tokens=sink_tokens)
+        options = tuple(user.flat(schema).values())
     if len(_FLAT_OPTIONS) < replay.MAX_PLANS:
         _FLAT_OPTIONS[key] = options
     return options

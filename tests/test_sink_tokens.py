@@ -88,9 +88,9 @@ CASES = [
 
 
 @gpu
-@pytest.mark.parametrize("path", KERNEL_PATHS)
 @pytest.mark.parametrize("dtype, sq, sk, hq, hk, d, n, kw, with_sink", CASES)
-def test_forward_and_backward_match_the_reference(path, dtype, sq, sk, hq, hk, d, n, kw, with_sink):
+def test_forward_and_backward_match_the_reference(dtype, sq, sk, hq, hk, d, n, kw, with_sink):
+    """Both kernel paths against one float64 reference; 16-bit backward through query splits."""
     import cupy
 
     rng = np.random.default_rng(sq * 13 + sk + n)
@@ -100,27 +100,29 @@ def test_forward_and_backward_match_the_reference(path, dtype, sq, sk, hq, hk, d
     sink = (rng.standard_normal(hq) * 2.0).astype(np.float32) if with_sink else None
     kw = {**kw, "sink_tokens": n, "sink": sink}
     ref_out, ref_lse = reference.attention(q, k, v, return_lse=True, **kw)
-    with kernel_path(path):
-        poison_cupy_pool()
-        dev = [cupy.asarray(x) for x in (q, k, v, dout, dlse)]
-        dkw = {**kw, "sink": None if sink is None else cupy.asarray(sink)}
-        out, lse = cuattn.attention(*dev[:3], return_lse=True, **dkw)
-        assert_attention_accuracy(out.get(), ref_out, naive_attention(q, k, v, dtype, **kw))
-        lse = lse.get()
-        assert not np.isnan(lse).any()
-        np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=1e-5)
-        np.testing.assert_array_equal(cuattn.attention(*dev[:3], **dkw).get(), out.get())  # without return_lse, the same result
-        ref = reference.attention_backward(dout, q, k, v, ref_out, ref_lse, dlse=dlse, **kw)
-        naive = naive_attention_backward(dout, q, k, v, dtype, dlse=dlse, **kw)
-        for deterministic in (False, True):
+    naive_out = naive_attention(q, k, v, dtype, **kw)
+    ref = reference.attention_backward(dout, q, k, v, ref_out, ref_lse, dlse=dlse, **kw)
+    naive = naive_attention_backward(dout, q, k, v, dtype, dlse=dlse, **kw)
+    for path in KERNEL_PATHS:
+        with kernel_path(path):
             poison_cupy_pool()
-            grads = cuattn.attention_backward(dev[3], *dev[:3], out, cupy.asarray(lse), dlse=dev[4], deterministic=deterministic, **dkw)
-            assert len(grads) == len(ref)
-            for name, g, r, nv in zip(("dq", "dk", "dv", "dsink"), grads, ref, naive):
-                g = g.get()
-                assert g.shape == r.shape and not np.isnan(g.astype(np.float32)).any(), name
-                bound = 3.0 * max_err(nv, r) + 1e-5 * max(1.0, float(np.abs(r).max()))
-                assert max_err(g, r) <= bound, f"{name}: {max_err(g, r):.3e} > {bound:.3e}"
+            dev = [cupy.asarray(x) for x in (q, k, v, dout, dlse)]
+            dkw = {**kw, "sink": None if sink is None else cupy.asarray(sink)}
+            out, lse = cuattn.attention(*dev[:3], return_lse=True, **dkw)
+            assert_attention_accuracy(out.get(), ref_out, naive_out)
+            lse_host = lse.get()
+            assert not np.isnan(lse_host).any()
+            np.testing.assert_allclose(lse_host, ref_lse, rtol=1e-5, atol=1e-5)
+            np.testing.assert_array_equal(cuattn.attention(*dev[:3], **dkw).get(), out.get())  # without return_lse, the same result
+            for deterministic in (False, True):
+                poison_cupy_pool()
+                grads = cuattn.attention_backward(dev[3], *dev[:3], out, lse, dlse=dev[4], deterministic=deterministic, **dkw)
+                assert len(grads) == len(ref)
+                for name, g, r, nv in zip(("dq", "dk", "dv", "dsink"), grads, ref, naive):
+                    g = g.get()
+                    assert g.shape == r.shape and not np.isnan(g.astype(np.float32)).any(), f"{path} {name}"
+                    bound = 3.0 * max_err(nv, r) + 1e-5 * max(1.0, float(np.abs(r).max()))
+                    assert max_err(g, r) <= bound, f"{path} {name}: {max_err(g, r):.3e} > {bound:.3e}"
 
 
 @gpu
@@ -156,7 +158,7 @@ def test_torch_eager_and_compiled_gradients_match_the_reference():
 
     rng = np.random.default_rng(6)
     q, k, v = randn(rng, (2, 300, 8, 64), "bfloat16"), randn(rng, (2, 300, 2, 64), "bfloat16"), randn(rng, (2, 300, 2, 64), "bfloat16")
-    w = rng.standard_normal((2, 300, 8, 64)).astype(np.float32)
+    w = randn(rng, (2, 300, 8, 64), "bfloat16").astype(np.float32)  # the cotangent reaches the kernels rounded to bf16
     kw = {"causal": True, "window": (40, 0), "sink_tokens": 4}
     ref_out, ref_lse = reference.attention(q, k, v, return_lse=True, **kw)
     ref = reference.attention_backward(w, q, k, v, ref_out, ref_lse, **kw)
@@ -177,22 +179,42 @@ def test_torch_eager_and_compiled_gradients_match_the_reference():
 
 
 @gpu
-def test_jax_gradients_match_the_reference():
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bfloat16: the sink range's dK / dV in query splits
+def test_jax_gradients_match_the_reference(dtype):
     jax = pytest.importorskip("jax")
     import jax.numpy as jnp
 
     import cuattn.jax as cj
 
     rng = np.random.default_rng(3)
-    q, k, v = randn(rng, (2, 150, 4, 64), "float32"), randn(rng, (2, 160, 2, 64), "float32"), randn(rng, (2, 160, 2, 64), "float32")
-    w = rng.standard_normal((2, 150, 4, 64)).astype(np.float32)
+    q, k, v = randn(rng, (2, 150, 4, 64), dtype), randn(rng, (2, 160, 2, 64), dtype), randn(rng, (2, 160, 2, 64), dtype)
+    w = randn(rng, (2, 150, 4, 64), dtype).astype(np.float32)  # the cotangent reaches the kernels rounded to dtype
     kw = {"causal": True, "window": (16, 0), "sink_tokens": 3}
 
     def loss(q, k, v):
-        return (cj.attention(q, k, v, **kw) * w).sum()
+        return (cj.attention(q, k, v, **kw).astype(jnp.float32) * w).sum()
 
     grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*map(jnp.asarray, (q, k, v)))
     ref_out, ref_lse = reference.attention(q, k, v, return_lse=True, **kw)
     ref = reference.attention_backward(w, q, k, v, ref_out, ref_lse, **kw)
-    for g, r in zip(grads, ref):
-        np.testing.assert_allclose(np.asarray(g), r, rtol=2e-4, atol=2e-4)
+    naive = naive_attention_backward(w, q, k, v, dtype, **kw)
+    for g, r, nv in zip(grads, ref, naive):
+        g = np.asarray(g).astype(np.float64)
+        if dtype == "float32":
+            np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-4)
+        else:
+            assert max_err(g, r) <= 3.0 * max_err(nv, r) + 1e-5 * max(1.0, float(np.abs(r).max()))
+
+def test_query_splits_fill_the_gpu_only_where_key_blocks_are_few():
+    from cuattn.kernels.backward import MAX_QUERY_SPLITS, BackwardGrid, query_splits
+
+    def splits(c_type, batch, sq, sk, hq, hk, d, layout="dense"):
+        return query_splits(c_type, BackwardGrid(layout, batch, sq, sk, hq, hk, d, batch * sq, batch * sk), 132)
+
+    sink_range = splits("bf16", 1, 16384, 4, 32, 8, 64)
+    assert sink_range > 1 and sink_range & (sink_range - 1) == 0 and sink_range <= MAX_QUERY_SPLITS
+    assert 8 * sink_range <= 2 * 132 * 2  # about two CTAs per SM
+    assert splits("bf16", 1, 16384, 16384, 16, 16, 128) == 1  # the window range fills the GPU by itself
+    assert splits("float", 1, 16384, 4, 32, 8, 64) == 1  # the fp32 kernels have no splits
+    assert splits("bf16", 1, 16384, 4, 32, 8, 64, layout="packed") == 1
+    assert splits("bf16", 2, 1, 4, 8, 8, 64) == 1  # too few query steps to share

@@ -110,10 +110,12 @@ def test_opcheck():
     q = torch.randn(2, 33, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(2, 40, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     v = torch.randn(2, 40, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    options = dict(causal=True, window_left=-1, window_right=-1, align="bottom_right", scale=0.125, softcap=0.0)
-    torch.library.opcheck(ct.op("attention"), (q, k, v), options)
-    out, lse = ct.op("attention")(q.detach(), k.detach(), v.detach(), **options)
-    torch.library.opcheck(ct.op("attention_backward"), (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, None), {**options, "deterministic": True})
+    plain = dict(causal=True, window_left=-1, window_right=-1, align="bottom_right", scale=0.125, softcap=0.0, sink_tokens=0)
+    for options in (plain, {**plain, "window_left": 8, "window_right": 0, "sink_tokens": 4}):  # one key range, and two
+        torch.library.opcheck(ct.op("attention"), (q, k, v), options)
+        out, lse = ct.op("attention")(q.detach(), k.detach(), v.detach(), **options)
+        dout = torch.randn_like(out)
+        torch.library.opcheck(ct.op("attention_backward"), (dout, q.detach(), k.detach(), v.detach(), out, lse, None), {**options, "deterministic": True})
     outs = [torch.randn(1, 5, 2, 32, device="cuda", requires_grad=True) for _ in range(3)]
     lses = [torch.randn(1, 2, 5, device="cuda", requires_grad=True) for _ in range(3)]
     torch.library.opcheck(ct.op("merge"), (outs, lses))

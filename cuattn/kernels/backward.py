@@ -235,11 +235,31 @@ class BackwardGrid:
 
 Launches = list[tuple[Variant, list[tuple[tuple, tuple, int | None]]]]
 
+MAX_QUERY_SPLITS = 64
 
-def launches(g: BackwardGrid, c_type: str, softcap: bool, arch: str, allow_wgmma: bool, smem_limit: int, fused: bool, sink: bool = False) -> Launches:
+
+def query_splits(c_type: str, g: BackwardGrid, sms: int) -> int:
+    """CTAs per key block of the dK / dV kernel (a power of two): more than one where the key
+    blocks alone would leave the GPU idle while each streams every query (a range of a few
+    sink tokens), so that about two CTAs per SM run, each with at least four query steps."""
+    if c_type == "float" or g.layout != "dense" or not g.seqlen_k:
+        return 1
+    ctas = g.batch * g.heads_kv * dkdv_splits(head_dim_bucket(g.head_dim)) * -(-g.seqlen_k // BLOCK)
+    steps = g.heads_q // max(g.heads_kv, 1) * -(-g.seqlen_q // BLOCK)
+    splits = 1
+    while splits < MAX_QUERY_SPLITS and 2 * splits * ctas <= 2 * sms and 2 * splits * 4 <= steps:
+        splits *= 2
+    return splits
+
+
+def launches(
+    g: BackwardGrid, c_type: str, softcap: bool, arch: str, allow_wgmma: bool, smem_limit: int, fused: bool, sink: bool = False,
+    query_splits: int = 1,
+) -> Launches:
     """Every launch of one backward call, in order: (variant, [(grid, block, batch_offset)]);
     ``fused``: dQ through the accumulator by the fused kernel (``select_fused`` serves it);
-    ``sink``: the sinks' gradient too (dense or packed rows)."""
+    ``sink``: the sinks' gradient too (dense or packed rows); ``query_splits``: CTAs per key
+    block of the dK / dV kernel (BackwardParams::query_splits; 16-bit types, not fused)."""
     bucket, layout = head_dim_bucket(g.head_dim), g.layout
     row_groups = g.rows * g.heads_q
     row_launch = [((-(-row_groups // ROWS_PER_CTA), 1, 1), (32 * ROW_WARPS, 1, 1), None)]
@@ -263,7 +283,12 @@ def launches(g: BackwardGrid, c_type: str, softcap: bool, arch: str, allow_wgmma
         out.append((dq, tile_launches(dq, grid_q, g.heads_q, g.batch)))
     if g.keys:
         dkdv = select("backward_dkdv", c_type, bucket, softcap, arch, allow_wgmma, smem_limit, layout)
-        out.append((dkdv, tile_launches(dkdv, grid_k, g.heads_kv * dkdv.column_splits, g.batch)))
+        tiles = tile_launches(dkdv, grid_k, g.heads_kv * dkdv.column_splits, g.batch)
+        if query_splits > 1:
+            if fused or c_type == "float" or layout != "dense":
+                raise ValueError("query splits need the 16-bit dK / dV kernels on dense rows")
+            tiles = [((x * query_splits, y, z), block, b0) for (x, y, z), block, b0 in tiles]
+        out.append((dkdv, tiles))
     return out
 
 

@@ -39,20 +39,22 @@ __global__ void __launch_bounds__(128, 1) backward_dkdv_kernel(const __grid_cons
   float* sDelta_ring = sLse_ring + Tr::kStages * BM;
 
   const AttnParams& a = p.attn;
-  const int n_block = blockIdx.x, kv_head = blockIdx.y / Tr::kSplits, batch = cta_batch(a);
+  const int splits = LAYOUT == SeqLayout::kDense ? p.query_splits : 1;  // BackwardParams::query_splits
+  const int n_block = blockIdx.x / splits;
+  const int kv_head = blockIdx.y / Tr::kSplits, batch = cta_batch(a);
   const int col0 = blockIdx.y % Tr::kSplits * Tr::kOutCols;  // first gradient column of this CTA
   const int n0 = n_block * BN;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
   const SeqSpan span = seq_span<LAYOUT>(a, batch);
-  if (!grid_covers<LAYOUT, BN>(span.seqlen_k) && n_block == 0 && col0 == 0)
-    mark_uncovered_key_grads<T>(p, batch, kv_head, span, int(gridDim.x) * BN);
+  if (!grid_covers<LAYOUT, BN>(span.seqlen_k) && blockIdx.x == 0 && col0 == 0)
+    mark_uncovered_key_grads<T>(p, batch, kv_head, span, int(gridDim.x) / splits * BN);
   if (!block_in_sequence<LAYOUT>(n0, span.seqlen_k)) return;
 
   const T* k = head_rows<T>(a.k, a.k_strides, batch, kv_head, span.k_row0);
   const T* v = head_rows<T>(a.v, a.v_strides, batch, kv_head, span.k_row0);
   const KeyBand band(a, span);
-  const QuerySteps<BM> plan(a, span, band, n0, BN);
+  const QuerySteps<BM> plan(a, span, band, n0, BN, blockIdx.x % splits, splits);
 
   const auto load_step = [&](int step, int stage) {
     const int head = plan.head(kv_head, step), m0 = plan.m0(step);
@@ -139,9 +141,10 @@ __global__ void __launch_bounds__(128, 1) backward_dkdv_kernel(const __grid_cons
   }
 
   const SeqSpan out_span = seq_span<LAYOUT>(a, batch);  // read again: fewer registers live in the loop
-  if (LAYOUT == SeqLayout::kDense && (p.sum_grads & kSumDkDv)) {  // added into fp32 sums
-    float* dk_sum = head_rows<float>(p.dk, p.dk_strides, batch, kv_head, out_span.k_row0) + col0;
-    float* dv_sum = head_rows<float>(p.dv, p.dv_strides, batch, kv_head, out_span.k_row0) + col0;
+  if (LAYOUT == SeqLayout::kDense && (p.sum_grads & kSumDkDv)) {  // added into fp32 sums, this split's
+    const int split = blockIdx.x % p.query_splits;
+    float* dk_sum = head_rows<float>(static_cast<float*>(p.dk) + split * p.split_stride, p.dk_strides, batch, kv_head, out_span.k_row0) + col0;
+    float* dv_sum = head_rows<float>(static_cast<float*>(p.dv) + split * p.split_stride, p.dv_strides, batch, kv_head, out_span.k_row0) + col0;
     add_acc_rows<Tr::kOutTiles>(dk, a.scale, dk_sum, p.dk_strides[1], warp_key0, out_span.seqlen_k, a.head_dim - col0, lane);
     add_acc_rows<Tr::kOutTiles>(dv, 1.f, dv_sum, p.dv_strides[1], warp_key0, out_span.seqlen_k, a.head_dim - col0, lane);
     return;

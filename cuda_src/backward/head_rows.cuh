@@ -95,21 +95,25 @@ struct RowStats {
 };
 
 // The steps a key block [n0, n0 + keys) streams: every query head of the KV head's group times
-// every block of BLOCK_M query rows that sees one of its keys.
+// every block of BLOCK_M query rows that sees one of its keys; split `split` of `splits` takes
+// an even share of them, in order (BackwardParams::query_splits).
 template <int BLOCK_M>
 struct QuerySteps {
-  int group, m_first, m_count, steps;
+  int group, m_first, m_count, first, steps;
 
-  __device__ __forceinline__ QuerySteps(const AttnParams& a, const SeqSpan& span, const KeyBand& band, int n0, int keys) {
+  __device__ __forceinline__ QuerySteps(const AttnParams& a, const SeqSpan& span, const KeyBand& band, int n0, int keys, int split,
+                                        int splits) {
     const int row_first = band.first_row(n0);
     const int row_last = band.last_row(min(n0 + keys, span.seqlen_k) - 1, span.seqlen_q);
     group = a.heads_q / a.heads_kv;
     m_first = row_first / BLOCK_M;
     m_count = row_last < row_first ? 0 : row_last / BLOCK_M - m_first + 1;
-    steps = group * m_count;
+    const int all = group * m_count;
+    first = int(i64(all) * split / splits);
+    steps = int(i64(all) * (split + 1) / splits) - first;
   }
-  __device__ __forceinline__ int head(int kv_head, int step) const { return kv_head * group + step / m_count; }
-  __device__ __forceinline__ int m0(int step) const { return (m_first + step % m_count) * BLOCK_M; }
+  __device__ __forceinline__ int head(int kv_head, int step) const { return kv_head * group + (first + step) / m_count; }
+  __device__ __forceinline__ int m0(int step) const { return (m_first + (first + step) % m_count) * BLOCK_M; }
 };
 
 }  // namespace cuattn

@@ -58,18 +58,21 @@ __device__ __forceinline__ void backward_wgmma_dkdv_body(const BackwardParams& p
   float* sDelta_ring = sLse_ring + Tr::kStages * BLOCK_M;
 
   const AttnParams& a = p.attn;
-  const int n_block = blockIdx.x, kv_head = blockIdx.y, batch = cta_batch(a);
+  const int splits = LAYOUT == SeqLayout::kDense && !FUSE_DQ ? p.query_splits : 1;  // BackwardParams::query_splits
+  const int n_block = blockIdx.x / splits;
+  const int kv_head = blockIdx.y, batch = cta_batch(a);
   const int n0 = n_block * BN;
   const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
   const SeqSpan span = seq_span<LAYOUT>(a, batch);
-  if (!grid_covers<LAYOUT, BN>(span.seqlen_k) && n_block == 0) mark_uncovered_key_grads<T>(p, batch, kv_head, span, int(gridDim.x) * BN);
+  if (!grid_covers<LAYOUT, BN>(span.seqlen_k) && blockIdx.x == 0)
+    mark_uncovered_key_grads<T>(p, batch, kv_head, span, int(gridDim.x) / splits * BN);
   if (!block_in_sequence<LAYOUT>(n0, span.seqlen_k)) return;
 
   const T* k = head_rows<T>(a.k, a.k_strides, batch, kv_head, span.k_row0);
   const T* v = head_rows<T>(a.v, a.v_strides, batch, kv_head, span.k_row0);
   const KeyBand band(a, span);
-  const QuerySteps<BLOCK_M> plan(a, span, band, n0, BN);
+  const QuerySteps<BLOCK_M> plan(a, span, band, n0, BN, blockIdx.x % splits, splits);
 
   const auto load_step = [&](int step, int stage) {
     const int head = plan.head(kv_head, step), m0 = plan.m0(step);
@@ -221,11 +224,12 @@ __device__ __forceinline__ void backward_wgmma_dkdv_body(const BackwardParams& p
   }
   if (FUSE_DQ && issuer) bulk_wait<0>();
 
-  if (LAYOUT == SeqLayout::kDense && (p.sum_grads & kSumDkDv)) {  // added into fp32 sums
-    add_acc_rows<Tr::kDTiles>(dk, a.scale, head_rows<float>(p.dk, p.dk_strides, batch, kv_head, span.k_row0), p.dk_strides[1], warp_key0,
-                              span.seqlen_k, a.head_dim, lane);
-    add_acc_rows<Tr::kDTiles>(dv, 1.f, head_rows<float>(p.dv, p.dv_strides, batch, kv_head, span.k_row0), p.dv_strides[1], warp_key0,
-                              span.seqlen_k, a.head_dim, lane);
+  if (LAYOUT == SeqLayout::kDense && (p.sum_grads & kSumDkDv)) {  // added into fp32 sums, this split's
+    const int split = FUSE_DQ ? 0 : blockIdx.x % p.query_splits;
+    float* dk_sum = head_rows<float>(static_cast<float*>(p.dk) + split * p.split_stride, p.dk_strides, batch, kv_head, span.k_row0);
+    float* dv_sum = head_rows<float>(static_cast<float*>(p.dv) + split * p.split_stride, p.dv_strides, batch, kv_head, span.k_row0);
+    add_acc_rows<Tr::kDTiles>(dk, a.scale, dk_sum, p.dk_strides[1], warp_key0, span.seqlen_k, a.head_dim, lane);
+    add_acc_rows<Tr::kDTiles>(dv, 1.f, dv_sum, p.dv_strides[1], warp_key0, span.seqlen_k, a.head_dim, lane);
     return;
   }
   T* dk_out = head_rows<T>(p.dk, p.dk_strides, batch, kv_head, span.k_row0);

@@ -122,6 +122,10 @@ struct BackwardParams {
   int dq_accum_cols;                        // the head-dim bucket of the dQ accumulator
   int sum_grads;                            // bits: 1 dq, 2 dk and dv are fp32 sums the kernels add into (dense
                                             //   layout; schedules over pieces of keys: cuattn/chunked.py, cuattn/dist/ring.py)
+  int query_splits;                         // CTAs per key block of the dK / dV kernels, each streaming a part of its
+                                            //   query steps (head_rows.cuh QuerySteps); above 1 (dense, 16-bit types)
+                                            //   each part adds into its own fp32 sums, split_stride elements apart
+  i64 split_stride;
 };
 
 // Decoding against a KV cache (decode/decode.cu): the new query rows of each sequence attend
