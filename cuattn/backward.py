@@ -151,6 +151,8 @@ def _outer_rows(x: boundary.DeviceArray, first: int, count: int) -> boundary.Dev
 def _sum_splits(ctx, partials, first: int, splits: int, batch: int, out) -> None:
     """``out`` <- the sum of ``splits`` fp32 partials of ``batch`` entries each from entry
     ``first`` of ``partials``, rounded once: halves added pairwise (log2(splits) launches)."""
+    if splits < 2 or splits & (splits - 1):
+        raise ValueError(f"query splits are summed pairwise: a power of two >= 2, got {splits}")
     width = splits
     while width > 2:
         half = width // 2
@@ -220,6 +222,8 @@ def launch_backward(
     ctx, c_type: str, p: np.void, g: BackwardGrid, deterministic: bool, query_splits: int = 1, fused: bool | None = None,
 ) -> None:
     """The backward's launches, planned here unless :func:`plan_backward` gave ``fused``."""
+    if query_splits > 1 and not (p["sum_grads"] & SUM_DKDV and p["query_splits"] == query_splits):
+        raise ValueError("query splits add dK / dV into fp32 partials: set sum_grads' SUM_DKDV bit and query_splits")
     if fused is None:
         fused = plan_backward(ctx, c_type, p, g, deterministic, query_splits)
     softcap, arch = bool(p["attn"]["softcap"] > 0), ctx.arch()

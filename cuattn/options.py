@@ -122,7 +122,7 @@ def check_sink_tokens(sink_tokens) -> int:
         raise TypeError(f"sink_tokens must be an int, got {type(sink_tokens).__name__} {sink_tokens!r}")
     if sink_tokens < 0:
         raise ValueError(f"sink_tokens must be >= 0, got {sink_tokens}")
-    return int(sink_tokens)
+    return min(int(sink_tokens), _MAX_WINDOW)  # past any sequence: every key (fits the ops' int64)
 
 
 OP_SCHEMA = tuple((f.name, f.type) for f in dataclasses.fields(AttnOptions))  # (name, "bool" | "int" | "str" | "float")

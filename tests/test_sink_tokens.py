@@ -218,3 +218,17 @@ def test_query_splits_fill_the_gpu_only_where_key_blocks_are_few():
     assert splits("float", 1, 16384, 4, 32, 8, 64) == 1  # the fp32 kernels have no splits
     assert splits("bf16", 1, 16384, 4, 32, 8, 64, layout="packed") == 1
     assert splits("bf16", 2, 1, 4, 8, 8, 64) == 1  # too few query steps to share
+
+
+def test_huge_sink_tokens_mean_every_key_and_fit_the_ops():
+    options = AttnOptions.from_user(window=(8, 0), head_dim=64, sink_tokens=2**70)
+    assert options.sink_tokens < 2**63  # the torch ops' int
+    assert [(p.start, p.stop, p.fields["window_left"]) for p in options.key_pieces(10, 50)] == [(0, 50, -1)]
+
+
+def test_query_split_sums_take_powers_of_two_only():
+    from cuattn.backward import _sum_splits
+
+    for splits in (1, 3, 6):
+        with pytest.raises(ValueError, match="power of two"):
+            _sum_splits(None, None, 0, splits, 1, None)
