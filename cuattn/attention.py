@@ -120,21 +120,13 @@ def _forward_pieces(ctx, c_type, a, dst, lse, options, pieces) -> None:
     any, joins the first piece's denominator only."""
     q = a["q"]
     acc = ctx.empty(q.shape, np.float32)
-    no_out = boundary.DeviceArray(0, dst.shape, dst.strides, dst.dtype, None)
     for i, piece in enumerate(pieces):
         last = i == len(pieces) - 1
-        k, v = key_rows(a["k"], piece.start, piece.stop), key_rows(a["v"], piece.start, piece.stop)
-        p = attn_params(q, k, v, dst if last else no_out, lse, options, sink=a["sink"] if i == 0 else None)
+        k, v = a["k"].span(1, piece.start, piece.stop), a["v"].span(1, piece.start, piece.stop)
+        p = attn_params(q, k, v, dst if last else dst.unwritten(), lse, options, sink=a["sink"] if i == 0 else None)
         set_mask(p, piece.fields)
         p["accum"], p["accum_strides"], p["accum_fresh"] = acc.ptr, acc.strides[:3], int(i == 0)
         launch_forward(ctx, c_type, p, q.shape[1], q.shape[2], q.shape[0])
-
-
-def key_rows(x: boundary.DeviceArray, start: int, stop: int) -> boundary.DeviceArray:
-    """Rows ``start .. stop - 1`` of a ``(batch, seqlen, heads, head_dim)`` device view."""
-    return boundary.DeviceArray(
-        x.ptr + start * x.strides[1] * x.dtype.itemsize, (x.shape[0], stop - start, *x.shape[2:]), x.strides, x.dtype, None,
-    )
 
 
 def set_mask(p: np.void, fields: dict) -> None:

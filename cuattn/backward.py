@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from cuattn import boundary, loader, params, replay, validation
-from cuattn.attention import _LAYOUT, attn_params, check_qkv, check_sink, key_rows, require_arrays, set_mask
+from cuattn.attention import _LAYOUT, attn_params, check_qkv, check_sink, require_arrays, set_mask
 from cuattn.kernels import backward
 from cuattn.kernels.backward import BackwardGrid
 from cuattn.kernels.variant import head_dim_bucket
@@ -117,7 +117,7 @@ def _backward_pieces(ctx, c_type, a, grads, delta, options, pieces, deterministi
     jobs = []  # everything allocated before the first fill or launch (plan_backward)
     for i, piece in enumerate(pieces):
         keys = piece.stop - piece.start
-        k, v, dk, dv = (key_rows(x, piece.start, piece.stop) for x in (a["k"], a["v"], grads[1], grads[2]))
+        k, v, dk, dv = (x.span(1, piece.start, piece.stop) for x in (a["k"], a["v"], grads[1], grads[2]))
         attn = attn_params(q, k, v, a["out"], a["lse"], options, sink=a["sink"] if i == 0 else None)
         set_mask(attn, piece.fields)
         grid = BackwardGrid("dense", batch, seqlen_q, keys, heads_q, heads_kv, head_dim, batch * seqlen_q, batch * keys)
@@ -130,7 +130,7 @@ def _backward_pieces(ctx, c_type, a, grads, delta, options, pieces, deterministi
             p["sum_grads"] = SUM_DQ
         else:
             partials = ctx.empty((2 * splits * batch, keys, heads_kv, head_dim), np.float32)  # dK's splits, then dV's
-            dk_parts, dv_parts = (_outer_rows(partials, first, batch) for first in (0, splits * batch))
+            dk_parts, dv_parts = (partials.span(0, first, first + batch) for first in (0, splits * batch))
             p = backward_params(a, [dq_sum, dk_parts, dv_parts, *sink_grad], delta, attn)
             p["sum_grads"], p["query_splits"], p["split_stride"] = SUM_DQ | SUM_DKDV, splits, batch * partials.strides[0]
         jobs.append((p, grid, splits, plan_backward(ctx, c_type, p, grid, deterministic, splits), partials, dk, dv))
@@ -143,22 +143,19 @@ def _backward_pieces(ctx, c_type, a, grads, delta, options, pieces, deterministi
     sum_rows(ctx, None, dq_sum, grads[0])
 
 
-def _outer_rows(x: boundary.DeviceArray, first: int, count: int) -> boundary.DeviceArray:
-    """Entries ``first .. first + count - 1`` of a device view's first dimension."""
-    return boundary.DeviceArray(x.ptr + first * x.strides[0] * x.dtype.itemsize, (count, *x.shape[1:]), x.strides, x.dtype, None)
-
-
 def _sum_splits(ctx, partials, first: int, splits: int, batch: int, out) -> None:
     """``out`` <- the sum of ``splits`` fp32 partials of ``batch`` entries each from entry
     ``first`` of ``partials``, rounded once: halves added pairwise (log2(splits) launches)."""
     if splits < 2 or splits & (splits - 1):
         raise ValueError(f"query splits are summed pairwise: a power of two >= 2, got {splits}")
+    def splits_from(split: int, count: int):
+        return partials.span(0, first + split * batch, first + (split + count) * batch)
+
     width = splits
     while width > 2:
-        half = width // 2
-        sum_rows(ctx, _outer_rows(partials, first + half * batch, half * batch), _outer_rows(partials, first, half * batch))
-        width = half
-    sum_rows(ctx, _outer_rows(partials, first + batch, batch), _outer_rows(partials, first, batch), out)
+        width //= 2
+        sum_rows(ctx, splits_from(width, width), splits_from(0, width))
+    sum_rows(ctx, splits_from(1, 1), splits_from(0, 1), out)
 
 
 def check_dout(dout, q, c_type: str, layout: str) -> None:

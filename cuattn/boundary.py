@@ -46,6 +46,16 @@ class DeviceArray:
     def size(self) -> int:
         return math.prod(self.shape)
 
+    def span(self, axis: int, start: int, stop: int) -> DeviceArray:
+        """Entries ``start .. stop - 1`` along ``axis``: a view, same strides and owner."""
+        ptr = None if self.ptr is None else self.ptr + start * self.strides[axis] * self.dtype.itemsize
+        shape = (*self.shape[:axis], stop - start, *self.shape[axis + 1:])
+        return DeviceArray(ptr, shape, self.strides, self.dtype, self.native)
+
+    def unwritten(self) -> DeviceArray:
+        """This view with a null address: an output the kernels skip (a fold's partial launches)."""
+        return DeviceArray(0, self.shape, self.strides, self.dtype, None)
+
 
 def framework_of(x, name: str = "array argument") -> str:
     if isinstance(x, np.ndarray):

@@ -261,7 +261,7 @@ class _Streams:
 
     @staticmethod
     def view(buf: boundary.DeviceArray, length: int) -> boundary.DeviceArray:
-        return boundary.DeviceArray(buf.ptr, (buf.shape[0], length, *buf.shape[2:]), buf.strides, buf.dtype, buf.native)
+        return buf.span(1, 0, length)
 
     def upload(self, slot: int, chunk: Chunk) -> list[boundary.DeviceArray]:
         """Queues the chunk's upload into ``slot`` and makes the caller's stream wait for it;
@@ -463,7 +463,7 @@ def attention_chunked(
             if not _seen(chunk, seqlen_q * heads_q, first_key, last_key):
                 continue
             k, v = streams.upload(slot, chunk) if chunk.on_host else (chunk.k, chunk.v)
-            p = attn_params(qa, k, v, boundary.DeviceArray(0, out.shape, out.strides, out.dtype, None), lse, options)
+            p = attn_params(qa, k, v, out.unwritten(), lse, options)
             set_mask(p, shifted(fields, chunk.start))
             p["accum"], p["accum_strides"], p["accum_fresh"] = acc.ptr, acc.strides[:3], int(launched == 0)
             launch_forward(ctx, c_type, p, seqlen_q, heads_q, batch)

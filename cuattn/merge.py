@@ -141,8 +141,9 @@ def _launch(ctx, outs, lses, dst, dst_lse) -> None:
             take = params.MAX_MERGE_PARTIALS - len(carried)
             group = carried + list(zip(outs[first:first + take], lses[first:first + take]))
             first += take
-            variant = merge_plan.variant(c_type, vec, merge_plan.cap_for(len(group), vec))
-            grid = merge_plan.grid(batch * seqlen * heads, head_dim, vec, merge_plan.rows_of(variant), sms)
+            cap = merge_plan.cap_for(len(group), vec)
+            variant = merge_plan.variant(c_type, vec, cap)
+            grid = merge_plan.grid(batch * seqlen * heads, head_dim, vec, merge_plan.rows_per_lane(cap, vec), sms)
             p = params.new(params.MERGE_PARAMS)
             for i, (o, l) in enumerate(group):
                 p["outs"][i], p["lses"][i] = o.ptr, l.ptr

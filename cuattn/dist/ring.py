@@ -57,13 +57,12 @@ def plan(seqlen: int, world: int, rank: int, layout: str, left: int, right: int)
 
 def _rows(a: boundary.DeviceArray, run: layouts.Run) -> boundary.DeviceArray:
     """Rows of a run of a (batch, seqlen, heads, head_dim) array."""
-    return boundary.DeviceArray(a.ptr + run.local_start * a.strides[1] * a.dtype.itemsize, (a.shape[0], run.length, *a.shape[2:]),
-                                a.strides, a.dtype, a.native)
+    return a.span(1, run.local_start, run.local_start + run.length)
 
 
 def _stat_rows(a: boundary.DeviceArray, run: layouts.Run) -> boundary.DeviceArray:
-    """Rows of a run of a (batch, heads, seqlen) statistic (row stride 1)."""
-    return boundary.DeviceArray(a.ptr + run.local_start * a.dtype.itemsize, (*a.shape[:2], run.length), a.strides, a.dtype, a.native)
+    """Rows of a run of a (batch, heads, seqlen) statistic."""
+    return a.span(2, run.local_start, run.local_start + run.length)
 
 
 def _mask(options: AttnOptions) -> tuple[int, int]:
@@ -88,7 +87,7 @@ def forward_steps(ctx, c_type: str, q, k, v, out, lse, options: AttnOptions, wor
             nxt = (ctx.empty(k.shape, k.dtype), ctx.empty(v.shape, v.dtype))
             yield ("send", "kv", cur, nxt)
         for qr, kr, fields in pairs:
-            dst = _rows(out, qr) if last[qr.local_start] == i else boundary.DeviceArray(0, out.shape, out.strides, out.dtype, None)
+            dst = _rows(out, qr) if last[qr.local_start] == i else out.unwritten()
             p = attn_params(_rows(q, qr), _rows(cur[0], kr), _rows(cur[1], kr), dst, _stat_rows(lse, qr), options)
             for name, value in fields.items():
                 p[name] = value

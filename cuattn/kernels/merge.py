@@ -28,9 +28,13 @@ def cap_for(partials: int, vec: int) -> int:
     return next(c for c in CAPS if c >= partials) if vec > 1 else CAPS[-1]
 
 
+def rows_per_lane(cap: int, vec: int) -> int:
+    return ROWS_PER_LANE[cap] if vec > 1 else 1
+
+
 @functools.cache
-def variant(c_type: str, vec: int, cap: int = CAPS[-1], rows: int | None = None) -> Variant:
-    rows = rows or (ROWS_PER_LANE[cap] if vec > 1 else 1)
+def variant(c_type: str, vec: int, cap: int = CAPS[-1]) -> Variant:
+    rows = rows_per_lane(cap, vec)
     return Variant(
         family=FAMILY, kernel="merge",
         expression=f"cuattn::merge_kernel<{cxx_type(c_type)}, {vec}, {cap}, {rows}>",
@@ -39,10 +43,6 @@ def variant(c_type: str, vec: int, cap: int = CAPS[-1], rows: int | None = None)
         threads=THREADS,
         contract=(("cuattn::kMergeThreads", THREADS),),
     )
-
-
-def rows_of(variant: Variant) -> int:
-    return int(variant.expression.rsplit(",", 1)[1].strip(" >"))
 
 
 BLOCKS_PER_SM = 16  # grid cap: fewer, longer-lived blocks (86-94% of copy at 2 partials, H100)
