@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cuattn import boundary, params, replay, validation
+from cuattn import boundary, dropout as dropout_, params, replay, validation
 from cuattn.kernels import forward
 from cuattn.kernels.variant import HEAD_DIM_BUCKETS, head_dim_bucket
 from cuattn.loader import device_arch, wgmma_enabled
@@ -17,7 +17,7 @@ MAX_HEAD_DIM = HEAD_DIM_BUCKETS[-1]
 
 def attention(
     q, k, v, *, causal=False, window=None, align="bottom_right", scale=None, softcap=None, sink=None, sink_tokens=0,
-    return_lse=False, out=None,
+    dropout_p=0.0, dropout_seed=None, return_lse=False, out=None,
 ):
     """Exact softmax attention, ``softmax(scale * q k^T + mask) v``, in one tiled kernel.
 
@@ -63,6 +63,20 @@ def attention(
         passes over disjoint key ranges, the sink tokens and the rest, the first folded into
         an fp32 accumulator that the second merges by lse and rounds once (one more launch
         and one fp32 read and write of the output's size). No effect without a left bound.
+    dropout_p : float in [0, 1), default 0
+        Dropout on the attention probabilities (after the softmax; ``lse`` is that of the
+        softmax without dropout), as in the FlashAttention paper: each kept probability is
+        divided by the kept fraction, and the mask is never stored: the backward draws it
+        again from ``dropout_seed``. Applied as a 16-bit threshold: the kept fraction is
+        ``1 - round(p * 65536) / 65536``. Element (i, j) of head h of sequence b depends only on
+        the seed and (b, h, i, j) (Philox4x32-10; :func:`cuattn.reference.dropout_keep` draws
+        the same mask on the host). Not with ``sink_tokens``.
+    dropout_seed : int in [0, 2**64), or an array on q's device: ``(2,)`` uint32 (low word
+        first) or ``(1,)`` int64 / uint64
+        Required when ``dropout_p > 0``; the backward must get the same one. An array is read
+        by the kernels when they run, so a captured CUDA
+        graph can change it between replays; an int is baked into the launch (and a new int
+        per call takes the full host path, not a replayed plan).
     return_lse : bool
         Also return ``lse``, ``(batch, heads_q, seqlen_q)`` float32: the natural log of each
         row's softmax denominator including its max, ``lse = m + log(l)``; merging partial
@@ -74,20 +88,21 @@ def attention(
     ``out`` shaped and typed like ``q`` (or ``(out, lse)``), as the caller's array type. Extra
     device memory is only ``out`` and ``lse``: O(seqlen), never O(seqlen^2).
     """
-    if out is None:
+    seed_array = dropout_.seed_array_argument(dropout_seed)
+    if out is None and (not dropout_p or seed_array is not None):  # a plan per int seed would never be replayed
         result = replay.run(
             "attention",
             lambda: attention(
                 q, k, v, causal=causal, window=window, align=align, scale=scale, softcap=softcap, sink=sink, sink_tokens=sink_tokens,
-                return_lse=return_lse,
+                dropout_p=dropout_p, dropout_seed=dropout_seed, return_lse=return_lse,
             ),
-            (q, k, v, sink), (causal, window, align, scale, softcap, sink_tokens, return_lse),
+            (q, k, v, sink, seed_array), (causal, window, align, scale, softcap, sink_tokens, return_lse, dropout_p),
         )
         if result is not replay.MISS:
             return result
     require_arrays({"q": q, "k": k, "v": v})
     return_lse = check_bool("return_lse", return_lse)
-    ctx, a = boundary.import_arrays(q=q, k=k, v=v, sink=sink, out=out)
+    ctx, a = boundary.import_arrays(q=q, k=k, v=v, sink=sink, dropout_seed=seed_array, out=out)
     if out is not None and ctx.framework in (boundary.JAX, boundary.NUMPY):
         raise TypeError(f"out= is written in place, which {ctx.framework} arrays cannot be")
     c_type = check_qkv(a["q"], a["k"], a["v"], a["out"])
@@ -97,6 +112,9 @@ def attention(
     batch, seqlen_q, heads_q, head_dim = a["q"].shape
     options = AttnOptions.from_user(causal, window, align, scale, softcap, head_dim=head_dim, sink_tokens=sink_tokens)
     pieces = options.key_pieces(seqlen_q, a["k"].shape[1])
+    dropout = dropout_.from_user(dropout_p, dropout_seed, a["dropout_seed"])
+    if dropout is not None and len(pieces) > 1:
+        raise ValueError("dropout is not supported with sink_tokens")
 
     ctx.stage(*a.values())
     dst = a["out"] if out is not None else ctx.empty(a["q"].shape, a["q"].dtype)
@@ -105,7 +123,7 @@ def attention(
     lse = ctx.empty((batch, heads_q, seqlen_q), np.float32) if return_lse or len(pieces) > 1 else NO_LSE
     if batch and seqlen_q and heads_q:
         if len(pieces) == 1:
-            p = attn_params(a["q"], a["k"], a["v"], dst, lse, options, sink=a["sink"])
+            p = attn_params(a["q"], a["k"], a["v"], dst, lse, options, sink=a["sink"], dropout=dropout)
             set_mask(p, pieces[0].fields)
             launch_forward(ctx, c_type, p, seqlen_q, heads_q, batch)
         else:
@@ -190,7 +208,7 @@ def check_qkv(q, k, v, out) -> str:
     return c_type
 
 
-def attn_params(q, k, v, out, lse, options: AttnOptions, packed=None, sink=None) -> np.void:
+def attn_params(q, k, v, out, lse, options: AttnOptions, packed=None, sink=None, dropout=None) -> np.void:
     """AttnParams of the forward problem (shared with the backward) from the kernels' 4-D
     views. ``packed``: a :class:`cuattn.packed.PackedSequences` (the views are then of one
     sequence of ``total`` rows, cuattn.packed.one_sequence_view), or None for dense tensors;
@@ -214,17 +232,18 @@ def attn_params(q, k, v, out, lse, options: AttnOptions, packed=None, sink=None)
         cu_seqlens_q=seqs[0], cu_seqlens_k=seqs[1], total_q=seqs[2], total_k=seqs[3], bottom_right=seqs[4],
         cache_seqlens=0, block_table=0, cache_batch_idx=0, block_table_stride=0, capacity=0, cache_rows=0, page_size=0, seqlen_new=0,
         accum=0, accum_strides=(0, 0, 0), accum_fresh=0,
+        **(dropout_.NO_DROPOUT_FIELDS if dropout is None else dropout.fields()),
     )
 
 
 def launch_forward(ctx, c_type, p, rows, heads_q, batch, layout="dense") -> None:
     """Launches the forward kernel of ``layout`` over ``rows`` query rows per sequence (for
     packed sequences a bound that sizes the grid, common/seq_layout.cuh); the accumulating form
-    when ``p`` names an accumulator."""
+    when ``p`` names an accumulator, the dropout form when it has a dropout threshold."""
     with ctx.device, ctx.stream:
         arch = device_arch(ctx.device.id)
-        fold = bool(p["accum"])
-        variant = forward.select(c_type, head_dim_bucket(int(p["head_dim"])), p["softcap"] > 0, arch, wgmma_enabled(), layout, fold)
+        fold, dropout = bool(p["accum"]), bool(p["dropout_threshold"])
+        variant = forward.select(c_type, head_dim_bucket(int(p["head_dim"])), p["softcap"] > 0, arch, wgmma_enabled(), layout, fold, dropout)
         for grid, block, batch_offset in forward.launches(variant, rows, heads_q, batch):
             p["batch_offset"] = batch_offset
             ctx.launch(variant, grid, block, p)

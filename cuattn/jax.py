@@ -19,6 +19,7 @@ import numpy as np
 
 from cuattn import boundary, ops, replay, requirements
 from cuattn.decode import check_num_splits
+from cuattn.dropout import check_dropout_p
 from cuattn.options import WINDOW_SCHEMA, AttnOptions, flat_seqlen_bounds
 from cuattn.validation import check_bool
 
@@ -30,18 +31,34 @@ __all__ = ["attention", "attention_varlen", "attention_with_kvcache", "append_kv
 
 
 def attention(
-    q, k, v, *, causal=False, window=None, align="bottom_right", scale=None, softcap=None, sink=None, sink_tokens=0, return_lse=False,
+    q, k, v, *, causal=False, window=None, align="bottom_right", scale=None, softcap=None, sink=None, sink_tokens=0,
+    dropout_p=0.0, dropout_rng=None, return_lse=False,
 ):
     """:func:`cuattn.attention` on JAX arrays, differentiable in ``q``, ``k``, ``v``, the
     ``sink`` logits if given (``(heads_q,)`` float32), and through ``lse`` when it is returned
-    and used."""
+    and used. ``dropout_p > 0`` needs ``dropout_rng``, a JAX PRNG key (traced under jit): the
+    kernels' seed is ``jax.random.bits(dropout_rng, (2,), uint32)`` (low word first), so
+    :func:`dropout_seed` gives the seed that :func:`cuattn.reference.dropout_keep` takes."""
     user = AttnOptions.from_user(causal, window, align, scale, softcap, head_dim=q.shape[-1], sink_tokens=sink_tokens)
     options = tuple(user.flat().items())
-    if sink is None:
+    if check_dropout_p(dropout_p):
+        if dropout_rng is None:
+            raise ValueError("dropout_p > 0 needs dropout_rng (a JAX PRNG key)")
+        if sink is not None:
+            raise NotImplementedError("cuattn.jax.attention takes sink or dropout, not both")
+        seed = jax.random.bits(dropout_rng, (2,), jnp.uint32)
+        out, lse = _differentiable("attention_dropout")(options + (("dropout_p", float(dropout_p)),), q, k, v, seed)
+    elif sink is None:
         out, lse = _differentiable("attention")(options, q, k, v)
     else:
         out, lse = _differentiable("attention_sink")(options, q, k, v, sink)
     return (out, lse) if check_bool("return_lse", return_lse) else out
+
+
+def dropout_seed(dropout_rng) -> int:
+    """The 64-bit seed that :func:`attention` draws from ``dropout_rng`` (a concrete key)."""
+    low, high = (int(w) for w in np.asarray(jax.random.bits(dropout_rng, (2,), jnp.uint32)))
+    return low | high << 32
 
 
 def attention_varlen(

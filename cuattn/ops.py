@@ -50,6 +50,7 @@ class OpEntry:
 
 
 MASK_OPTIONS = OP_SCHEMA  # cuattn.options.AttnOptions' fields
+DROPOUT_OPTIONS = MASK_OPTIONS + (("dropout_p", "float"),)
 VARLEN_OPTIONS = WINDOW_SCHEMA + SEQLEN_SCHEMA
 
 
@@ -115,6 +116,33 @@ OPS = {
         outputs=_backward_outputs,
         call=lambda dout, q, k, v, out, lse, dlse, deterministic, **o: attention_backward(
             dout, q, k, v, out, lse, dlse=dlse, deterministic=deterministic, **AttnOptions(**o).user_keywords()
+        ),
+    ),
+    # With dropout on the probabilities: the seed is an array (drawn on the device by the
+    # adapters, so that traced and captured calls draw a new mask each time).
+    "attention_dropout": OpEntry(
+        name="attention_dropout",
+        arrays=("q", "k", "v", "dropout_seed"),
+        options=DROPOUT_OPTIONS,
+        returns=("out", "lse"),
+        outputs=_attention_outputs,
+        call=lambda q, k, v, dropout_seed, dropout_p, **o: attention(
+            q, k, v, dropout_p=dropout_p, dropout_seed=dropout_seed, return_lse=True, **AttnOptions(**o).user_keywords(),
+        ),
+        vjp="attention_dropout_backward",
+        # dout, q, k, v, out, lse, dlse, dropout_seed
+        vjp_arrays=lambda inputs, outputs, grads: (grads[0], *inputs[:3], *outputs, grads[1], inputs[3]),
+        vjp_options=(("deterministic", False),),
+    ),
+    "attention_dropout_backward": OpEntry(
+        name="attention_dropout_backward",
+        arrays=("dout", "q", "k", "v", "out", "lse", "dlse?", "dropout_seed"),
+        options=DROPOUT_OPTIONS + (("deterministic", "bool"),),
+        returns=("dq", "dk", "dv"),
+        outputs=_backward_outputs,
+        call=lambda dout, q, k, v, out, lse, dlse, dropout_seed, deterministic, dropout_p, **o: attention_backward(
+            dout, q, k, v, out, lse, dlse=dlse, dropout_p=dropout_p, dropout_seed=dropout_seed, deterministic=deterministic,
+            **AttnOptions(**o).user_keywords(),
         ),
     ),
     # With attention sinks (a learnable per-head logit), differentiable in it too.

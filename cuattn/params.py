@@ -87,6 +87,10 @@ ATTN_PARAMS = np.dtype(
         ("accum", _P),
         ("accum_strides", *_S3),
         ("accum_fresh", np.int32),
+        ("dropout_seed_ptr", _P),
+        ("dropout_seed", np.uint64),
+        ("dropout_threshold", np.uint32),
+        ("dropout_scale", np.float32),
     ],
     align=True,
 )

@@ -63,9 +63,60 @@ def _expand_kv(x: np.ndarray, heads_q: int) -> np.ndarray:
     return np.repeat(x, heads_q // x.shape[2], axis=2)
 
 
+_PHILOX_M = (np.uint64(0xD2511F53), np.uint64(0xCD9E8D57))
+_PHILOX_W = (0x9E3779B9, 0xBB67AE85)
+_U32 = np.uint64(0xFFFFFFFF)
+
+
+def philox4x32_10(counter, key) -> np.ndarray:
+    """Philox4x32-10 (Salmon et al., SC'11): ``counter`` (..., 4) and ``key`` (2,) of uint32
+    words to (..., 4) uint32, as common/dropout.cuh computes it."""
+    c = [np.asarray(counter, dtype=np.uint64)[..., i] for i in range(4)]
+    k0, k1 = (int(w) & 0xFFFFFFFF for w in key)
+    for _ in range(10):
+        p0, p1 = _PHILOX_M[0] * c[0], _PHILOX_M[1] * c[2]
+        c = [(p1 >> np.uint64(32)) ^ c[1] ^ np.uint64(k0), p1 & _U32, (p0 >> np.uint64(32)) ^ c[3] ^ np.uint64(k1), p0 & _U32]
+        k0, k1 = (k0 + _PHILOX_W[0]) & 0xFFFFFFFF, (k1 + _PHILOX_W[1]) & 0xFFFFFFFF
+    return np.stack(c, axis=-1).astype(np.uint32)
+
+
+def dropout_threshold(dropout_p: float) -> int:
+    """The 16-bit threshold of a dropout probability: an element is kept when its draw is at
+    least this, so the kept fraction is ``1 - threshold / 65536``."""
+    return min(int(round(float(dropout_p) * 65536)), 65535)
+
+
+def dropout_keep(heads_q: int, seq: int, rows, cols, dropout_p: float, seed: int) -> np.ndarray:
+    """Boolean ``(heads_q, len(rows), len(cols))``: which probabilities of sequence ``seq``
+    survive dropout (common/dropout.cuh): element (i, j) of head h draws 16-bit word
+    ``4 * bit3(i) + 2 * bit3(j) + bit0(j)`` of Philox4x32-10 with counter
+    ``(j & ~9, i & ~8, seq * heads_q + h, 0)`` and key ``seed`` (low word first), and is kept
+    when the word is at least :func:`dropout_threshold`."""
+    rows, cols = np.asarray(rows, dtype=np.int64), np.asarray(cols, dtype=np.int64)
+    heads = np.arange(heads_q, dtype=np.int64)
+    counter = np.zeros((heads_q, len(rows), len(cols), 4), dtype=np.uint64)
+    counter[..., 0] = (cols & ~9)[None, None, :]
+    counter[..., 1] = (rows & ~8)[None, :, None]
+    counter[..., 2] = (seq * heads_q + heads)[:, None, None]
+    draws = philox4x32_10(counter, (int(seed) & 0xFFFFFFFF, (int(seed) >> 32) & 0xFFFFFFFF))
+    word = ((rows >> 3) & 1)[:, None] * 4 + ((cols >> 3) & 1)[None, :] * 2 + (cols & 1)[None, :]
+    pick = np.take_along_axis(draws, np.broadcast_to((word // 2)[None, ..., None], (heads_q, *word.shape, 1)), axis=-1)[..., 0]
+    half = (pick >> (16 * (word % 2))[None].astype(np.uint32)) & np.uint32(0xFFFF)
+    return half >= dropout_threshold(dropout_p)
+
+
+def _dropout_weights(heads_q, seq, rows, cols, dropout_p, seed):
+    """Kept elements times the kept fraction's inverse, zeros elsewhere (None without dropout)."""
+    if not dropout_p:
+        return None
+    threshold = dropout_threshold(dropout_p)
+    return dropout_keep(heads_q, seq, rows, cols, dropout_p, seed) * (65536.0 / (65536 - threshold))
+
+
 def attention(q, k, v, *, causal=False, window=None, align="bottom_right", scale=None, softcap=None, sink=None, sink_tokens=0,
-              return_lse=False, out=None):
-    """Reference attention; see :func:`cuattn.attention`. Returns float64 ``out`` (and ``lse``)."""
+              dropout_p=0.0, dropout_seed=None, return_lse=False, out=None):
+    """Reference attention; see :func:`cuattn.attention`. Returns float64 ``out`` (and ``lse``,
+    which dropout does not change: it applies to the normalized probabilities)."""
     q, k, v = _f64(q), _f64(k), _f64(v)
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k = k.shape[1]
@@ -90,7 +141,8 @@ def attention(q, k, v, *, causal=False, window=None, align="bottom_right", scale
                 rescale = np.exp(row_max - safe)  # online softmax: old terms move to the new max
                 p = np.exp(s - safe[..., None])
                 denom = denom * rescale + p.sum(axis=2)
-                acc = acc * rescale[..., None] + np.einsum("hmn,nhd->hmd", p, vb[cols])
+                z = _dropout_weights(heads_q, b, rows, cols, dropout_p, dropout_seed)
+                acc = acc * rescale[..., None] + np.einsum("hmn,nhd->hmd", p if z is None else p * z, vb[cols])
                 row_max = new_max
             seen = denom > 0
             result[b, rows] = np.where(seen[..., None], acc / np.where(seen, denom, 1.0)[..., None], 0.0).transpose(1, 0, 2)
@@ -152,7 +204,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=No
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, align="bottom_right", scale=None, softcap=None, sink=None,
-                       sink_tokens=0, dlse=None, deterministic=False):
+                       sink_tokens=0, dropout_p=0.0, dropout_seed=None, dlse=None, deterministic=False):
     """Reference gradients ``(dq, dk, dv)`` of :func:`attention`, from the saved ``lse``
     (with ``sink``, ``(dq, dk, dv, dsink)``).
 
@@ -184,13 +236,16 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, al
                 row_lse = lse[b][:, rows][..., None]
                 p = np.where(mask & np.isfinite(row_lse), np.exp(s - np.where(np.isfinite(row_lse), row_lse, 0.0)), 0.0)
                 dp = np.einsum("mhd,nhd->hmn", dout[b, rows], vb[cols])
+                z = _dropout_weights(heads_q, b, rows, cols, dropout_p, dropout_seed)
+                if z is not None:  # out used p * z: so do dV and the score gradient
+                    dp = dp * z
                 ds = p * (dp - delta[b][:, rows][..., None] + dlse[b][:, rows][..., None])
                 if softcap:
                     ds = ds * (1.0 - np.tanh(raw / softcap) ** 2)
                 ds = ds * scale
                 dq[b, rows] += np.einsum("hmn,nhd->mhd", ds, kb[cols])
                 dkb[cols] += np.einsum("hmn,mhd->nhd", ds, q[b, rows])
-                dvb[cols] += np.einsum("hmn,mhd->nhd", p, dout[b, rows])
+                dvb[cols] += np.einsum("hmn,mhd->nhd", p if z is None else p * z, dout[b, rows])
         dk[b] = dkb.reshape(seqlen_k, heads_kv, group, head_dim).sum(axis=2)
         dv[b] = dvb.reshape(seqlen_k, heads_kv, group, v.shape[3]).sum(axis=2)
     if sink is None:

@@ -15,6 +15,7 @@ import torch
 from cuattn import ops, replay, requirements
 from cuattn.attention import attention as core_attention
 from cuattn.backward import attention_backward as core_attention_backward
+from cuattn.dropout import check_dropout_p
 from cuattn.decode import append_kv as core_append_kv, attention_with_kvcache as core_attention_with_kvcache, check_num_splits
 from cuattn.merge import merge as core_merge
 from cuattn.options import OP_SCHEMA, WINDOW_SCHEMA, AttnOptions, flat_seqlen_bounds
@@ -30,11 +31,17 @@ _TENSOR_KINDS = {"?": "Tensor?", "]": "Tensor[]"}
 
 
 def attention(
-    q, k, v, *, causal=False, window=None, align="bottom_right", scale=None, softcap=None, sink=None, sink_tokens=0, return_lse=False,
+    q, k, v, *, causal=False, window=None, align="bottom_right", scale=None, softcap=None, sink=None, sink_tokens=0,
+    dropout_p=0.0, dropout_seed=None, return_lse=False,
 ):
     """:func:`cuattn.attention` on torch tensors, differentiable in ``q``, ``k``, ``v``, the
     ``sink`` logits if given (``(heads_q,)`` float32), and through ``lse`` when it is returned
-    and used."""
+    and used. With ``dropout_p > 0`` and no ``dropout_seed``, the seed is drawn on q's device
+    from torch's generator (``torch.manual_seed`` makes runs repeatable; a captured CUDA graph
+    draws a new one each replay); the backward reuses it."""
+    if check_dropout_p(dropout_p):
+        dropout_seed = _device_seed(dropout_seed, q)
+        return _attention_dropout(q, k, v, sink, dropout_p, dropout_seed, (causal, window, align, scale, softcap, sink_tokens), return_lse)
     tensors = (q, k, v) if sink is None else (q, k, v, sink)
     if _eager(*tensors):
         if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
@@ -47,6 +54,36 @@ def attention(
         out, lse = op("attention")(q, k, v, *_flat_mask_options(causal, window, align, scale, softcap, q.shape[-1], sink_tokens))
     else:
         out, lse = op("attention_sink")(q, k, v, sink, *_flat_mask_options(causal, window, align, scale, softcap, q.shape[-1], sink_tokens))
+    return (out, lse) if check_bool("return_lse", return_lse) else out
+
+
+def _device_seed(seed, q):
+    """The dropout seed as an array on q's device: drawn from torch's generator when None."""
+    if seed is None:
+        return torch.randint(0, 2**62, (1,), dtype=torch.int64, device=q.device)
+    if isinstance(seed, torch.Tensor):
+        return seed
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+        raise (TypeError if isinstance(seed, bool) or not isinstance(seed, int) else ValueError)(
+            f"dropout_seed must be an int in [0, 2**64) or a tensor, got {seed!r}"
+        )
+    return torch.tensor([seed - 2**64 if seed >= 2**63 else seed], dtype=torch.int64, device=q.device)  # the same 8 bytes
+
+
+def _attention_dropout(q, k, v, sink, dropout_p, seed, options, return_lse):
+    tensors = (q, k, v) if sink is None else (q, k, v, sink)
+    causal, window, align, scale, softcap, sink_tokens = options
+    if _eager(*tensors, seed):
+        if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+            return core_attention(
+                q, k, v, causal=causal, window=window, align=align, scale=scale, softcap=softcap, sink=sink, sink_tokens=sink_tokens,
+                dropout_p=dropout_p, dropout_seed=seed, return_lse=return_lse,
+            )
+        out, lse = _EagerAttention.apply(q, k, v, sink, options, (dropout_p, seed))
+    elif sink is None:
+        out, lse = op("attention_dropout")(q, k, v, seed, *_flat_mask_options(causal, window, align, scale, softcap, q.shape[-1], sink_tokens), dropout_p)
+    else:
+        raise NotImplementedError("traced cuattn.torch.attention takes sink or dropout, not both (eager calls take both)")
     return (out, lse) if check_bool("return_lse", return_lse) else out
 
 
@@ -117,17 +154,18 @@ def merge(outs, lses):
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """Drop-in for ``torch.nn.functional.scaled_dot_product_attention`` on
     ``(batch, heads, seqlen, head_dim)`` tensors: strided views into cuattn's layout, no copies.
-    ``is_causal`` is aligned top-left, as in SDPA. ``attn_mask`` and dropout are not supported."""
+    ``is_causal`` is aligned top-left, as in SDPA. ``dropout_p`` as SDPA's (applied whenever
+    it is given, seeded from torch's generator). ``attn_mask`` is not supported."""
     if attn_mask is not None:
         raise NotImplementedError("cuattn's scaled_dot_product_attention takes no attn_mask; use is_causal (or cuattn.torch.attention's window)")
-    if dropout_p:
-        raise NotImplementedError(f"cuattn's scaled_dot_product_attention has no dropout, got dropout_p={dropout_p}")
     for name, x in (("query", query), ("key", key), ("value", value)):
         if x.dim() != 4:
             raise ValueError(f"{name} must be (batch, heads, seqlen, head_dim), got shape {tuple(x.shape)}")
     if not enable_gqa and key.shape[1] != query.shape[1]:
         raise ValueError(f"query has {query.shape[1]} heads and key {key.shape[1]}; pass enable_gqa=True for grouped-query attention")
-    out = attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), causal=is_causal, align="top_left", scale=scale)
+    out = attention(
+        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), causal=is_causal, align="top_left", scale=scale, dropout_p=dropout_p,
+    )
     return out.transpose(1, 2)
 
 
@@ -165,14 +203,14 @@ class _EagerAttention(torch.autograd.Function):
     call the core path (its validated, replayed launches); traced code uses the op instead."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sink, options):
+    def forward(ctx, q, k, v, sink, options, dropout=(0.0, None)):
         causal, window, align, scale, softcap, sink_tokens = options
         out, lse = core_attention(
             q, k, v, causal=causal, window=window, align=align, scale=scale, softcap=softcap, sink=sink, sink_tokens=sink_tokens,
-            return_lse=True,
+            dropout_p=dropout[0], dropout_seed=dropout[1], return_lse=True,
         )
         ctx.save_for_backward(q, k, v, out, lse, sink)
-        ctx.options = options
+        ctx.options, ctx.dropout = options, dropout
         ctx.set_materialize_grads(False)
         return out, lse
 
@@ -184,18 +222,23 @@ class _EagerAttention(torch.autograd.Function):
             dout = torch.zeros_like(out)
         dout, dlse = _kernel_ready(dout), _kernel_ready(dlse)
         deterministic = torch.are_deterministic_algorithms_enabled()
+        dropout_p, seed = ctx.dropout
         if not _eager(*(t for t in (dout, q, k, v, out, lse, dlse, sink) if t is not None)):  # e.g. compiled autograd
             causal, window, align, scale, softcap, sink_tokens = ctx.options
             flat = _flat_mask_options(causal, window, align, scale, softcap, q.shape[-1], sink_tokens)
+            if dropout_p and sink is None:
+                return (*op("attention_dropout_backward")(dout, q, k, v, out, lse, dlse, seed, *flat, dropout_p, deterministic), None, None, None)
+            if dropout_p:
+                raise NotImplementedError("traced backward of attention with both sink and dropout")
             if sink is None:
-                return (*op("attention_backward")(dout, q, k, v, out, lse, dlse, *flat, deterministic), None, None)
-            return (*op("attention_sink_backward")(dout, q, k, v, out, lse, dlse, sink, *flat, deterministic), None)
+                return (*op("attention_backward")(dout, q, k, v, out, lse, dlse, *flat, deterministic), None, None, None)
+            return (*op("attention_sink_backward")(dout, q, k, v, out, lse, dlse, sink, *flat, deterministic), None, None)
         causal, window, align, scale, softcap, sink_tokens = ctx.options
         grads = core_attention_backward(
             dout, q, k, v, out, lse, causal=causal, window=window, align=align, scale=scale, softcap=softcap, sink=sink,
-            sink_tokens=sink_tokens, dlse=dlse, deterministic=deterministic,
+            sink_tokens=sink_tokens, dropout_p=dropout_p, dropout_seed=seed, dlse=dlse, deterministic=deterministic,
         )
-        return (*grads, None) if sink is not None else (*grads, None, None)
+        return (*grads, None, None) if sink is not None else (*grads, None, None, None)
 
 
 def _in_dispatch_mode() -> bool:

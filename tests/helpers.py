@@ -83,16 +83,19 @@ def _naive_probs(q, k, rnd, causal, window, align, scale, softcap, sink=None, si
     return s, rnd(e / np.where(den > 0, den, 1)), scale
 
 
-def naive_attention(q, k, v, dtype, causal=False, window=None, align="bottom_right", scale=None, softcap=None, sink=None, sink_tokens=0):
+def naive_attention(q, k, v, dtype, causal=False, window=None, align="bottom_right", scale=None, softcap=None, sink=None, sink_tokens=0,
+                    dropout=None):
     """Textbook attention done in the input precision (products accumulated in fp32, every
-    intermediate rounded to ``dtype``): the yardstick of the FlashAttention test criterion."""
+    intermediate rounded to ``dtype``): the yardstick of the FlashAttention test criterion.
+    ``dropout``: (batch, heads_q, seqlen_q, seqlen_k) weights (kept / kept fraction, 0)."""
     dt = DTYPES[dtype]
     rnd = lambda x: np.asarray(x, np.float32).astype(dt).astype(np.float32)  # noqa: E731
     q, k, v = (np.asarray(x).astype(np.float32) for x in (q, k, v))
     hq, hk = q.shape[2], k.shape[2]
     k, v = np.repeat(k, hq // hk, axis=2), np.repeat(v, hq // hk, axis=2)
     _, p, _ = _naive_probs(q, k, rnd, causal, window, align, scale, softcap, sink, sink_tokens)
-    return rnd(np.einsum("bhmn,bnhd->bmhd", p[..., : k.shape[1]], v))
+    p = p[..., : k.shape[1]] if dropout is None else rnd(p[..., : k.shape[1]] * dropout)
+    return rnd(np.einsum("bhmn,bnhd->bmhd", p, v))
 
 
 def assert_attention_accuracy(out, ref, naive, factor=2.0, floor=1e-5):
@@ -115,7 +118,7 @@ def result_ulp(ref, dtype) -> float:
 
 
 def naive_attention_backward(dout, q, k, v, dtype, causal=False, window=None, align="bottom_right", scale=None, softcap=None, dlse=None,
-                             sink=None, sink_tokens=0):
+                             sink=None, sink_tokens=0, dropout=None):
     """Textbook autograd of :func:`naive_attention` in the input precision (fp32 products,
     every intermediate rounded to ``dtype``): the yardstick for backward accuracy. With
     ``sink``, also its gradient (summed in fp32)."""
@@ -128,8 +131,10 @@ def naive_attention_backward(dout, q, k, v, dtype, causal=False, window=None, al
     sk = k.shape[1]
     s, p, scale = _naive_probs(q, ke, rnd, causal, window, align, scale, softcap, sink, sink_tokens)
     p, p_sink = p[..., :sk], p[..., sk:]
-    dv = rnd(np.einsum("bhmn,bmhd->bnhd", p, dout))
+    dv = rnd(np.einsum("bhmn,bmhd->bnhd", p if dropout is None else rnd(p * dropout), dout))
     dp = rnd(np.einsum("bmhd,bnhd->bhmn", dout, ve))
+    if dropout is not None:
+        dp = rnd(dp * dropout)
     row = (dp * p).sum(-1, keepdims=True)
     if dlse is not None:
         row = row - np.asarray(dlse, np.float32)[..., None]
@@ -144,6 +149,17 @@ def naive_attention_backward(dout, q, k, v, dtype, causal=False, window=None, al
     if sink is None:
         return dq, dk, dv
     return dq, dk, dv, -(p_sink * row).sum(axis=(0, 2, 3))
+
+
+def torch_attention_grads(fn, q, k, v, w):
+    """``fn``'s output on bf16 CUDA copies of ``q``, ``k``, ``v`` and the gradients of
+    ``sum(out * w)``, as float NumPy arrays."""
+    import torch
+
+    xs = [torch.from_numpy(np.asarray(x, np.float32)).cuda().bfloat16().requires_grad_() for x in (q, k, v)]
+    out = fn(*xs)
+    (out.float() * torch.from_numpy(w).cuda()).sum().backward()
+    return out.detach().float().cpu().numpy(), [x.grad.float().cpu().numpy() for x in xs]
 
 
 # The forward kernels a GPU test can ask for: "default" is what cuattn picks for the device (the

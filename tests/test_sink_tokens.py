@@ -10,6 +10,7 @@ from cuattn import reference
 from cuattn.options import OP_SCHEMA, AttnOptions
 from helpers import (
     KERNEL_PATHS, assert_attention_accuracy, kernel_path, max_err, naive_attention, naive_attention_backward, poison_cupy_pool, randn,
+    torch_attention_grads,
 )
 
 gpu = pytest.mark.gpu
@@ -165,14 +166,8 @@ def test_torch_eager_and_compiled_gradients_match_the_reference():
     naive_out = naive_attention(q, k, v, "bfloat16", **kw)
     naive = naive_attention_backward(w, q, k, v, "bfloat16", **kw)
 
-    def run(fn):
-        xs = [torch.from_numpy(x.astype(np.float32)).cuda().bfloat16().requires_grad_() for x in (q, k, v)]
-        out = fn(*xs)
-        (out.float() * torch.from_numpy(w).cuda()).sum().backward()
-        return out.detach().float().cpu().numpy(), [x.grad.float().cpu().numpy() for x in xs]
-
     for fn in (lambda q, k, v: ct.attention(q, k, v, **kw), torch.compile(lambda q, k, v: ct.attention(q, k, v, **kw), fullgraph=True)):
-        out, grads = run(fn)
+        out, grads = torch_attention_grads(fn, q, k, v, w)
         assert_attention_accuracy(out, ref_out, naive_out)
         for g, r, nv in zip(grads, ref, naive):
             assert max_err(g, r) <= 3.0 * max_err(nv, r) + 1e-5 * max(1.0, float(np.abs(r).max()))

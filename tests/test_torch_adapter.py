@@ -206,7 +206,7 @@ def test_sdpa_drop_in_rejects_what_it_does_not_cover():
     k = torch.randn(1, 1, 8, 64, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(NotImplementedError, match="attn_mask"):
         ct.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(8, 8, dtype=torch.bool, device="cuda"))
-    with pytest.raises(NotImplementedError, match="dropout"):
-        ct.scaled_dot_product_attention(q, q, q, dropout_p=0.1)
+    with pytest.raises(ValueError, match="dropout_p"):
+        ct.scaled_dot_product_attention(q, q, q, dropout_p=1.5)
     with pytest.raises(ValueError, match="enable_gqa"):
         ct.scaled_dot_product_attention(q, k, k)

@@ -10,8 +10,8 @@ import functools
 
 from cuattn.dtypes import cxx_type
 from cuattn.kernels.variant import (
-    HEAD_DIM_BUCKETS, MAX_SMEM_OPTIN, SEQ_LAYOUTS, WGMMA_ARCH, Variant, arch_smem_limit, head_dim_bucket, layout_arg, layout_uri,
-    softcap_arg, softcap_uri, tile_launches,
+    HEAD_DIM_BUCKETS, MAX_SMEM_OPTIN, SEQ_LAYOUTS, WGMMA_ARCH, Variant, arch_smem_limit, dropout_arg, dropout_uri, head_dim_bucket,
+    layout_arg, layout_uri, softcap_arg, softcap_uri, tile_launches,
 )
 
 FAMILY = "backward"
@@ -37,6 +37,9 @@ WGMMA_TILES = {
     "backward_dkdv": {64: (64, 1, 2), 128: (64, 1, 2)},
 }
 WGMMA_FUSED_TILES = {64: (64, 1, 3), 128: (64, 2, 1)}
+# Kernel and bucket whose dropout form needs more registers than its CTAs per SM leave (spills
+# at d64): CTAs per SM.
+WGMMA_DROPOUT_CTAS = {"backward_wgmma_dq": {64: 1}, "backward_wgmma_fused": {64: 2}}
 
 
 def dkdv_splits(bucket: int) -> int:
@@ -116,15 +119,19 @@ def sink_grad_variant(layout: str = "dense") -> Variant:
 
 
 @functools.cache
-def variant(kernel: str, c_type: str, bucket: int, softcap: bool, smem_limit: int = MAX_SMEM_OPTIN, layout: str = "dense") -> Variant:
+def variant(
+    kernel: str, c_type: str, bucket: int, softcap: bool, smem_limit: int = MAX_SMEM_OPTIN, layout: str = "dense", dropout: bool = False,
+) -> Variant:
     """``kernel`` is backward_dkdv or backward_dq, tiled for ``smem_limit`` bytes of shared
-    memory per block; float32 runs their CUDA-core twins (backward_fp32_dkdv, backward_fp32_dq)."""
-    cap, layout_tail = softcap_arg(softcap), softcap_uri(softcap) + layout_uri(layout)
+    memory per block; float32 runs their CUDA-core twins (backward_fp32_dkdv, backward_fp32_dq);
+    ``dropout``: the form with dropout (common/dropout.cuh)."""
+    cap, layout_tail = softcap_arg(softcap), softcap_uri(softcap) + layout_uri(layout) + dropout_uri(dropout)
+    drop = dropout_arg(dropout, layout)
     if c_type == "float":
         fp32_kernel = kernel.replace("backward_", "backward_fp32_")
         return Variant(
             family=FAMILY, kernel=fp32_kernel,
-            expression=f"cuattn::{fp32_kernel}_kernel<{bucket}, {cap}, {layout_arg(layout)}>",
+            expression=f"cuattn::{fp32_kernel}_kernel<{bucket}, {cap}, {layout_arg(layout)}{drop}>",
             uri=f"{fp32_kernel}/d{bucket}" + layout_tail,
             dynamic_smem=2 * FP32_TILE * (bucket + 1) * 4,
             threads=FP32_WARPS * 32,
@@ -142,7 +149,7 @@ def variant(kernel: str, c_type: str, bucket: int, softcap: bool, smem_limit: in
         contract += ((f"cuattn::kDkdvSplits<{bucket}>", splits),)
     return Variant(
         family=FAMILY, kernel=kernel,
-        expression=f"cuattn::{kernel}_kernel<{cxx_type(c_type)}, {bucket}, {tile_args}, {cap}, {layout_arg(layout)}>",
+        expression=f"cuattn::{kernel}_kernel<{cxx_type(c_type)}, {bucket}, {tile_args}, {cap}, {layout_arg(layout)}{drop}>",
         uri=f"{kernel}/{c_type}/d{bucket}/s{stream}" + ("" if stats or kernel == "backward_dq" else "g") + layout_tail,
         hot=True,
         dynamic_smem=smem_bytes(bucket, stream, stats),
@@ -153,13 +160,16 @@ def variant(kernel: str, c_type: str, bucket: int, softcap: bool, smem_limit: in
     )
 
 
-def _wgmma(kernel: str, c_type: str, bucket: int, softcap: bool, layout: str, tiles: tuple, smem: int, traits: str) -> Variant:
+def _wgmma(kernel: str, c_type: str, bucket: int, softcap: bool, layout: str, tiles: tuple, smem: int, traits: str, dropout: bool) -> Variant:
     stream, warpgroups, ctas = tiles
+    if dropout:
+        ctas = WGMMA_DROPOUT_CTAS.get(kernel, {}).get(bucket, ctas)
     traits = f"cuattn::{traits}<{bucket}, {stream}, {warpgroups}>"
     return Variant(
         family=FAMILY, kernel=kernel,
-        expression=f"cuattn::{kernel}_kernel<{cxx_type(c_type)}, {bucket}, {stream}, {warpgroups}, {ctas}, {softcap_arg(softcap)}, {layout_arg(layout)}>",
-        uri=f"{kernel}/{c_type}/d{bucket}/s{stream}wg{warpgroups}c{ctas}" + softcap_uri(softcap) + layout_uri(layout),
+        expression=(f"cuattn::{kernel}_kernel<{cxx_type(c_type)}, {bucket}, {stream}, {warpgroups}, {ctas}, {softcap_arg(softcap)}, "
+                    f"{layout_arg(layout)}{dropout_arg(dropout, layout)}>"),
+        uri=f"{kernel}/{c_type}/d{bucket}/s{stream}wg{warpgroups}c{ctas}" + softcap_uri(softcap) + layout_uri(layout) + dropout_uri(dropout),
         hot=True,
         dynamic_smem=smem,
         threads=128 * warpgroups,
@@ -170,37 +180,41 @@ def _wgmma(kernel: str, c_type: str, bucket: int, softcap: bool, layout: str, ti
 
 
 @functools.cache
-def wgmma_variant(kernel: str, c_type: str, bucket: int, softcap: bool, layout: str = "dense") -> Variant:
+def wgmma_variant(kernel: str, c_type: str, bucket: int, softcap: bool, layout: str = "dense", dropout: bool = False) -> Variant:
     """``kernel`` is backward_dq or backward_dkdv; the variant is its backward_wgmma_* twin."""
     return _wgmma(
         kernel.replace("backward_", "backward_wgmma_"), c_type, bucket, softcap, layout, WGMMA_TILES[kernel][bucket],
-        wgmma_smem_bytes(kernel, bucket), "WgmmaBackwardTraits",
+        wgmma_smem_bytes(kernel, bucket), "WgmmaBackwardTraits", dropout,
     )
 
 
 @functools.cache
-def fused_variant(c_type: str, bucket: int, softcap: bool, layout: str = "dense") -> Variant:
+def fused_variant(c_type: str, bucket: int, softcap: bool, layout: str = "dense", dropout: bool = False) -> Variant:
     """dK / dV plus dQ by fp32 atomics into the accumulator (backward_wgmma_fused.cu)."""
-    v = _wgmma("backward_wgmma_fused", c_type, bucket, softcap, layout, WGMMA_FUSED_TILES[bucket], fused_smem_bytes(bucket), "WgmmaFusedTraits")
+    v = _wgmma(
+        "backward_wgmma_fused", c_type, bucket, softcap, layout, WGMMA_FUSED_TILES[bucket], fused_smem_bytes(bucket), "WgmmaFusedTraits", dropout,
+    )
     return dataclasses.replace(v, contract=v.contract + (("cuattn::kDqTileRows", DQ_TILE_ROWS),))
 
 
-def select_fused(c_type: str, bucket: int, softcap: bool, arch: str, allow_wgmma: bool = True, layout: str = "dense") -> Variant | None:
+def select_fused(
+    c_type: str, bucket: int, softcap: bool, arch: str, allow_wgmma: bool = True, layout: str = "dense", dropout: bool = False,
+) -> Variant | None:
     """The one-pass backward (dQ by atomics) where it serves the problem on the target, else None."""
     if allow_wgmma and arch == WGMMA_ARCH and c_type != "float" and bucket in WGMMA_FUSED_TILES:
-        return fused_variant(c_type, bucket, softcap, layout)
+        return fused_variant(c_type, bucket, softcap, layout, dropout)
     return None
 
 
 def select(
     kernel: str, c_type: str, bucket: int, softcap: bool, arch: str, allow_wgmma: bool = True, smem_limit: int | None = None,
-    layout: str = "dense",
+    layout: str = "dense", dropout: bool = False,
 ) -> Variant:
     """backward_dq or backward_dkdv for a problem on a target: the Hopper twin where one exists,
     else the portable kernel tiled for ``smem_limit`` (default: the target's)."""
     if allow_wgmma and arch == WGMMA_ARCH and c_type != "float" and bucket in WGMMA_TILES[kernel]:
-        return wgmma_variant(kernel, c_type, bucket, softcap, layout)
-    return variant(kernel, c_type, bucket, softcap, arch_smem_limit(arch) if smem_limit is None else smem_limit, layout)
+        return wgmma_variant(kernel, c_type, bucket, softcap, layout, dropout)
+    return variant(kernel, c_type, bucket, softcap, arch_smem_limit(arch) if smem_limit is None else smem_limit, layout, dropout)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,12 +268,13 @@ def query_splits(c_type: str, g: BackwardGrid, sms: int) -> int:
 
 def launches(
     g: BackwardGrid, c_type: str, softcap: bool, arch: str, allow_wgmma: bool, smem_limit: int, fused: bool, sink: bool = False,
-    query_splits: int = 1,
+    query_splits: int = 1, dropout: bool = False,
 ) -> Launches:
     """Every launch of one backward call, in order: (variant, [(grid, block, batch_offset)]);
     ``fused``: dQ through the accumulator by the fused kernel (``select_fused`` serves it);
     ``sink``: the sinks' gradient too (dense or packed rows); ``query_splits``: CTAs per key
-    block of the dK / dV kernel (BackwardParams::query_splits; 16-bit types, not fused)."""
+    block of the dK / dV kernel (BackwardParams::query_splits; 16-bit types, not fused);
+    ``dropout``: the gradient kernels with dropout."""
     bucket, layout = head_dim_bucket(g.head_dim), g.layout
     row_groups = g.rows * g.heads_q
     row_launch = [((-(-row_groups // ROWS_PER_CTA), 1, 1), (32 * ROW_WARPS, 1, 1), None)]
@@ -272,17 +287,17 @@ def launches(
         out.append((sink_grad_variant(layout), [((g.heads_q, 1, 1), (SINK_GRAD_WARPS * 32, 1, 1), None)]))
     # dK and dV are written (zeros included) even when no query sees a key.
     if fused:
-        one_pass = select_fused(c_type, bucket, softcap, arch, layout=layout)
+        one_pass = select_fused(c_type, bucket, softcap, arch, layout=layout, dropout=dropout)
         if g.keys:
             out.append((one_pass, tile_launches(one_pass, grid_k, g.heads_kv, g.batch)))
         if row_groups:
             out.append((row_variant("backward_dq_finish", c_type, bucket, layout), row_launch))
         return out
     if row_groups:
-        dq = select("backward_dq", c_type, bucket, softcap, arch, allow_wgmma, smem_limit, layout)
+        dq = select("backward_dq", c_type, bucket, softcap, arch, allow_wgmma, smem_limit, layout, dropout)
         out.append((dq, tile_launches(dq, grid_q, g.heads_q, g.batch)))
     if g.keys:
-        dkdv = select("backward_dkdv", c_type, bucket, softcap, arch, allow_wgmma, smem_limit, layout)
+        dkdv = select("backward_dkdv", c_type, bucket, softcap, arch, allow_wgmma, smem_limit, layout, dropout)
         tiles = tile_launches(dkdv, grid_k, g.heads_kv * dkdv.column_splits, g.batch)
         if query_splits > 1:
             if fused or c_type == "float" or layout != "dense":
@@ -296,6 +311,15 @@ def variants(arch: str | None = None) -> list[Variant]:
     """Every backward variant; with ``arch``, the portable tiles chosen under its shared-memory limit."""
     smem_limit = MAX_SMEM_OPTIN if arch is None else arch_smem_limit(arch)
     out = []
+    for c_type in ("f16", "bf16", "float"):  # with dropout (dense layout)
+        for bucket in HEAD_DIM_BUCKETS:
+            for softcap in (False, True):
+                for kernel in ("backward_dkdv", "backward_dq"):
+                    out.append(variant(kernel, c_type, bucket, softcap, smem_limit, "dense", dropout=True))
+                    if c_type != "float" and bucket in WGMMA_TILES[kernel]:
+                        out.append(wgmma_variant(kernel, c_type, bucket, softcap, "dense", dropout=True))
+                if c_type != "float" and bucket in WGMMA_FUSED_TILES:
+                    out.append(fused_variant(c_type, bucket, softcap, "dense", dropout=True))
     for layout in SEQ_LAYOUTS:
         out.append(sink_grad_variant(layout))
         for c_type in ("f16", "bf16", "float"):

@@ -8,7 +8,8 @@ import functools
 
 from cuattn.dtypes import cxx_type
 from cuattn.kernels.variant import (
-    CACHE_LAYOUTS, HEAD_DIM_BUCKETS, SEQ_LAYOUTS, WGMMA_ARCH, Variant, arch_smem_limit, layout_arg, layout_uri, softcap_arg, softcap_uri, tile_launches,
+    CACHE_LAYOUTS, HEAD_DIM_BUCKETS, SEQ_LAYOUTS, WGMMA_ARCH, Variant, arch_smem_limit, dropout_arg, dropout_uri, layout_arg, layout_uri,
+    softcap_arg, softcap_uri, tile_launches,
 )
 
 FAMILY = "forward"
@@ -31,6 +32,8 @@ FP32_ROWS_PER_WARP, FP32_WARPS = 4, 4  # forward_fp32.cu: kF32RowsPerWarp, kF32W
 # Hopper tiles per head-dim bucket: (BLOCK_N, WARPGROUPS, CTAS_PER_SM); every warpgroup owns 64
 # query rows (scripts/tune_wgmma.py).
 WGMMA_TILES = {64: (64, 2, 2), 128: (128, 2, 1), 256: (64, 2, 1)}
+# (bucket, softcap) whose dropout form needs more registers than its CTAs per SM leave: CTAs per SM.
+WGMMA_DROPOUT_CTAS = {(64, True): 1}
 
 
 def page_ahead_bytes(block_n: int, layout: str) -> int:
@@ -49,30 +52,34 @@ def wgmma_smem_bytes(bucket: int) -> int:
     return (64 * warpgroups + 2 * STAGES * block_n) * bucket * 2 + swizzle_alignment
 
 
-def _fold_arg(fold: bool, layout: str) -> tuple[str, str]:
-    """(template argument, uri suffix) of a kernel that folds its result into an fp32
-    accumulator (forward/accumulate.cuh; dense layout only)."""
+def _fold_arg(fold: bool, layout: str, dropout: bool = False) -> tuple[str, str]:
+    """(trailing template arguments, uri suffix) of a kernel that folds its result into an fp32
+    accumulator (forward/accumulate.cuh; dense layout only) and / or applies dropout."""
     if fold and layout != "dense":
         raise ValueError(f"the accumulating forward is compiled for the dense layout only, not {layout!r}")
+    if fold and dropout:
+        raise ValueError("the accumulating forward is not compiled with dropout")
+    if dropout:
+        return ", false" + dropout_arg(dropout, layout), dropout_uri(dropout)
     return (", true", "/fold") if fold else ("", "")
 
 
 @functools.cache
-def variant(c_type: str, bucket: int, softcap: bool, layout: str = "dense", fold: bool = False) -> Variant:
+def variant(c_type: str, bucket: int, softcap: bool, layout: str = "dense", fold: bool = False, dropout: bool = False) -> Variant:
     """The portable kernel: tensor cores (mma.sync) for float16 / bfloat16, CUDA cores for
     float32 (which folds into an accumulator at run time: ``fold`` changes nothing there)."""
     if c_type == "float":
         return Variant(
             family=FAMILY, kernel="forward_fp32",
-            expression=f"cuattn::forward_fp32_kernel<{bucket}, {softcap_arg(softcap)}, {layout_arg(layout)}>",
-            uri=f"forward_fp32/d{bucket}" + softcap_uri(softcap) + layout_uri(layout),
+            expression=f"cuattn::forward_fp32_kernel<{bucket}, {softcap_arg(softcap)}, {layout_arg(layout)}{dropout_arg(dropout, layout)}>",
+            uri=f"forward_fp32/d{bucket}" + softcap_uri(softcap) + layout_uri(layout) + dropout_uri(dropout),
             threads=FP32_WARPS * 32,
             block_m=FP32_ROWS_PER_WARP * FP32_WARPS,
             contract=(("cuattn::kF32Warps", FP32_WARPS), ("cuattn::kF32RowsPerWarp", FP32_ROWS_PER_WARP)),
         )
     block_m, block_n, warps = TILES[bucket]
     traits = f"cuattn::ForwardTraits<{bucket}, {block_m}, {block_n}, {warps}>"
-    fold_arg, fold_uri = _fold_arg(fold, layout)
+    fold_arg, fold_uri = _fold_arg(fold, layout, dropout)
     return Variant(
         family=FAMILY, kernel="forward",
         expression=(f"cuattn::forward_kernel<{cxx_type(c_type)}, {bucket}, {block_m}, {block_n}, {warps}, {softcap_arg(softcap)}, "
@@ -90,10 +97,12 @@ def variant(c_type: str, bucket: int, softcap: bool, layout: str = "dense", fold
 
 
 @functools.cache
-def wgmma_variant(c_type: str, bucket: int, softcap: bool, layout: str = "dense", fold: bool = False) -> Variant:
+def wgmma_variant(c_type: str, bucket: int, softcap: bool, layout: str = "dense", fold: bool = False, dropout: bool = False) -> Variant:
     block_n, warpgroups, ctas = WGMMA_TILES[bucket]
+    if dropout:
+        ctas = WGMMA_DROPOUT_CTAS.get((bucket, softcap), ctas)
     traits = f"cuattn::WgmmaForwardTraits<{bucket}, {block_n}, {warpgroups}>"
-    fold_arg, fold_uri = _fold_arg(fold, layout)
+    fold_arg, fold_uri = _fold_arg(fold, layout, dropout)
     return Variant(
         family=FAMILY, kernel="forward_wgmma",
         expression=(f"cuattn::forward_wgmma_kernel<{cxx_type(c_type)}, {bucket}, {block_n}, {warpgroups}, {ctas}, {softcap_arg(softcap)}, "
@@ -111,12 +120,16 @@ def wgmma_variant(c_type: str, bucket: int, softcap: bool, layout: str = "dense"
     )
 
 
-def select(c_type: str, bucket: int, softcap: bool, arch: str, allow_wgmma: bool = True, layout: str = "dense", fold: bool = False) -> Variant:
+def select(
+    c_type: str, bucket: int, softcap: bool, arch: str, allow_wgmma: bool = True, layout: str = "dense", fold: bool = False,
+    dropout: bool = False,
+) -> Variant:
     """The forward kernel for a problem on a target: the Hopper kernel where one exists for it,
-    else the portable one; ``fold``: the form that folds into an fp32 accumulator."""
+    else the portable one; ``fold``: the form that folds into an fp32 accumulator; ``dropout``:
+    the form with dropout (common/dropout.cuh)."""
     if allow_wgmma and arch == WGMMA_ARCH and c_type != "float" and bucket in WGMMA_TILES:
-        return wgmma_variant(c_type, bucket, softcap, layout, fold)
-    return variant(c_type, bucket, softcap, layout, fold and c_type != "float")
+        return wgmma_variant(c_type, bucket, softcap, layout, fold, dropout)
+    return variant(c_type, bucket, softcap, layout, fold and c_type != "float", dropout)
 
 
 def launches(v: Variant, rows: int, heads_q: int, batch: int) -> list[tuple[tuple, tuple, int]]:
@@ -134,6 +147,12 @@ def variants(arch: str | None = None) -> list[Variant]:
                 out.append(variant(c_type, bucket, softcap, "dense", fold=True))
                 if bucket in WGMMA_TILES:
                     out.append(wgmma_variant(c_type, bucket, softcap, "dense", fold=True))
+    for c_type in ("f16", "bf16", "float"):  # with dropout
+        for bucket in HEAD_DIM_BUCKETS:
+            for softcap in (False, True):
+                out.append(variant(c_type, bucket, softcap, "dense", dropout=True))
+                if bucket in WGMMA_TILES and c_type != "float":
+                    out.append(wgmma_variant(c_type, bucket, softcap, "dense", dropout=True))
     for layout in SEQ_LAYOUTS + CACHE_LAYOUTS:
         for c_type in ("f16", "bf16") + (("float",) if layout in SEQ_LAYOUTS else ()):
             for bucket in HEAD_DIM_BUCKETS:

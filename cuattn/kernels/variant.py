@@ -85,6 +85,17 @@ def softcap_uri(softcap: bool) -> str:
     return "/softcap" if softcap else ""
 
 
+def dropout_arg(dropout: bool, layout: str = "dense") -> str:
+    """The trailing DROPOUT template argument (common/dropout.cuh; dense layout only), or none."""
+    if dropout and layout != "dense":
+        raise ValueError(f"dropout is compiled for the dense layout only, not {layout!r}")
+    return ", true" if dropout else ""
+
+
+def dropout_uri(dropout: bool) -> str:
+    return "/dropout" if dropout else ""
+
+
 MAX_GRID_YZ = 65535  # gridDim.y and gridDim.z limit
 MAX_GRID_X = 2**31 - 1
 

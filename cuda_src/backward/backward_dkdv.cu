@@ -22,8 +22,8 @@ constexpr int kDkdvSplits = HEAD_DIM > 128 ? 2 : 1;
 /// \brief dK and dV of one (key block, KV head x column split, sequence) (common/grid.cuh,
 /// common/seq_layout.cuh), BLOCK_Q queries per step. STATS_IN_SMEM stages each step's lse and delta in shared memory with its
 /// tiles; without it (a device whose shared memory fits only the tiles) they are read from
-/// global memory where they are used.
-template <typename T, int HEAD_DIM, int BLOCK_Q, bool STATS_IN_SMEM, bool SOFTCAP, SeqLayout LAYOUT>
+/// global memory where they are used. DROPOUT: dropout on the probabilities (common/dropout.cuh).
+template <typename T, int HEAD_DIM, int BLOCK_Q, bool STATS_IN_SMEM, bool SOFTCAP, SeqLayout LAYOUT, bool DROPOUT = false>
 __global__ void __launch_bounds__(128, 1) backward_dkdv_kernel(const __grid_constant__ BackwardParams p) {
   using Tr = BackwardTraits<HEAD_DIM, BLOCK_Q, kDkdvSplits<HEAD_DIM>, STATS_IN_SMEM>;
   constexpr int BM = Tr::kBlockStream;    // queries per step
@@ -118,10 +118,13 @@ __global__ void __launch_bounds__(128, 1) backward_dkdv_kernel(const __grid_cons
         if (masked && !band.visible(m0 + nt * 8 + 2 * t + (e % 2), warp_key0 + g + (e / 2) * 8)) s[nt][e] = 0.f;
       }
     }
-    mma_frag_by_tile<T, Tr::kNTiles, Tr::kOutTiles, RS>(dv, s, sdO + col0, lane);
+    u64 keeps = 0;  // dropout: dV takes the kept probabilities, dS the kept dP
+    if constexpr (DROPOUT) keeps = DropoutDraws(a, batch, plan.head(kv_head, step)).transposed_keeps<Tr::kNTiles>(m0, warp_key0, lane);
+    mma_frag_by_tile<T, Tr::kNTiles, Tr::kOutTiles, RS, DROPOUT>(dv, s, sdO + col0, lane, keeps);
 
     float dp[Tr::kNTiles][4] = {};
     mma_rows_by_rows<T, HEAD_DIM, Tr::kNTiles, RS>(dp, sV + warp * 16 * RS, sdO, lane);
+    if constexpr (DROPOUT) apply_keeps(dp, keeps, a.dropout_scale);
 #pragma unroll
     for (int nt = 0; nt < Tr::kNTiles; ++nt) {
       float delta[2];
@@ -146,13 +149,13 @@ __global__ void __launch_bounds__(128, 1) backward_dkdv_kernel(const __grid_cons
     float* dk_sum = head_rows<float>(static_cast<float*>(p.dk) + split * p.split_stride, p.dk_strides, batch, kv_head, out_span.k_row0) + col0;
     float* dv_sum = head_rows<float>(static_cast<float*>(p.dv) + split * p.split_stride, p.dv_strides, batch, kv_head, out_span.k_row0) + col0;
     add_acc_rows<Tr::kOutTiles>(dk, a.scale, dk_sum, p.dk_strides[1], warp_key0, out_span.seqlen_k, a.head_dim - col0, lane);
-    add_acc_rows<Tr::kOutTiles>(dv, 1.f, dv_sum, p.dv_strides[1], warp_key0, out_span.seqlen_k, a.head_dim - col0, lane);
+    add_acc_rows<Tr::kOutTiles>(dv, DROPOUT ? a.dropout_scale : 1.f, dv_sum, p.dv_strides[1], warp_key0, out_span.seqlen_k, a.head_dim - col0, lane);
     return;
   }
   T* dk_out = head_rows<T>(p.dk, p.dk_strides, batch, kv_head, out_span.k_row0) + col0;
   T* dv_out = head_rows<T>(p.dv, p.dv_strides, batch, kv_head, out_span.k_row0) + col0;
   store_acc_rows<T, Tr::kOutTiles>(dk, a.scale, dk_out, p.dk_strides[1], warp_key0, out_span.seqlen_k, a.head_dim - col0, lane);
-  store_acc_rows<T, Tr::kOutTiles>(dv, 1.f, dv_out, p.dv_strides[1], warp_key0, out_span.seqlen_k, a.head_dim - col0, lane);
+  store_acc_rows<T, Tr::kOutTiles>(dv, DROPOUT ? a.dropout_scale : 1.f, dv_out, p.dv_strides[1], warp_key0, out_span.seqlen_k, a.head_dim - col0, lane);
 }
 
 }  // namespace cuattn

@@ -14,8 +14,8 @@
 namespace cuattn {
 
 /// \brief dQ of one (query block, query head, sequence) (common/grid.cuh, common/seq_layout.cuh),
-/// BLOCK_K keys per step.
-template <typename T, int HEAD_DIM, int BLOCK_K, bool SOFTCAP, SeqLayout LAYOUT>
+/// BLOCK_K keys per step. DROPOUT: dropout on the probabilities (common/dropout.cuh).
+template <typename T, int HEAD_DIM, int BLOCK_K, bool SOFTCAP, SeqLayout LAYOUT, bool DROPOUT = false>
 __global__ void __launch_bounds__(128, 1) backward_dq_kernel(const __grid_constant__ BackwardParams p) {
   using Tr = BackwardTraits<HEAD_DIM, BLOCK_K>;
   constexpr int BM = Tr::kBlockResident;  // query rows per CTA
@@ -102,6 +102,7 @@ __global__ void __launch_bounds__(128, 1) backward_dq_kernel(const __grid_consta
       }
     float dp[Tr::kNTiles][4] = {};
     mma_rows_by_rows<T, HEAD_DIM, Tr::kNTiles, RS>(dp, sdO + warp * 16 * RS, sV, lane);
+    if constexpr (DROPOUT) DropoutDraws(a, batch, head).drop_rows(dp, warp_first_row, n0, lane, a.dropout_scale);
 #pragma unroll
     for (int nt = 0; nt < Tr::kNTiles; ++nt)
 #pragma unroll

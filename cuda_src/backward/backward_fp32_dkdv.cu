@@ -3,6 +3,7 @@
 // query head of the group, so that GQA sums stay in registers (deterministic). Each warp owns 4
 // keys; a lane takes one query of every tile, then dV row += sum_i P[i] dO[i] and
 // dK row += sum_i dS[i] Q[i] with lanes over head-dim columns.
+#include "common/dropout.cuh"
 #include "common/grid.cuh"
 #include "backward/fp32_tiles.cuh"
 #include "backward/head_rows.cuh"
@@ -12,7 +13,8 @@
 
 namespace cuattn {
 
-template <int HEAD_DIM, bool SOFTCAP, SeqLayout LAYOUT>
+// DROPOUT: dropout on the probabilities (common/dropout.cuh), one draw per element.
+template <int HEAD_DIM, bool SOFTCAP, SeqLayout LAYOUT, bool DROPOUT = false>
 __global__ void __launch_bounds__(kF32BwdWarps * 32, 1) backward_fp32_dkdv_kernel(const __grid_constant__ BackwardParams p) {
   constexpr int kCols = HEAD_DIM / 32;
   constexpr int RS = HEAD_DIM + 1;
@@ -48,6 +50,7 @@ __global__ void __launch_bounds__(kF32BwdWarps * 32, 1) backward_fp32_dkdv_kerne
     const RowStats stats(p, batch, head, span);
     const float* lse = stats.lse;
     const float* delta = stats.delta;
+    const DropoutDraws draws(a, batch, head);
     for (int m0 = row_last < row_first ? row_last + 1 : row_first / kF32BwdTile * kF32BwdTile; m0 <= row_last; m0 += kF32BwdTile) {
       __syncthreads();  // previous tiles fully consumed
       load_f32_tile<HEAD_DIM>(sQ, q, a.q_strides[1], m0, span.seqlen_q, a.head_dim);
@@ -64,10 +67,16 @@ __global__ void __launch_bounds__(kF32BwdWarps * 32, 1) backward_fp32_dkdv_kerne
         float cap_grad = 1.f;
         if (SOFTCAP) s = softcap_score(float(s), a.scale, a.softcap, cap_grad);
         const float prob = band.visible(row, key) ? exp2_minus_shift(s, sc, shift) : 0.f;
-        const float dp = float(dot_f64(sdO + lane * RS, v + key * a.v_strides[1], a.head_dim));
+        float dp = float(dot_f64(sdO + lane * RS, v + key * a.v_strides[1], a.head_dim));
+        float kept_prob = prob;  // dV takes the kept probabilities, dS the kept dP
+        if (DROPOUT) {
+          const bool keep = draws.keeps(row, key);
+          kept_prob = keep ? prob : 0.f;
+          dp = keep ? dp * a.dropout_scale : 0.f;
+        }
         const float ds = prob * (dp - row_delta) * cap_grad;
         for (int i = 0; i < kF32BwdTile; ++i) {
-          const float p_i = __shfl_sync(0xffffffff, prob, i), ds_i = __shfl_sync(0xffffffff, ds, i);
+          const float p_i = __shfl_sync(0xffffffff, kept_prob, i), ds_i = __shfl_sync(0xffffffff, ds, i);
 #pragma unroll
           for (int c = 0; c < kCols; ++c) {
             dv[r][c] = fma(double(p_i), double(sdO[i * RS + lane + 32 * c]), dv[r][c]);
@@ -88,7 +97,7 @@ __global__ void __launch_bounds__(kF32BwdWarps * 32, 1) backward_fp32_dkdv_kerne
     for (int c = 0; c < kCols; ++c) {
       const int col = lane + 32 * c;
       if (col < a.head_dim) {
-        const float dk_value = float(dk[r][c] * a.scale), dv_value = float(dv[r][c]);
+        const float dk_value = float(dk[r][c] * a.scale), dv_value = float(dv[r][c] * (DROPOUT ? a.dropout_scale : 1.f));
         float& dk_slot = dk_out[key * p.dk_strides[1] + col];
         float& dv_slot = dv_out[key * p.dv_strides[1] + col];
         const bool sum = p.sum_grads & kSumDkDv;  // added into the fp32 sums

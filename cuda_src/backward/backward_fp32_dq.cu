@@ -1,6 +1,7 @@
 // Float32 attention backward, dQ, on the CUDA cores (fp32 products, fp64 dot products, no tf32):
 // one CTA per 16 query rows of a (head, sequence); each warp owns 4 rows and a lane scores one key
 // of every 32-key tile, then dQ row r += sum_j dS[r, j] K[j] with lanes over head-dim columns.
+#include "common/dropout.cuh"
 #include "common/grid.cuh"
 #include "backward/fp32_tiles.cuh"
 #include "backward/head_rows.cuh"
@@ -10,7 +11,8 @@
 
 namespace cuattn {
 
-template <int HEAD_DIM, bool SOFTCAP, SeqLayout LAYOUT>
+// DROPOUT: dropout on the probabilities (common/dropout.cuh), one draw per element.
+template <int HEAD_DIM, bool SOFTCAP, SeqLayout LAYOUT, bool DROPOUT = false>
 __global__ void __launch_bounds__(kF32BwdWarps * 32, 1) backward_fp32_dq_kernel(const __grid_constant__ BackwardParams p) {
   constexpr int kCols = HEAD_DIM / 32;
   constexpr int RS = HEAD_DIM + 1;
@@ -64,7 +66,8 @@ __global__ void __launch_bounds__(kF32BwdWarps * 32, 1) backward_fp32_dq_kernel(
       float cap_grad = 1.f;
       if (SOFTCAP) s = softcap_score(float(s), a.scale, a.softcap, cap_grad);
       const float prob = band.visible(row, n0 + lane) ? exp2_minus_shift(s, sc, shift[r]) : 0.f;
-      const float dp = float(dot_f64(dout + row * p.dout_strides[1], sV + lane * RS, a.head_dim));
+      float dp = float(dot_f64(dout + row * p.dout_strides[1], sV + lane * RS, a.head_dim));
+      if (DROPOUT) dp = DropoutDraws(a, batch, head).keeps(row, n0 + lane) ? dp * a.dropout_scale : 0.f;
       const float ds = prob * (dp - row_delta[r]) * cap_grad;
       for (int j = 0; j < kF32BwdTile; ++j) {
         const float ds_j = __shfl_sync(0xffffffff, ds, j);

@@ -15,7 +15,7 @@
 
 namespace cuattn {
 
-template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int CTAS_PER_SM, bool SOFTCAP, SeqLayout LAYOUT>
+template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int CTAS_PER_SM, bool SOFTCAP, SeqLayout LAYOUT, bool DROPOUT = false>
 __global__ void __launch_bounds__(WARPGROUPS * 128, CTAS_PER_SM) backward_wgmma_dq_kernel(const __grid_constant__ BackwardParams p) {
   using Tr = WgmmaBackwardTraits<HEAD_DIM, BLOCK_N, WARPGROUPS>;
   constexpr int BM = Tr::kBlockResident;  // query rows per CTA
@@ -97,6 +97,7 @@ __global__ void __launch_bounds__(WARPGROUPS * 128, CTAS_PER_SM) backward_wgmma_
     wgmma_wait<0>();
     fence_registers(s);
     fence_registers(dp);
+    if constexpr (DROPOUT) DropoutDraws(a, batch, head).drop_rows(dp, warp_first_row, n0, lane, a.dropout_scale);
 
     const int t = lane % 4;
     if (SOFTCAP || masked) {

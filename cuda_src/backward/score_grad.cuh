@@ -1,6 +1,7 @@
 // Shared steps of the backward kernels on one warp's 16 x N tile of scores (mma C fragments):
 // probabilities from the saved lse, and dS = P * (dP - delta) through the optional softcap.
 #pragma once
+#include "../common/dropout.cuh"
 #include "../common/dtypes.cuh"
 #include "../common/mask.cuh"
 #include "../common/mma.cuh"
@@ -61,9 +62,10 @@ __device__ __forceinline__ ProbGrad prob_and_grad(float x, float dp, float shift
 // dS^T. Columns are queries m0 + col with their lse in sLse[col]; rows are keys key0 + g (+ 8).
 // The row stats are read once per column pair, and without MASKED (every element visible) the
 // step has no per-element branch.
-template <typename T, bool SOFTCAP, bool MASKED, int N>
+// With KEEPS, p holds only the elements that dropout keeps (bits of `keeps`, common/dropout.cuh).
+template <typename T, bool SOFTCAP, bool MASKED, int N, bool KEEPS = false>
 __device__ __forceinline__ void transposed_probs_k_step(float (&s)[N][4], int kk, u32 (&p)[4], const float* sLse, const KeyBand& band,
-                                                        int m0, int key0, int lane, const AttnParams& a) {
+                                                        int m0, int key0, int lane, const AttnParams& a, u64 keeps = 0) {
   const int g = lane / 4, t = lane % 4;
   float cap_grad[2][4];
 #pragma unroll
@@ -77,7 +79,11 @@ __device__ __forceinline__ void transposed_probs_k_step(float (&s)[N][4], int kk
       s[nt][e] = prob_of_score<SOFTCAP>(s[nt][e], shift[e % 2], visible, a, cap_grad[nt % 2][e]);
     }
   }
-  c_tiles_to_a<T>(s, kk, p);
+  if constexpr (KEEPS) {
+    c_tiles_to_a_kept<T>(s, kk, keeps, p);
+  } else {
+    c_tiles_to_a<T>(s, kk, p);
+  }
 #pragma unroll
   for (int nt = 2 * kk; nt < 2 * kk + 2; ++nt)
 #pragma unroll
@@ -116,13 +122,18 @@ __device__ __forceinline__ void mma_rows_by_rows(float (&acc)[N][4], const T* sA
   }
 }
 
-// acc (16 x 8*D) += C (16 x 8*N, fp32 C fragments) * B where B is 8*N rows x 8*D columns of sB.
-template <typename T, int N, int D, int RS>
-__device__ __forceinline__ void mma_frag_by_tile(float (&acc)[D][4], const float (&c)[N][4], const T* sB, int lane) {
+// acc (16 x 8*D) += C (16 x 8*N, fp32 C fragments) * B where B is 8*N rows x 8*D columns of sB;
+// with KEEPS, C's elements that dropout drops (bits of `keeps`, common/dropout.cuh) count as 0.
+template <typename T, int N, int D, int RS, bool KEEPS = false>
+__device__ __forceinline__ void mma_frag_by_tile(float (&acc)[D][4], const float (&c)[N][4], const T* sB, int lane, u64 keeps = 0) {
 #pragma unroll
   for (int kk = 0; kk < N / 2; ++kk) {
     u32 a[4];
-    c_tiles_to_a<T>(c, kk, a);
+    if constexpr (KEEPS) {
+      c_tiles_to_a_kept<T>(c, kk, keeps, a);
+    } else {
+      c_tiles_to_a<T>(c, kk, a);
+    }
 #pragma unroll
     for (int dt = 0; dt < D; dt += 2) {
       u32 b[4];

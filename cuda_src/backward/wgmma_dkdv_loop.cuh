@@ -40,7 +40,9 @@ __device__ __forceinline__ void store_ds_transposed(unsigned char* sdS, const u3
     }
 }
 
-template <typename T, int HEAD_DIM, int BLOCK_M, int WARPGROUPS, int CTAS_PER_SM, bool SOFTCAP, bool FUSE_DQ, SeqLayout LAYOUT>
+// DROPOUT: dropout on the probabilities (common/dropout.cuh): dV from the kept P^T, dS^T from the
+// kept dP^T.
+template <typename T, int HEAD_DIM, int BLOCK_M, int WARPGROUPS, int CTAS_PER_SM, bool SOFTCAP, bool FUSE_DQ, SeqLayout LAYOUT, bool DROPOUT>
 __device__ __forceinline__ void backward_wgmma_dkdv_body(const BackwardParams& p) {
   using Tr = WgmmaFusedTraits<HEAD_DIM, BLOCK_M, WARPGROUPS>;
   constexpr int BN = Tr::kBlockResident;  // keys per CTA
@@ -167,12 +169,16 @@ __device__ __forceinline__ void backward_wgmma_dkdv_body(const BackwardParams& p
     fence_registers(s);
 
     u32 p_frag[kSteps][4], ds_frag[kSteps][4];  // P^T and dS^T as 16-bit A operands
+    u64 keeps = 0;
+    if constexpr (DROPOUT) keeps = DropoutDraws(a, batch, head).transposed_keeps<Tr::kNTiles>(m0, warp_key0, lane);
     if (SOFTCAP || masked) {  // softcap: one path, the two do not fit the registers at d64
 #pragma unroll
-      for (int kk = 0; kk < kSteps; ++kk) transposed_probs_k_step<T, SOFTCAP, true>(s, kk, p_frag[kk], sLse, band, m0, warp_key0, lane, a);
+      for (int kk = 0; kk < kSteps; ++kk)
+        transposed_probs_k_step<T, SOFTCAP, true, Tr::kNTiles, DROPOUT>(s, kk, p_frag[kk], sLse, band, m0, warp_key0, lane, a, keeps);
     } else {
 #pragma unroll
-      for (int kk = 0; kk < kSteps; ++kk) transposed_probs_k_step<T, SOFTCAP, false>(s, kk, p_frag[kk], sLse, band, m0, warp_key0, lane, a);
+      for (int kk = 0; kk < kSteps; ++kk)
+        transposed_probs_k_step<T, SOFTCAP, false, Tr::kNTiles, DROPOUT>(s, kk, p_frag[kk], sLse, band, m0, warp_key0, lane, a, keeps);
     }
     wgmma_fence();
 #pragma unroll
@@ -180,6 +186,7 @@ __device__ __forceinline__ void backward_wgmma_dkdv_body(const BackwardParams& p
     wgmma_commit();
     wgmma_wait<1>();  // dP^T (dV may still run)
     fence_registers(dp);
+    if constexpr (DROPOUT) apply_keeps(dp, keeps, a.dropout_scale);
 
     transposed_score_grads(dp, s, sDelta, lane);
 #pragma unroll
@@ -229,13 +236,13 @@ __device__ __forceinline__ void backward_wgmma_dkdv_body(const BackwardParams& p
     float* dk_sum = head_rows<float>(static_cast<float*>(p.dk) + split * p.split_stride, p.dk_strides, batch, kv_head, span.k_row0);
     float* dv_sum = head_rows<float>(static_cast<float*>(p.dv) + split * p.split_stride, p.dv_strides, batch, kv_head, span.k_row0);
     add_acc_rows<Tr::kDTiles>(dk, a.scale, dk_sum, p.dk_strides[1], warp_key0, span.seqlen_k, a.head_dim, lane);
-    add_acc_rows<Tr::kDTiles>(dv, 1.f, dv_sum, p.dv_strides[1], warp_key0, span.seqlen_k, a.head_dim, lane);
+    add_acc_rows<Tr::kDTiles>(dv, DROPOUT ? a.dropout_scale : 1.f, dv_sum, p.dv_strides[1], warp_key0, span.seqlen_k, a.head_dim, lane);
     return;
   }
   T* dk_out = head_rows<T>(p.dk, p.dk_strides, batch, kv_head, span.k_row0);
   T* dv_out = head_rows<T>(p.dv, p.dv_strides, batch, kv_head, span.k_row0);
   store_acc_rows<T, Tr::kDTiles>(dk, a.scale, dk_out, p.dk_strides[1], warp_key0, span.seqlen_k, a.head_dim, lane);
-  store_acc_rows<T, Tr::kDTiles>(dv, 1.f, dv_out, p.dv_strides[1], warp_key0, span.seqlen_k, a.head_dim, lane);
+  store_acc_rows<T, Tr::kDTiles>(dv, DROPOUT ? a.dropout_scale : 1.f, dv_out, p.dv_strides[1], warp_key0, span.seqlen_k, a.head_dim, lane);
 }
 
 }  // namespace cuattn

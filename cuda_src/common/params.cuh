@@ -97,6 +97,12 @@ struct AttnParams {
   float* accum;                             // (batch, seqlen_q, heads_q, head_dim) fp32
   i64 accum_strides[3];                     // batch, row, head
   int accum_fresh;                          // 1: the accumulator holds nothing yet
+  // Dropout on the probabilities (common/dropout.cuh; kernels compiled with it): an element is
+  // kept when its 16-bit draw >= dropout_threshold, and scaled by dropout_scale.
+  const u64* dropout_seed_ptr;              // null: dropout_seed; else the seed, read on the device
+  u64 dropout_seed;
+  u32 dropout_threshold;
+  float dropout_scale;                      // 65536 / (65536 - dropout_threshold)
 };
 
 // Backward of AttnParams' attention: dout, gradients, and delta = rowsum(dout * out) - dlse per

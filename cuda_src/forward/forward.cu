@@ -2,6 +2,7 @@
 // sequence), K/V blocks streamed through shared memory with cp.async, S = Q K^T and O += P V on
 // mma.sync, online softmax in registers, lse written per row.
 #include "common/grid.cuh"
+#include "common/dropout.cuh"
 #include "common/head_view.cuh"
 #include "common/mask.cuh"
 #include "common/mma.cuh"
@@ -15,7 +16,7 @@
 namespace cuattn {
 
 /// \brief One block of query rows of one (sequence, head): writes its rows of out and lse.
-template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, bool SOFTCAP, SeqLayout LAYOUT, bool FOLD>
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, bool SOFTCAP, SeqLayout LAYOUT, bool FOLD, bool DROPOUT>
 __device__ __forceinline__ void forward_block(const AttnParams& p, int seq, const SeqSpan& span, const HeadView<T>& head_view, int m_block,
                                               unsigned char* smem_raw) {
   using Tr = ForwardTraits<HEAD_DIM, BLOCK_M, BLOCK_N, WARPS>;
@@ -127,6 +128,11 @@ __device__ __forceinline__ void forward_block(const AttnParams& p, int seq, cons
     if (SOFTCAP) softcap_scores(s, p);
     if (!band.all_visible(warp_first_row, warp_last_row, n0, n0 + BLOCK_N - 1)) mask_scores(s, band, warp_first_row, n0);
     online_softmax(s, row_max, row_sum, acc, p.exp2_scale);
+    if constexpr (DROPOUT) {  // after the row sums: dropout leaves the denominators alone
+      const DropoutDraws draws(p, seq, blockIdx.y);
+#pragma unroll
+      for (int mt = 0; mt < Tr::kMTiles; ++mt) draws.drop_rows(s[mt], warp_first_row + mt * 16, n0, lane, 1.f);
+    }
 
 #pragma unroll
     for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
@@ -155,7 +161,8 @@ __device__ __forceinline__ void forward_block(const AttnParams& p, int seq, cons
   for (int mt = 0; mt < Tr::kMTiles; ++mt) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const RowTotal total = finish_row(row_max[mt][h], row_sum[mt][h], p.exp2_scale, head_view.sink);
+      RowTotal total = finish_row(row_max[mt][h], row_sum[mt][h], p.exp2_scale, head_view.sink);
+      if constexpr (DROPOUT) total.inv *= p.dropout_scale;  // kept probabilities, scaled up
       const int r = mt * 16 + g + h * 8;
       if constexpr (!FOLD) {
 #pragma unroll
@@ -207,7 +214,8 @@ __device__ __forceinline__ void forward_block(const AttnParams& p, int seq, cons
 /// \brief Attention forward: one CTA per (block of query rows, head, sequence)
 /// (common/grid.cuh, common/seq_layout.cuh); query blocks run heaviest-first.
 /// FOLD: fold the result into the fp32 accumulator AttnParams::accum (forward/accumulate.cuh).
-template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, bool SOFTCAP, SeqLayout LAYOUT, bool FOLD = false>
+/// DROPOUT: dropout on the probabilities (common/dropout.cuh).
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, bool SOFTCAP, SeqLayout LAYOUT, bool FOLD = false, bool DROPOUT = false>
 __global__ void __launch_bounds__(WARPS * 32) forward_kernel(const __grid_constant__ AttnParams p) {
   using Tr = ForwardTraits<HEAD_DIM, BLOCK_M, BLOCK_N, WARPS>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -216,7 +224,7 @@ __global__ void __launch_bounds__(WARPS * 32) forward_kernel(const __grid_consta
   const SeqSpan span = seq_span<LAYOUT>(p, seq);
   const HeadView<T> head_view(p, seq, head, span);
   const bool covered = for_each_row_block<LAYOUT, BLOCK_M>(span.seqlen_q, [&](int m_block) {
-    forward_block<T, HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, SOFTCAP, LAYOUT, FOLD>(p, seq, span, head_view, m_block, smem_raw);
+    forward_block<T, HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, SOFTCAP, LAYOUT, FOLD, DROPOUT>(p, seq, span, head_view, m_block, smem_raw);
   });
   if (!covered && blockIdx.x == 0)
     mark_uncovered_rows<T>(head_view.out, p.out_strides[1], head_view.lse, p.head_dim, int(gridDim.x) * BLOCK_M, span.seqlen_q);

@@ -1,6 +1,7 @@
 // Float32 attention forward on the CUDA cores: fp32 products and sums throughout (no tf32).
 // The slower exact path for float32 inputs.
 #include "common/grid.cuh"
+#include "common/dropout.cuh"
 #include "common/dtypes.cuh"
 #include "common/fp64_exponent.cuh"
 #include "common/head_view.cuh"
@@ -20,8 +21,8 @@ constexpr int kF32BlockN = 32;
 /// rows, a lane scores one key of each 32-key tile and owns head-dim columns lane, lane + 32,
 /// ... of the output. K tiles go through shared memory; Q (read by all lanes of a warp at once)
 /// and V (read across lanes, contiguous) come through L1.
-template <int HEAD_DIM, bool SOFTCAP>
-__device__ __forceinline__ void forward_fp32_block(const AttnParams& p, const SeqSpan& span, const HeadView<float>& head_view, int m_block,
+template <int HEAD_DIM, bool SOFTCAP, bool DROPOUT>
+__device__ __forceinline__ void forward_fp32_block(const AttnParams& p, int seq, const SeqSpan& span, const HeadView<float>& head_view, int m_block,
                                                    float (&sK)[kF32BlockN][HEAD_DIM + 1]) {
   constexpr int kCols = HEAD_DIM / 32;
   const int m0 = m_block * kF32BlockM;
@@ -81,8 +82,9 @@ __device__ __forceinline__ void forward_fp32_block(const AttnParams& p, const Se
       row_sum[r] = row_sum[r] * alpha + double(sum);
 #pragma unroll
       for (int c = 0; c < kCols; ++c) acc[r][c] *= alpha;
+      const float kept_prob = DROPOUT && !DropoutDraws(p, seq, blockIdx.y).keeps(row, n0 + lane) ? 0.f : prob;  // the sums keep prob
       for (int j = 0; j < kF32BlockN && n0 + j < span.seqlen_k; ++j) {
-        const float pj = __shfl_sync(0xffffffff, prob, j);
+        const float pj = __shfl_sync(0xffffffff, kept_prob, j);
         const float* v_row = v + (n0 + j) * p.v_strides[1];
 #pragma unroll
         for (int c = 0; c < kCols; ++c) {
@@ -97,7 +99,8 @@ __device__ __forceinline__ void forward_fp32_block(const AttnParams& p, const Se
   for (int r = 0; r < kF32RowsPerWarp; ++r) {
     const int row = m0 + warp * kF32RowsPerWarp + r;
     if (row >= span.seqlen_q) continue;
-    const RowTotalF64 total = normalize_row_f64(exp2_shift(row_max[r], sc), row_sum[r], sink);
+    RowTotalF64 total = normalize_row_f64(exp2_shift(row_max[r], sc), row_sum[r], sink);
+    if (DROPOUT) total.inv *= p.dropout_scale;  // kept probabilities, scaled up
     Fold fold = {0.f, 1.f, total.lse};
     if (folds)  // the same for the whole CTA; lane 0 reads and writes lse
       fold = fold_weights(__shfl_sync(0xffffffff, accumulated_lse(p, lse + row, lane == 0), 0), total.lse);
@@ -119,14 +122,14 @@ __device__ __forceinline__ void forward_fp32_block(const AttnParams& p, const Se
 
 /// \brief fp32 attention forward: one CTA per (16 query rows, head, sequence)
 /// (common/grid.cuh, common/seq_layout.cuh).
-template <int HEAD_DIM, bool SOFTCAP, SeqLayout LAYOUT>
+template <int HEAD_DIM, bool SOFTCAP, SeqLayout LAYOUT, bool DROPOUT = false>
 __global__ void __launch_bounds__(kF32Warps * 32, 1) forward_fp32_kernel(const __grid_constant__ AttnParams p) {
   __shared__ float sK[kF32BlockN][HEAD_DIM + 1];  // +1: lanes reading different keys hit different banks
   const int head = blockIdx.y, seq = cta_batch(p);
   const SeqSpan span = seq_span<LAYOUT>(p, seq);
   const HeadView<float> head_view(p, seq, head, span);
   const bool covered = for_each_row_block<LAYOUT, kF32BlockM>(span.seqlen_q, [&](int m_block) {
-    forward_fp32_block<HEAD_DIM, SOFTCAP>(p, span, head_view, m_block, sK);
+    forward_fp32_block<HEAD_DIM, SOFTCAP, DROPOUT>(p, seq, span, head_view, m_block, sK);
   });
   if (!covered && blockIdx.x == 0)
     mark_uncovered_rows<float>(head_view.out, p.out_strides[1], head_view.lse, p.head_dim, int(gridDim.x) * kF32BlockM, span.seqlen_q);

@@ -4,6 +4,7 @@
 // K/V blocks stream through a two-stage cp.async ring shared by the CTA; the warpgroups'
 // matmuls and softmax interleave on the SM's tensor cores and ALUs.
 #include "common/grid.cuh"
+#include "common/dropout.cuh"
 #include "common/head_view.cuh"
 #include "common/mask.cuh"
 #include "common/params.cuh"
@@ -17,7 +18,7 @@
 namespace cuattn {
 
 /// \brief One block of query rows of one (sequence, head): writes its rows of out and lse.
-template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, bool SOFTCAP, SeqLayout LAYOUT, bool FOLD>
+template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, bool SOFTCAP, SeqLayout LAYOUT, bool FOLD, bool DROPOUT>
 __device__ __forceinline__ void forward_wgmma_block(const AttnParams& p, int seq, const SeqSpan& span, const HeadView<T>& head_view, int m_block,
                                                     unsigned char* smem_raw) {
   using Tr = WgmmaForwardTraits<HEAD_DIM, BLOCK_N, WARPGROUPS>;
@@ -101,6 +102,7 @@ __device__ __forceinline__ void forward_wgmma_block(const AttnParams& p, int seq
     if (SOFTCAP) softcap_scores(s, p);
     if (!band.all_visible(warp_first_row, warp_last_row, n0, n0 + BLOCK_N - 1)) mask_scores(s, band, warp_first_row, n0);
     online_softmax(s, row_max, row_sum, acc, p.exp2_scale);
+    if constexpr (DROPOUT) DropoutDraws(p, seq, blockIdx.y).drop_rows(s[0], warp_first_row, n0, lane, 1.f);
 
     wgmma_fence();
     wgmma_frag_by_tile<T, BLOCK_N, HEAD_DIM>(acc[0], s[0], v_addr);  // O += P V
@@ -114,7 +116,8 @@ __device__ __forceinline__ void forward_wgmma_block(const AttnParams& p, int seq
   // own matmuls are done), then store them in 16-byte chunks.
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const RowTotal total = finish_row(row_max[0][h], row_sum[0][h], p.exp2_scale, head_view.sink);
+    RowTotal total = finish_row(row_max[0][h], row_sum[0][h], p.exp2_scale, head_view.sink);
+    if constexpr (DROPOUT) total.inv *= p.dropout_scale;  // kept probabilities, scaled up
     const int r = wg * 64 + warp * 16 + g + h * 8;  // row of the CTA's tile
     if constexpr (!FOLD) {
 #pragma unroll
@@ -168,7 +171,9 @@ __device__ __forceinline__ void forward_wgmma_block(const AttnParams& p, int seq
 /// (common/grid.cuh, common/seq_layout.cuh); query blocks run heaviest-first. CTAS_PER_SM
 /// bounds the registers (65536 / (threads * CTAS_PER_SM)).
 /// FOLD: fold the result into the fp32 accumulator AttnParams::accum (forward/accumulate.cuh).
-template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int CTAS_PER_SM, bool SOFTCAP, SeqLayout LAYOUT, bool FOLD = false>
+/// DROPOUT: dropout on the probabilities (common/dropout.cuh).
+template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int CTAS_PER_SM, bool SOFTCAP, SeqLayout LAYOUT, bool FOLD = false,
+          bool DROPOUT = false>
 __global__ void __launch_bounds__(WARPGROUPS * 128, CTAS_PER_SM) forward_wgmma_kernel(const __grid_constant__ AttnParams p) {
   using Tr = WgmmaForwardTraits<HEAD_DIM, BLOCK_N, WARPGROUPS>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -177,7 +182,7 @@ __global__ void __launch_bounds__(WARPGROUPS * 128, CTAS_PER_SM) forward_wgmma_k
   const SeqSpan span = seq_span<LAYOUT>(p, seq);
   const HeadView<T> head_view(p, seq, head, span);
   const bool covered = for_each_row_block<LAYOUT, Tr::kBlockM>(span.seqlen_q, [&](int m_block) {
-    forward_wgmma_block<T, HEAD_DIM, BLOCK_N, WARPGROUPS, SOFTCAP, LAYOUT, FOLD>(p, seq, span, head_view, m_block, smem_raw);
+    forward_wgmma_block<T, HEAD_DIM, BLOCK_N, WARPGROUPS, SOFTCAP, LAYOUT, FOLD, DROPOUT>(p, seq, span, head_view, m_block, smem_raw);
   });
   if (!covered && blockIdx.x == 0)
     mark_uncovered_rows<T>(head_view.out, p.out_strides[1], head_view.lse, p.head_dim, int(gridDim.x) * Tr::kBlockM, span.seqlen_q);
