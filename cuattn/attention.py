@@ -67,8 +67,8 @@ def attention(
         Dropout on the attention probabilities (after the softmax; ``lse`` is that of the
         softmax without dropout), as in the FlashAttention paper: each kept probability is
         divided by the kept fraction, and the mask is never stored: the backward draws it
-        again from ``dropout_seed``. Applied as a 16-bit threshold: the kept fraction is
-        ``1 - round(p * 65536) / 65536``. Element (i, j) of head h of sequence b depends only on
+        again from ``dropout_seed``. Applied as an 8-bit threshold, as in FlashAttention: the
+        kept fraction is ``1 - round(256 p) / 256``. Element (i, j) of head h of sequence b depends only on
         the seed and (b, h, i, j) (Philox4x32-10; :func:`cuattn.reference.dropout_keep` draws
         the same mask on the host). Not with ``sink_tokens``.
     dropout_seed : int in [0, 2**64), or an array on q's device: ``(2,)`` uint32 (low word

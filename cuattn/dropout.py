@@ -4,8 +4,8 @@ into the kernels' AttnParams fields.
 The mask is never stored: every kernel that needs it draws it again from the seed and each
 element's coordinates (``cuda_src/common/dropout.cuh``; host twin
 :func:`cuattn.reference.dropout_keep`). ``dropout_p`` is applied as a 16-bit threshold
-(:func:`cuattn.reference.dropout_threshold`): the kept fraction is ``1 - round(p * 65536) /
-65536`` and kept probabilities are divided by exactly that fraction.
+(:func:`cuattn.reference.dropout_threshold`), as FlashAttention's: the kept fraction is
+``1 - round(256 p) / 256`` and kept probabilities are divided by exactly that fraction.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class Dropout:
 
     @property
     def scale(self) -> float:
-        return 65536.0 / (65536 - self.threshold)
+        return 256.0 / (256 - self.threshold)
 
     def fields(self) -> dict:
         """The AttnParams fields (cuda_src/common/params.cuh)."""
@@ -65,7 +65,7 @@ def seed_array_argument(dropout_seed):
 
 def from_user(dropout_p, dropout_seed, seed_array=None) -> Dropout | None:
     """The checked dropout, or None where nothing is dropped (``dropout_p`` 0, or below
-    2**-17, the threshold's resolution). ``seed_array``: ``dropout_seed`` imported as a
+    1 / 512, which the 8-bit threshold rounds to 0). ``seed_array``: ``dropout_seed`` imported as a
     DeviceArray when it is an array."""
     p = check_dropout_p(dropout_p)
     if isinstance(dropout_seed, bool):

@@ -81,36 +81,42 @@ def philox4x32_10(counter, key) -> np.ndarray:
 
 
 def dropout_threshold(dropout_p: float) -> int:
-    """The 16-bit threshold of a dropout probability: an element is kept when its draw is at
-    least this, so the kept fraction is ``1 - threshold / 65536``."""
-    return min(int(round(float(dropout_p) * 65536)), 65535)
+    """The 8-bit threshold of a dropout probability: an element is kept when its draw is at
+    least this (``round(256 p)``, at most 255)."""
+    return min(int(round(float(dropout_p) * 256)), 255)
+
+
+def dropout_kept_fraction(dropout_p: float) -> float:
+    """The fraction of probabilities that dropout keeps, ``1 - threshold / 256``; kept ones are
+    divided by it."""
+    return 1.0 - dropout_threshold(dropout_p) / 256
 
 
 def dropout_keep(heads_q: int, seq: int, rows, cols, dropout_p: float, seed: int) -> np.ndarray:
     """Boolean ``(heads_q, len(rows), len(cols))``: which probabilities of sequence ``seq``
-    survive dropout (common/dropout.cuh): element (i, j) of head h draws 16-bit word
-    ``4 * bit3(i) + 2 * bit3(j) + bit0(j)`` of Philox4x32-10 with counter
-    ``(j & ~9, i & ~8, seq * heads_q + h, 0)`` and key ``seed`` (low word first), and is kept
-    when the word is at least :func:`dropout_threshold`."""
+    survive dropout (common/dropout.cuh): element (i, j) of head h draws byte
+    ``8 * bit3(i) + 4 * bit0(i) + 2 * bit3(j) + bit0(j)`` of Philox4x32-10 with counter
+    ``(j & ~9, i & ~9, seq * heads_q + h, 0)`` and key ``seed`` (low word first; byte w is byte
+    w % 4 of output w // 4, low byte first), and is kept when the byte is at least
+    :func:`dropout_threshold`."""
     rows, cols = np.asarray(rows, dtype=np.int64), np.asarray(cols, dtype=np.int64)
     heads = np.arange(heads_q, dtype=np.int64)
     counter = np.zeros((heads_q, len(rows), len(cols), 4), dtype=np.uint64)
     counter[..., 0] = (cols & ~9)[None, None, :]
-    counter[..., 1] = (rows & ~8)[None, :, None]
+    counter[..., 1] = (rows & ~9)[None, :, None]
     counter[..., 2] = (seq * heads_q + heads)[:, None, None]
     draws = philox4x32_10(counter, (int(seed) & 0xFFFFFFFF, (int(seed) >> 32) & 0xFFFFFFFF))
-    word = ((rows >> 3) & 1)[:, None] * 4 + ((cols >> 3) & 1)[None, :] * 2 + (cols & 1)[None, :]
-    pick = np.take_along_axis(draws, np.broadcast_to((word // 2)[None, ..., None], (heads_q, *word.shape, 1)), axis=-1)[..., 0]
-    half = (pick >> (16 * (word % 2))[None].astype(np.uint32)) & np.uint32(0xFFFF)
-    return half >= dropout_threshold(dropout_p)
+    byte = ((rows >> 3) & 1)[:, None] * 8 + (rows & 1)[:, None] * 4 + ((cols >> 3) & 1)[None, :] * 2 + (cols & 1)[None, :]
+    word = np.take_along_axis(draws, np.broadcast_to((byte // 4)[None, ..., None], (heads_q, *byte.shape, 1)), axis=-1)[..., 0]
+    value = (word >> (8 * (byte % 4))[None].astype(np.uint32)) & np.uint32(0xFF)
+    return value >= dropout_threshold(dropout_p)
 
 
 def _dropout_weights(heads_q, seq, rows, cols, dropout_p, seed):
     """Kept elements times the kept fraction's inverse, zeros elsewhere (None without dropout)."""
     if not dropout_p:
         return None
-    threshold = dropout_threshold(dropout_p)
-    return dropout_keep(heads_q, seq, rows, cols, dropout_p, seed) * (65536.0 / (65536 - threshold))
+    return dropout_keep(heads_q, seq, rows, cols, dropout_p, seed) / dropout_kept_fraction(dropout_p)
 
 
 def attention(q, k, v, *, causal=False, window=None, align="bottom_right", scale=None, softcap=None, sink=None, sink_tokens=0,

@@ -184,7 +184,7 @@ def test_hopper_default_backward_runs_the_fused_kernel(monkeypatch):
     deterministic=True runs the dQ and dK/dV kernels. Other GPUs run the portable kernels."""
     import cupy
 
-    from cuattn import backward, loader
+    from cuattn import loader
 
     launched = []
     load = loader.load_kernel

@@ -296,6 +296,7 @@ def test_one_torch_cuda_graph_serves_new_lengths_and_page_tables():
         k_before, v_before = kd.clone(), vd.clone()
         eager = step()  # appends the same rows again at the same positions: the cache is unchanged
         torch.testing.assert_close(kd, k_before, rtol=0, atol=0)
+        torch.testing.assert_close(vd, v_before, rtol=0, atol=0)
         torch.testing.assert_close(captured, eager, rtol=0, atol=0)
         ref = reference.attention_with_kvcache(
             q.float().cpu().numpy(), kd.float().cpu().numpy(), vd.float().cpu().numpy(), cache_seqlens=np.array(lengths) + 1,

@@ -30,6 +30,15 @@ def test_philox_matches_the_published_known_answers():
         assert tuple(int(x) for x in reference.philox4x32_10(np.array(counter, np.uint64), key)) == expected
 
 
+def test_host_draws_follow_the_documented_byte():
+    """Element (i=25, j=42) of head 1 of sequence 2: byte 8*1 + 4*1 + 2*1 + 0 = 14 of the draw
+    with counter (42 & ~9, 25 & ~9, 2 * 3 + 1, 0), kept when it is at least round(256 p)."""
+    words = reference.philox4x32_10(np.array([42 & ~9, 25 & ~9, 7, 0], np.uint64), (SEED & 0xFFFFFFFF, SEED >> 32))
+    byte = (int(words[14 // 4]) >> (8 * (14 % 4))) & 0xFF
+    for p in (byte / 256, (byte + 1) / 256):
+        assert reference.dropout_keep(3, 2, [25], [42], p, SEED)[1, 0, 0] == (byte >= reference.dropout_threshold(p))
+
+
 def test_host_draws_depend_only_on_coordinates_and_seed():
     full = reference.dropout_keep(3, 1, np.arange(70), np.arange(90), 0.3, SEED)
     rows, cols = np.array([5, 8, 13, 64, 69]), np.array([0, 1, 8, 9, 17, 88])
@@ -42,7 +51,7 @@ def test_host_draws_depend_only_on_coordinates_and_seed():
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
 def test_host_kept_fraction_is_binomial(p):
     keep = reference.dropout_keep(4, 0, np.arange(256), np.arange(512), p, 7)
-    kept = 1 - reference.dropout_threshold(p) / 65536
+    kept = reference.dropout_kept_fraction(p)
     sigma = np.sqrt(kept * (1 - kept) / keep.size)
     assert abs(keep.mean() - kept) < 6 * sigma
 
@@ -53,7 +62,7 @@ def test_reference_applies_the_mask_after_the_softmax():
     s = np.einsum("bmhd,bnhd->bhmn", q, k) / np.sqrt(8)
     p = np.exp(s - s.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
-    z = reference.dropout_keep(2, 0, np.arange(9), np.arange(20), 0.25, 3) / (1 - reference.dropout_threshold(0.25) / 65536)
+    z = reference.dropout_keep(2, 0, np.arange(9), np.arange(20), 0.25, 3) / reference.dropout_kept_fraction(0.25)
     out, lse = reference.attention(q, k, v, dropout_p=0.25, dropout_seed=3, return_lse=True)
     np.testing.assert_allclose(out, np.einsum("bhmn,bnhd->bmhd", p * z[None], v), atol=1e-12)
     np.testing.assert_allclose(lse, reference.attention(q, k, v, return_lse=True)[1])  # lse ignores dropout
@@ -128,7 +137,7 @@ def _keeps(batch, heads, sq, sk, p, seed):
 
 def _weights(batch, heads, sq, sk, p, seed):
     """What dropout multiplies each probability by: 1 / kept fraction, or 0."""
-    return _keeps(batch, heads, sq, sk, p, seed) / (1 - reference.dropout_threshold(p) / 65536)
+    return _keeps(batch, heads, sq, sk, p, seed) / reference.dropout_kept_fraction(p)
 
 
 def _host(x):
@@ -236,7 +245,7 @@ def test_kept_fraction_over_many_draws_is_binomial(p):
     q, k = (cupy.asarray(randn(rng, (b, s, h, d), "bfloat16", 0.1)) for s in (sq, sk))
     v = cupy.asarray(_one_hot_values(b, sk, h, d, "bfloat16"))
     kept = (cupy.asarray(cuattn.attention(q, k, v, dropout_p=p, dropout_seed=SEED))[..., :sk] != 0).mean().item()
-    expected = 1 - reference.dropout_threshold(p) / 65536
+    expected = reference.dropout_kept_fraction(p)
     assert abs(kept - expected) < 6 * np.sqrt(expected * (1 - expected) / (b * h * sq * sk))
 
 

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 import cuattn
 from cuattn import reference
-from helpers import DTYPES, KERNEL_PATHS, assert_attention_accuracy, kernel_path, naive_attention, poison_cupy_pool, randn
+from helpers import KERNEL_PATHS, assert_attention_accuracy, kernel_path, naive_attention, poison_cupy_pool, randn
 
 pytestmark = pytest.mark.gpu
 

@@ -173,6 +173,13 @@ CPU_TRIGGERS = [
     (ValueError, "a `max_seqlen` below a sequence's length", "max_seqlen_q", lambda: _varlen(max_seqlen_q=3)),
     (ValueError, "values outside the cache", r"cache_seqlens\[0\] is 9, outside \[0, 5\]", lambda: cuattn.attention_with_kvcache(
         *_qkv(), cache_seqlens=np.array([9], np.int32))),
+    (TypeError, "`dropout_p` not a real number", "dropout_p", lambda: _attention(dropout_p="0.1", dropout_seed=1)),
+    (TypeError, "not uint32 / int64 / uint64", "dropout_seed", lambda: _attention(dropout_p=0.1, dropout_seed=np.zeros(2, np.float32))),
+    (ValueError, "`dropout_p` outside [0, 1)", "dropout_p", lambda: _attention(dropout_p=1.0, dropout_seed=1)),
+    (ValueError, "without a `dropout_seed`", "dropout_seed", lambda: _attention(dropout_p=0.1)),
+    (ValueError, "an int seed outside [0, 2**64)", "dropout_seed", lambda: _attention(dropout_p=0.1, dropout_seed=2**64)),
+    (ValueError, "not 8 bytes", "dropout_seed", lambda: _attention(dropout_p=0.1, dropout_seed=np.zeros(3, np.uint32))),
+    (ValueError, "dropout with `sink_tokens`", "sink_tokens", lambda: _attention(window=(1, 0), sink_tokens=1, dropout_p=0.1, dropout_seed=1)),
 ]
 
 

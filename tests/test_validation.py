@@ -308,7 +308,6 @@ def test_out_may_not_overlap_k_v_or_itself():
 def test_adapter_options_are_checked_not_coerced():
     """The torch / JAX adapters flatten options through AttnOptions.from_user: bad values are
     refused there as in the core API, never truncated or cast."""
-    from cuattn import ops
 
     with pytest.raises(TypeError, match="window bounds must be integers"):
         flat_mask_options(window=(1.5, 2), head_dim=64)

@@ -47,10 +47,12 @@ def dkdv_splits(bucket: int) -> int:
     return 2 if bucket > 128 else 1
 
 
-def stream_rows(kernel: str, bucket: int) -> int:
+def stream_rows(kernel: str, bucket: int, dropout: bool = False) -> int:
     """Rows per streamed block where shared memory allows: queries in backward_dkdv (32 above
     d64, where dK and dV take head_dim registers), keys in backward_dq (32 above d128, where the
-    dQ accumulator alone takes 128 registers)."""
+    dQ accumulator alone takes 128 registers; 16 from d224 with dropout, whose draws need more)."""
+    if dropout and kernel == "backward_dq" and bucket >= 224:
+        return 16
     return 32 if bucket > (64 if kernel == "backward_dkdv" else 128) else 64
 
 
@@ -60,13 +62,13 @@ def smem_bytes(bucket: int, stream: int, stats_in_smem: bool) -> int:
     return (2 * BLOCK * row + 2 * STAGES * stream * row) * 2 + stats
 
 
-def tile(kernel: str, bucket: int, smem_limit: int) -> tuple[int, bool]:
+def tile(kernel: str, bucket: int, smem_limit: int, dropout: bool = False) -> tuple[int, bool]:
     """(rows per streamed block, lse / delta staged in shared memory) of a tensor-core kernel
     under a per-block shared-memory limit: the preferred tile, else halved down to 16 rows, else
     (backward_dkdv, head_dim 256 on a 99 KB device) the row stats left in global memory.
     backward_dq reads its rows' statistics once, never through shared memory."""
     for stats in (True, False) if kernel == "backward_dkdv" else (False,):
-        stream = stream_rows(kernel, bucket)
+        stream = stream_rows(kernel, bucket, dropout)
         while stream >= 16:
             if smem_bytes(bucket, stream, stats) <= smem_limit:
                 return stream, stats
@@ -140,7 +142,7 @@ def variant(
                 ("cuattn::kF32BwdWarps", FP32_WARPS), ("cuattn::kF32BwdRowsPerWarp", FP32_ROWS_PER_WARP), ("cuattn::kF32BwdTile", FP32_TILE),
             ),
         )
-    stream, stats = tile(kernel, bucket, smem_limit)
+    stream, stats = tile(kernel, bucket, smem_limit, dropout)
     splits = dkdv_splits(bucket) if kernel == "backward_dkdv" else 1
     traits = f"cuattn::BackwardTraits<{bucket}, {stream}, {splits}, {'true' if stats else 'false'}>"
     tile_args = f"{stream}, {'true' if stats else 'false'}" if kernel == "backward_dkdv" else f"{stream}"

@@ -102,7 +102,7 @@ __global__ void __launch_bounds__(128, 1) backward_dq_kernel(const __grid_consta
       }
     float dp[Tr::kNTiles][4] = {};
     mma_rows_by_rows<T, HEAD_DIM, Tr::kNTiles, RS>(dp, sdO + warp * 16 * RS, sV, lane);
-    if constexpr (DROPOUT) DropoutDraws(a, batch, head).drop_rows(dp, warp_first_row, n0, lane, a.dropout_scale);
+    if constexpr (DROPOUT) DropoutDraws(a, batch, head).drop_rows(dp, warp_first_row, n0, lane, a.dropout_scale);  // dS from the kept dP
 #pragma unroll
     for (int nt = 0; nt < Tr::kNTiles; ++nt)
 #pragma unroll

@@ -94,10 +94,12 @@ __global__ void __launch_bounds__(WARPGROUPS * 128, CTAS_PER_SM) backward_wgmma_
     wgmma_rows_by_rows<T, BLOCK_N, HEAD_DIM>(s, q_addr, BM, wg * 64, k_addr);
     wgmma_rows_by_rows<T, BLOCK_N, HEAD_DIM>(dp, do_addr, BM, wg * 64, v_addr);
     wgmma_commit();
+    u64 keeps = 0;  // dropout: drawn while the products run
+    if constexpr (DROPOUT) keeps = DropoutDraws(a, batch, head).row_keeps<Tr::kNTiles>(warp_first_row, n0, lane);
     wgmma_wait<0>();
     fence_registers(s);
     fence_registers(dp);
-    if constexpr (DROPOUT) DropoutDraws(a, batch, head).drop_rows(dp, warp_first_row, n0, lane, a.dropout_scale);
+    if constexpr (DROPOUT) apply_keeps(dp, keeps, a.dropout_scale);  // dS from the kept dP
 
     const int t = lane % 4;
     if (SOFTCAP || masked) {

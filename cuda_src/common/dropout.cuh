@@ -1,16 +1,18 @@
 // Dropout on the attention probabilities, regenerated wherever it is needed and never stored.
 //
-// Element (query row i, key j) of query head h of sequence b draws a 16-bit number from
+// Element (query row i, key j) of query head h of sequence b draws an 8-bit number from
 // Philox4x32-10 (Salmon et al., SC'11) keyed by the 64-bit seed: the counter
-//   (j & ~9, i & ~8, b * heads_q + h, 0)
-// gives 128 bits, eight 16-bit words, one for each element of the group
-//   rows {i0, i0 + 8} x keys {j0, j0 + 1, j0 + 8, j0 + 9},
-// element (i, j) taking word 4 * bit3(i) + 2 * bit3(j) + bit0(j) (word w is half w % 2 of 32-bit
-// output w / 2, low half first). The element is kept when its word >= threshold, and kept
-// probabilities are multiplied by 65536 / (65536 - threshold). The group is the union of what
-// one lane holds in an mma / wgmma accumulator tile (rows g, g + 8, key pairs 2t, 2t + 8): one
-// draw covers 8 elements there, and 4 in the transposed tiles of the dK / dV kernels, so every
-// kernel reproduces the same mask from coordinates alone. cuattn/reference.py holds the host twin.
+//   (j & ~9, i & ~9, b * heads_q + h, 0)
+// gives 128 bits, sixteen bytes, one for each element of the group
+//   rows {i0, i0 + 1, i0 + 8, i0 + 9} x keys {j0, j0 + 1, j0 + 8, j0 + 9},
+// element (i, j) taking byte 8 * bit3(i) + 4 * bit0(i) + 2 * bit3(j) + bit0(j) (byte w is byte
+// w % 4 of 32-bit output w / 4, low byte first). The element is kept when its byte >= threshold
+// (= round(256 p)), and kept probabilities are multiplied by 256 / (256 - threshold). In an mma /
+// wgmma accumulator tile a lane holds half of a group (rows g, g + 8 of the group's rows, or in
+// the transposed tiles of the dK / dV kernels keys g, g + 8 of its keys) and lane ^ 4 the other
+// half: the two lanes each draw one group and swap, so one draw serves 16 elements in every
+// kernel, and every kernel reproduces the same mask from coordinates alone.
+// cuattn/reference.py holds the host twin.
 #pragma once
 #include "dtypes.cuh"
 #include "int_types.cuh"
@@ -31,53 +33,104 @@ __device__ __forceinline__ uint4 philox4x32_10(uint4 c, uint2 key) {
   return c;
 }
 
+// Byte w of a group: 8 * bit3(row) + 4 * bit0(row) + 2 * bit3(col) + bit0(col).
+__device__ __forceinline__ int group_byte(int row, int col) { return ((row >> 3) & 1) * 8 + (row & 1) * 4 + ((col >> 3) & 1) * 2 + (col & 1); }
+
 // The dropout draws of one (sequence, query head).
 struct DropoutDraws {
   uint2 key;
   u32 head_word;
-  u32 threshold;
+  u32 threshold4;  // the threshold in each byte
 
   __device__ __forceinline__ DropoutDraws(const AttnParams& p, int seq, int head)
-      : head_word(u32(seq) * u32(p.heads_q) + u32(head)), threshold(p.dropout_threshold) {
+      : head_word(u32(seq) * u32(p.heads_q) + u32(head)), threshold4(p.dropout_threshold * 0x01010101u) {
     const u64 seed = p.dropout_seed_ptr != nullptr ? *reinterpret_cast<const u64*>(p.dropout_seed_ptr) : p.dropout_seed;
     key = make_uint2(u32(seed), u32(seed >> 32));
   }
 
-  // The group of rows {row0, row0 + 8} (row0 % 16 < 8) x keys {col0, +1, +8, +9} (col0 % 16 < 8,
-  // even): bit w set when word w is kept.
+  // The group of rows {row0, +1, +8, +9} x keys {col0, +1, +8, +9} (row0 and col0: bits 0 and 3
+  // clear): bit w set when byte w is kept.
   __device__ __forceinline__ u32 group_keeps(int row0, int col0) const {
     const uint4 r = philox4x32_10(make_uint4(u32(col0), u32(row0), head_word, 0u), key);
     const u32 words[4] = {r.x, r.y, r.z, r.w};
     u32 bits = 0;
 #pragma unroll
-    for (int w = 0; w < 8; ++w) bits |= u32(((words[w / 2] >> (16 * (w % 2))) & 0xffffu) >= threshold) << w;
+    for (int i = 0; i < 4; ++i) {
+      const u32 ge = __vcmpgeu4(words[i], threshold4) & 0x01010101u;  // 1 in each kept byte
+      bits |= ((ge * 0x01020408u) >> 24) << (4 * i);                  // the 4 bytes' bits, in order
+    }
     return bits;
   }
 
   // Whether element (row, col) is kept (one draw per element: for kernels off the tile layout).
-  __device__ __forceinline__ bool keeps(int row, int col) const {
-    const u32 bits = group_keeps(row & ~8, col & ~9);
-    return (bits >> (((row >> 3) & 1) * 4 + ((col >> 3) & 1) * 2 + (col & 1))) & 1u;
+  __device__ __forceinline__ bool keeps(int row, int col) const { return (group_keeps(row & ~9, col & ~9) >> group_byte(row, col)) & 1u; }
+
+  // The groups of two n-tile pairs (first + 2 * pair, stride apart in row0 or col0) that this
+  // lane and lane ^ 4 both need. With SHARED each draws the one of its parity and they swap;
+  // without (tiles of 8 or 16 columns: fewer registers) each draws both.
+  template <bool SHARED>
+  __device__ __forceinline__ void pair_groups(u32 (&bits)[2], int row0, int col0, int row_stride, int col_stride, int parity) const {
+    if constexpr (SHARED) {
+      const u32 mine = group_keeps(row0 + parity * row_stride, col0 + parity * col_stride);
+      const u32 partners = __shfl_xor_sync(0xffffffffu, mine, 4);
+      bits[parity] = mine;
+      bits[parity ^ 1] = partners;
+    } else {
+#pragma unroll
+      for (int pair = 0; pair < 2; ++pair) bits[pair] = group_keeps(row0 + pair * row_stride, col0 + pair * col_stride);
+    }
   }
 
-  // x <- x * kept_scale where kept, 0 where dropped, over a warp's 16 x 8*N accumulator tile (mma
-  // C fragments: the lane holds rows row0 + g (+ 8), keys col0 + 8 * nt + 2t (+ 1)); row0 and
-  // col0 multiples of 16. Each draw is applied as it is made (few registers live).
+  // Calls visit(nt, bits) with the group of key tiles nt, nt + 1 of a warp's 16 x 8*N accumulator
+  // tile (mma C fragments: the lane holds rows row0 + g (+ 8), keys col0 + 8 * nt + 2t (+ 1));
+  // row0 and col0 multiples of 16. Element e of tile nt + odd is bit
+  // 8 * (e / 2) + 4 * parity + 2 * odd + e % 2 (row_bit). Called by the whole warp.
+  template <int N, typename Visit>
+  __device__ __forceinline__ void for_each_row_group(int row0, int col0, int lane, Visit&& visit) const {
+    static_assert(N % 2 == 0, "key tiles in pairs");
+    const int g = lane / 4, t = lane % 4, parity = g & 1;
+    if constexpr (N >= 8) {  // key tiles in fours: two groups per lane pair, shared
+#pragma unroll
+      for (int nt = 0; nt < N; nt += 4) {
+        u32 bits[2];
+        pair_groups<true>(bits, row0 + (g & ~1), col0 + nt * 8 + 2 * t, 0, 16, parity);
+        visit(nt, bits[0]);
+        visit(nt + 2, bits[1]);
+      }
+    } else {  // each group drawn and used in turn (fewer registers live)
+#pragma unroll
+      for (int nt = 0; nt < N; nt += 2) visit(nt, group_keeps(row0 + (g & ~1), col0 + nt * 8 + 2 * t));
+    }
+  }
+  __device__ __forceinline__ static int row_bit(int lane, int odd, int e) { return 8 * (e / 2) + 4 * ((lane / 4) & 1) + 2 * odd + e % 2; }
+
+  // x <- x * kept_scale where kept, 0 where dropped, over such a tile; each draw applied as made.
   template <int N>
   __device__ __forceinline__ void drop_rows(float (&x)[N][4], int row0, int col0, int lane, float kept_scale) const {
-    static_assert(N % 2 == 0, "key tiles in pairs");
-    const int g = lane / 4, t = lane % 4;
+    for_each_row_group<N>(row0, col0, lane, [&](int nt, u32 bits) {
 #pragma unroll
-    for (int nt = 0; nt < N; nt += 2) {
-      const u32 bits = group_keeps(row0 + g, col0 + nt * 8 + 2 * t);
+      for (int odd = 0; odd < 2; ++odd)
 #pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          x[nt][2 * h + e] = (bits >> (4 * h + e)) & 1u ? x[nt][2 * h + e] * kept_scale : 0.f;
-          x[nt + 1][2 * h + e] = (bits >> (4 * h + 2 + e)) & 1u ? x[nt + 1][2 * h + e] * kept_scale : 0.f;
+        for (int e = 0; e < 4; ++e) {
+          float& v = x[nt + odd][e];
+          v = (bits >> row_bit(lane, odd, e)) & 1u ? v * kept_scale : 0.f;
         }
-    }
+    });
+  }
+
+  // The same tile's keeps as bits 4 * nt + e (for apply_keeps), for a kernel that draws them
+  // while its products run.
+  template <int N>
+  __device__ __forceinline__ u64 row_keeps(int row0, int col0, int lane) const {
+    static_assert(N <= 16, "64 bits");
+    u64 mask = 0;
+    for_each_row_group<N>(row0, col0, lane, [&](int nt, u32 bits) {
+#pragma unroll
+      for (int odd = 0; odd < 2; ++odd)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) mask |= u64((bits >> row_bit(lane, odd, e)) & 1u) << (4 * (nt + odd) + e);
+    });
+    return mask;
   }
 
   // Bit 4 * nt + e set when element e of n-tile nt of a transposed tile (dK / dV kernels: the
@@ -86,24 +139,26 @@ struct DropoutDraws {
   template <int N>
   __device__ __forceinline__ u64 transposed_keeps(int q0, int key0, int lane) const {
     static_assert(N % 2 == 0 && N <= 16, "query tiles in pairs, 64 bits");
-    const int g = lane / 4, t = lane % 4;
-    const int parity = g & 1;  // the key's bit 0: the half of each 32-bit output it takes
+    const int g = lane / 4, t = lane % 4, parity = g & 1;
     u64 mask = 0;
 #pragma unroll
-    for (int nt = 0; nt < N; nt += 2) {
-      // Lanes g and g ^ 1 (lane ^ 4) need the same two groups, queries q + e for e = 0, 1 (the
-      // keys' two parities): each draws the one of e = its parity, and they swap.
-      const u32 mine = group_keeps(q0 + nt * 8 + 2 * t + parity, key0 + (g & ~1));
-      const u32 partners = __shfl_xor_sync(0xffffffffu, mine, 4);
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const u32 bits = e == parity ? mine : partners;
-#pragma unroll
-        for (int kh = 0; kh < 2; ++kh) {  // key + 8 * kh: word 2 * kh (+ 4 for query + 8)
-          mask |= u64((bits >> (2 * kh + parity)) & 1u) << (4 * nt + 2 * kh + e);
-          mask |= u64((bits >> (4 + 2 * kh + parity)) & 1u) << (4 * (nt + 1) + 2 * kh + e);
-        }
+    for (int nt = 0; nt < N; nt += 4) {
+      u32 bits[2];  // the groups of query tiles nt, nt + 1 and nt + 2, nt + 3 (if any)
+      if constexpr (N % 4 == 0) {
+        pair_groups<(N >= 8)>(bits, q0 + nt * 8 + 2 * t, key0 + (g & ~1), 16, 0, parity);
+      } else {
+        bits[0] = group_keeps(q0 + nt * 8 + 2 * t, key0 + (g & ~1));
+        bits[1] = 0;
       }
+#pragma unroll
+      for (int pair = 0; pair < (N % 4 == 0 ? 2 : 1); ++pair)
+#pragma unroll
+        for (int odd = 0; odd < 2; ++odd)  // query + 8
+#pragma unroll
+          for (int e = 0; e < 2; ++e)       // query + 1
+#pragma unroll
+            for (int kh = 0; kh < 2; ++kh)  // key + 8
+              mask |= u64((bits[pair] >> (8 * odd + 4 * e + 2 * kh + parity)) & 1u) << (4 * (nt + 2 * pair + odd) + 2 * kh + e);
     }
     return mask;
   }

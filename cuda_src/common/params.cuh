@@ -98,11 +98,11 @@ struct AttnParams {
   i64 accum_strides[3];                     // batch, row, head
   int accum_fresh;                          // 1: the accumulator holds nothing yet
   // Dropout on the probabilities (common/dropout.cuh; kernels compiled with it): an element is
-  // kept when its 16-bit draw >= dropout_threshold, and scaled by dropout_scale.
+  // kept when its 8-bit draw >= dropout_threshold, and scaled by dropout_scale.
   const u64* dropout_seed_ptr;              // null: dropout_seed; else the seed, read on the device
   u64 dropout_seed;
-  u32 dropout_threshold;
-  float dropout_scale;                      // 65536 / (65536 - dropout_threshold)
+  u32 dropout_threshold;                    // 0..255, compared with 8-bit draws
+  float dropout_scale;                      // 256 / (256 - dropout_threshold)
 };
 
 // Backward of AttnParams' attention: dout, gradients, and delta = rowsum(dout * out) - dlse per
