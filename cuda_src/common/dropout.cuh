@@ -48,10 +48,13 @@ struct DropoutDraws {
     key = make_uint2(u32(seed), u32(seed >> 32));
   }
 
-  // The group of rows {row0, +1, +8, +9} x keys {col0, +1, +8, +9} (row0 and col0: bits 0 and 3
-  // clear): bit w set when byte w is kept.
+  // The 16 bytes of the group of rows {row0, +1, +8, +9} x keys {col0, +1, +8, +9} (row0 and
+  // col0: bits 0 and 3 clear).
+  __device__ __forceinline__ uint4 draw(int row0, int col0) const { return philox4x32_10(make_uint4(u32(col0), u32(row0), head_word, 0u), key); }
+
+  // The same group as bits: bit w set when byte w is kept.
   __device__ __forceinline__ u32 group_keeps(int row0, int col0) const {
-    const uint4 r = philox4x32_10(make_uint4(u32(col0), u32(row0), head_word, 0u), key);
+    const uint4 r = draw(row0, col0);
     const u32 words[4] = {r.x, r.y, r.z, r.w};
     u32 bits = 0;
 #pragma unroll
@@ -104,18 +107,49 @@ struct DropoutDraws {
   }
   __device__ __forceinline__ static int row_bit(int lane, int odd, int e) { return 8 * (e / 2) + 4 * ((lane / 4) & 1) + 2 * odd + e % 2; }
 
-  // x <- x * kept_scale where kept, 0 where dropped, over such a tile; each draw applied as made.
-  template <int N>
-  __device__ __forceinline__ void drop_rows(float (&x)[N][4], int row0, int col0, int lane, float kept_scale) const {
-    for_each_row_group<N>(row0, col0, lane, [&](int nt, u32 bits) {
+  // x <- x (* kept_scale with SCALED) where kept, 0 where dropped, over such a tile. The lane's
+  // rows take word parity (row g) and word 2 + parity (row g + 8) of a group, byte 2 * odd + e % 2
+  // of each; the byte compare's 0xff / 0 spread over a word is a mask ANDed into the float (two
+  // instructions an element).
+  template <int N, bool SCALED = true>
+  __device__ __forceinline__ void drop_rows(float (&x)[N][4], int row0, int col0, int lane, float kept_scale = 1.f) const {
+    static_assert(N % 2 == 0, "key tiles in pairs");
+    const int g = lane / 4, t = lane % 4, parity = g & 1;
+    const auto apply = [&](int nt, u32 row_word, u32 row8_word) {  // key tiles nt, nt + 1
+      const u32 ge[2] = {__vcmpgeu4(row_word, threshold4), __vcmpgeu4(row8_word, threshold4)};
 #pragma unroll
       for (int odd = 0; odd < 2; ++odd)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
+          const u32 keep = __byte_perm(ge[e / 2], 0u, u32(2 * odd + e % 2) * 0x1111u);  // the byte (0xff or 0) in all four
           float& v = x[nt + odd][e];
-          v = (bits >> row_bit(lane, odd, e)) & 1u ? v * kept_scale : 0.f;
+          v = __uint_as_float(__float_as_uint(v) & keep);
+          if constexpr (SCALED) v *= kept_scale;
         }
-    });
+    };
+    const auto mine = [&](const uint4& r, u32& lo, u32& hi) {  // words parity and 2 + parity
+      lo = parity ? r.y : r.x;
+      hi = parity ? r.w : r.z;
+    };
+    if constexpr (N >= 8) {  // key tiles in fours: this lane draws the pair of its parity, lane ^ 4 the other
+#pragma unroll
+      for (int nt = 0; nt < N; nt += 4) {
+        const uint4 r = draw(row0 + (g & ~1), col0 + (nt + 2 * parity) * 8 + 2 * t);
+        u32 lo, hi;
+        mine(r, lo, hi);
+        const u32 got_lo = __shfl_xor_sync(0xffffffffu, parity ? r.x : r.y, 4);  // the partner's rows' words
+        const u32 got_hi = __shfl_xor_sync(0xffffffffu, parity ? r.z : r.w, 4);
+        apply(nt, parity ? got_lo : lo, parity ? got_hi : hi);
+        apply(nt + 2, parity ? lo : got_lo, parity ? hi : got_hi);
+      }
+    } else {  // each group drawn and applied in turn (fewer registers live)
+#pragma unroll
+      for (int nt = 0; nt < N; nt += 2) {
+        u32 lo, hi;
+        mine(draw(row0 + (g & ~1), col0 + nt * 8 + 2 * t), lo, hi);
+        apply(nt, lo, hi);
+      }
+    }
   }
 
   // The same tile's keeps as bits 4 * nt + e (for apply_keeps), for a kernel that draws them

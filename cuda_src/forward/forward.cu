@@ -131,7 +131,7 @@ __device__ __forceinline__ void forward_block(const AttnParams& p, int seq, cons
     if constexpr (DROPOUT) {  // after the row sums: dropout leaves the denominators alone
       const DropoutDraws draws(p, seq, blockIdx.y);
 #pragma unroll
-      for (int mt = 0; mt < Tr::kMTiles; ++mt) draws.drop_rows(s[mt], warp_first_row + mt * 16, n0, lane, 1.f);
+      for (int mt = 0; mt < Tr::kMTiles; ++mt) draws.drop_rows<Tr::kNTiles, false>(s[mt], warp_first_row + mt * 16, n0, lane);
     }
 
 #pragma unroll

@@ -102,7 +102,7 @@ __device__ __forceinline__ void forward_wgmma_block(const AttnParams& p, int seq
     if (SOFTCAP) softcap_scores(s, p);
     if (!band.all_visible(warp_first_row, warp_last_row, n0, n0 + BLOCK_N - 1)) mask_scores(s, band, warp_first_row, n0);
     online_softmax(s, row_max, row_sum, acc, p.exp2_scale);
-    if constexpr (DROPOUT) DropoutDraws(p, seq, blockIdx.y).drop_rows(s[0], warp_first_row, n0, lane, 1.f);
+    if constexpr (DROPOUT) DropoutDraws(p, seq, blockIdx.y).drop_rows<Tr::kNTiles, false>(s[0], warp_first_row, n0, lane);
 
     wgmma_fence();
     wgmma_frag_by_tile<T, BLOCK_N, HEAD_DIM>(acc[0], s[0], v_addr);  // O += P V
