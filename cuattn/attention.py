@@ -67,16 +67,17 @@ def attention(
         Dropout on the attention probabilities (after the softmax; ``lse`` is that of the
         softmax without dropout), as in the FlashAttention paper: each kept probability is
         divided by the kept fraction, and the mask is never stored: the backward draws it
-        again from ``dropout_seed``. Applied as an 8-bit threshold, as in FlashAttention: the
-        kept fraction is ``1 - round(256 p) / 256``. Element (i, j) of head h of sequence b depends only on
-        the seed and (b, h, i, j) (Philox4x32-10; :func:`cuattn.reference.dropout_keep` draws
-        the same mask on the host). Not with ``sink_tokens``.
+        again from ``dropout_seed``. Applied as an 8-bit threshold, as in FlashAttention:
+        ``threshold = min(round(256 p), 255)`` (Python rounding), kept fraction ``1 - threshold
+        / 256``. Element (i, j) of head h of sequence b depends only on the seed and (b, h, i, j)
+        (Philox4x32-10; :func:`cuattn.reference.dropout_keep` draws the same mask on the host).
+        Not with ``sink_tokens``.
     dropout_seed : int in [0, 2**64), or an array on q's device: ``(2,)`` uint32 (low word
         first) or ``(1,)`` int64 / uint64
         Required when ``dropout_p > 0``; the backward must get the same one. An array is read
-        by the kernels when they run, so a captured CUDA
-        graph can change it between replays; an int is baked into the launch (and a new int
-        per call takes the full host path, not a replayed plan).
+        by the kernels when they run, so a captured CUDA graph can change it between replays,
+        and calls take the replayed host path; with an int seed every call takes the full host
+        path (the seed is baked into its launch).
     return_lse : bool
         Also return ``lse``, ``(batch, heads_q, seqlen_q)`` float32: the natural log of each
         row's softmax denominator including its max, ``lse = m + log(l)``; merging partial
@@ -113,7 +114,7 @@ def attention(
     options = AttnOptions.from_user(causal, window, align, scale, softcap, head_dim=head_dim, sink_tokens=sink_tokens)
     pieces = options.key_pieces(seqlen_q, a["k"].shape[1])
     dropout = dropout_.from_user(dropout_p, dropout_seed, a["dropout_seed"])
-    if dropout is not None and len(pieces) > 1:
+    if dropout is not None and options.sink_tokens:
         raise ValueError("dropout is not supported with sink_tokens")
 
     ctx.stage(*a.values())

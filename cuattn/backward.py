@@ -87,6 +87,8 @@ def attention_backward(
         validation.check_unit_last_stride(name, x)
     options = AttnOptions.from_user(causal, window, align, scale, softcap, head_dim=head_dim, sink_tokens=sink_tokens)
     dropout = dropout_.from_user(dropout_p, dropout_seed, a["dropout_seed"])
+    if dropout is not None and options.sink_tokens:
+        raise ValueError("dropout is not supported with sink_tokens")
 
     ctx.stage(*a.values())
     grads = [ctx.empty(a[n].shape, a[n].dtype) for n in ("q", "k", "v")]
@@ -95,8 +97,6 @@ def attention_backward(
     delta = ctx.empty((batch, heads_q, seqlen_q), np.float32)
     seqlen_k, heads_kv = a["k"].shape[1], a["k"].shape[2]
     pieces = options.key_pieces(seqlen_q, seqlen_k)
-    if dropout is not None and len(pieces) > 1:
-        raise ValueError("dropout is not supported with sink_tokens")
     if batch and heads_q and (seqlen_q or seqlen_k) and len(pieces) == 1:
         attn = attn_params(a["q"], a["k"], a["v"], a["out"], a["lse"], options, sink=a["sink"], dropout=dropout)
         set_mask(attn, pieces[0].fields)

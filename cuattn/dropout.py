@@ -3,9 +3,9 @@ into the kernels' AttnParams fields.
 
 The mask is never stored: every kernel that needs it draws it again from the seed and each
 element's coordinates (``cuda_src/common/dropout.cuh``; host twin
-:func:`cuattn.reference.dropout_keep`). ``dropout_p`` is applied as a 16-bit threshold
-(:func:`cuattn.reference.dropout_threshold`), as FlashAttention's: the kept fraction is
-``1 - round(256 p) / 256`` and kept probabilities are divided by exactly that fraction.
+:func:`cuattn.reference.dropout_keep`). ``dropout_p`` is applied as an 8-bit threshold, as
+FlashAttention's (:func:`cuattn.reference.dropout_threshold`, ``min(round(256 p), 255)``): the
+kept fraction is ``1 - threshold / 256`` and kept probabilities are divided by exactly that.
 """
 
 from __future__ import annotations
@@ -97,8 +97,3 @@ def check_seed_array(seed) -> None:
     if seed.ptr is not None and seed.ptr % 8:
         raise ValueError("dropout_seed's address must be a multiple of 8 bytes (the kernels read it as one 64-bit word)")
 
-
-def refuse(dropout_p, what: str) -> None:
-    """ValueError when ``dropout_p`` asks for dropout where ``what`` does not support it."""
-    if check_dropout_p(dropout_p):
-        raise ValueError(f"dropout is not supported {what}")

@@ -209,20 +209,21 @@ class _EagerAttention(torch.autograd.Function):
             q, k, v, causal=causal, window=window, align=align, scale=scale, softcap=softcap, sink=sink, sink_tokens=sink_tokens,
             dropout_p=dropout[0], dropout_seed=dropout[1], return_lse=True,
         )
-        ctx.save_for_backward(q, k, v, out, lse, sink)
-        ctx.options, ctx.dropout = options, dropout
+        # The seed (a tensor, or None) is saved too: changed in place before the backward, it raises.
+        ctx.save_for_backward(q, k, v, out, lse, sink, dropout[1])
+        ctx.options, ctx.dropout_p = options, dropout[0]
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse, sink = ctx.saved_tensors
+        q, k, v, out, lse, sink, saved_seed = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
         dout, dlse = _kernel_ready(dout), _kernel_ready(dlse)
         deterministic = torch.are_deterministic_algorithms_enabled()
-        dropout_p, seed = ctx.dropout
+        dropout_p, seed = ctx.dropout_p, saved_seed
         if not _eager(*(t for t in (dout, q, k, v, out, lse, dlse, sink) if t is not None)):  # e.g. compiled autograd
             causal, window, align, scale, softcap, sink_tokens = ctx.options
             flat = _flat_mask_options(causal, window, align, scale, softcap, q.shape[-1], sink_tokens)

@@ -107,10 +107,13 @@ def test_bad_dropout_seed_is_refused_before_any_launch(seed, exc):
         cuattn.attention_backward(q, q, q, q, q, np.zeros((1, 2, 3), np.float32), dropout_p=0.1, dropout_seed=seed)
 
 
-def test_dropout_with_sink_tokens_is_refused():
+@pytest.mark.parametrize("window", [(1, 0), None])  # two key ranges, and one (no left bound): refused alike
+def test_dropout_with_sink_tokens_is_refused(window):
     q = np.ones((1, 3, 2, 64), np.float16)
     with pytest.raises(ValueError, match="dropout"):
-        cuattn.attention(q, q, q, window=(1, 0), sink_tokens=1, dropout_p=0.1, dropout_seed=1)
+        cuattn.attention(q, q, q, window=window, sink_tokens=1, dropout_p=0.1, dropout_seed=1)
+    with pytest.raises(ValueError, match="dropout"):
+        cuattn.attention_backward(q, q, q, q, q, np.zeros((1, 2, 3), np.float32), window=window, sink_tokens=1, dropout_p=0.1, dropout_seed=1)
 
 
 def test_every_kernel_path_has_a_dropout_form():
@@ -192,7 +195,7 @@ def test_kernel_masks_are_the_host_draws(dtype, d, sq, sk, causal):
 
 
 CASES = [  # dtype, sq, sk, hq, hk, d, p, kw
-    ("bfloat16", 513, 600, 8, 2, 128, 0.1, {"causal": True}),
+    ("bfloat16", 513, 600, 4, 2, 128, 0.1, {"causal": True}),
     ("float16", 113, 1023, 4, 4, 64, 0.5, {"window": (64, 64), "softcap": 30.0}),
     ("float32", 37, 70, 4, 2, 64, 0.2, {"causal": True, "align": "top_left"}),
     ("bfloat16", 1, 300, 8, 1, 256, 0.3, {}),
@@ -307,8 +310,15 @@ def test_torch_gradients_match_the_reference_and_manual_seed_repeats():
     assert not torch.equal(a, sdpa())  # the generator moved on
     torch.manual_seed(3)
     compiled = torch.compile(lambda q, k, v: ct.attention(q, k, v, causal=True, dropout_p=0.3), fullgraph=True)
-    b = compiled(*xs)
-    assert not torch.equal(b, compiled(*xs))  # traced: the seed is drawn per call, not baked in
+    tiny = [x[:, :64] for x in xs]
+    assert not torch.equal(compiled(*tiny), compiled(*tiny))  # traced: the seed is drawn per call, not baked in
+
+    seed = torch.tensor([7], dtype=torch.int64, device="cuda")
+    leaf = xs[0].detach().requires_grad_()
+    out = ct.attention(leaf, xs[1], xs[2], dropout_p=0.3, dropout_seed=seed)
+    seed.add_(1)  # the backward would draw another mask: autograd refuses
+    with pytest.raises(RuntimeError, match="inplace"):
+        out.float().sum().backward()
 
     small = [x[:, :40].detach().requires_grad_() for x in xs]
     seed = torch.tensor([SEED - 2**64], dtype=torch.int64, device="cuda")

@@ -52,6 +52,7 @@ __global__ void __launch_bounds__(kF32BwdWarps * 32, 1) backward_fp32_dq_kernel(
     for (int c = 0; c < kCols; ++c) dq[r][c] = 0.0;
   }
   const float sc = a.exp2_scale;
+  const DropoutDraws draws(a, batch, head);  // used with DROPOUT only
 
   for (int n0 = key_last < key_first ? key_last + 1 : key_first / kF32BwdTile * kF32BwdTile; n0 <= key_last; n0 += kF32BwdTile) {
     __syncthreads();  // previous tiles fully consumed
@@ -67,7 +68,7 @@ __global__ void __launch_bounds__(kF32BwdWarps * 32, 1) backward_fp32_dq_kernel(
       if (SOFTCAP) s = softcap_score(float(s), a.scale, a.softcap, cap_grad);
       const float prob = band.visible(row, n0 + lane) ? exp2_minus_shift(s, sc, shift[r]) : 0.f;
       float dp = float(dot_f64(dout + row * p.dout_strides[1], sV + lane * RS, a.head_dim));
-      if (DROPOUT) dp = DropoutDraws(a, batch, head).keeps(row, n0 + lane) ? dp * a.dropout_scale : 0.f;
+      if (DROPOUT) dp = draws.keeps(row, n0 + lane) ? dp * a.dropout_scale : 0.f;
       const float ds = prob * (dp - row_delta[r]) * cap_grad;
       for (int j = 0; j < kF32BwdTile; ++j) {
         const float ds_j = __shfl_sync(0xffffffff, ds, j);

@@ -90,7 +90,7 @@ struct DropoutDraws {
   // 8 * (e / 2) + 4 * parity + 2 * odd + e % 2 (row_bit). Called by the whole warp.
   template <int N, typename Visit>
   __device__ __forceinline__ void for_each_row_group(int row0, int col0, int lane, Visit&& visit) const {
-    static_assert(N % 2 == 0, "key tiles in pairs");
+    static_assert(N % 2 == 0 && (N < 8 || N % 4 == 0), "key tiles in pairs, in fours from 8");
     const int g = lane / 4, t = lane % 4, parity = g & 1;
     if constexpr (N >= 8) {  // key tiles in fours: two groups per lane pair, shared
 #pragma unroll
@@ -113,7 +113,7 @@ struct DropoutDraws {
   // instructions an element).
   template <int N, bool SCALED = true>
   __device__ __forceinline__ void drop_rows(float (&x)[N][4], int row0, int col0, int lane, float kept_scale = 1.f) const {
-    static_assert(N % 2 == 0, "key tiles in pairs");
+    static_assert(N % 2 == 0 && (N < 8 || N % 4 == 0), "key tiles in pairs, in fours from 8");
     const int g = lane / 4, t = lane % 4, parity = g & 1;
     const auto apply = [&](int nt, u32 row_word, u32 row8_word) {  // key tiles nt, nt + 1
       const u32 ge[2] = {__vcmpgeu4(row_word, threshold4), __vcmpgeu4(row8_word, threshold4)};
@@ -172,7 +172,7 @@ struct DropoutDraws {
   // key0 and q0 multiples of 16. Called by the whole warp.
   template <int N>
   __device__ __forceinline__ u64 transposed_keeps(int q0, int key0, int lane) const {
-    static_assert(N % 2 == 0 && N <= 16, "query tiles in pairs, 64 bits");
+    static_assert((N == 2 || N % 4 == 0) && N <= 16, "query tiles: a pair, or fours; 64 bits");
     const int g = lane / 4, t = lane % 4, parity = g & 1;
     u64 mask = 0;
 #pragma unroll

@@ -44,6 +44,7 @@ __device__ __forceinline__ void forward_fp32_block(const AttnParams& p, int seq,
     for (int c = 0; c < kCols; ++c) acc[r][c] = 0.0;
   }
   const float sc = p.exp2_scale;
+  const DropoutDraws draws(p, seq, blockIdx.y);  // used with DROPOUT only
 
   for (int n0 = key_last < key_first ? key_last + 1 : key_first / kF32BlockN * kF32BlockN; n0 <= key_last; n0 += kF32BlockN) {
     __syncthreads();  // previous tile fully consumed
@@ -82,7 +83,7 @@ __device__ __forceinline__ void forward_fp32_block(const AttnParams& p, int seq,
       row_sum[r] = row_sum[r] * alpha + double(sum);
 #pragma unroll
       for (int c = 0; c < kCols; ++c) acc[r][c] *= alpha;
-      const float kept_prob = DROPOUT && !DropoutDraws(p, seq, blockIdx.y).keeps(row, n0 + lane) ? 0.f : prob;  // the sums keep prob
+      const float kept_prob = DROPOUT && !draws.keeps(row, n0 + lane) ? 0.f : prob;  // the sums keep prob
       for (int j = 0; j < kF32BlockN && n0 + j < span.seqlen_k; ++j) {
         const float pj = __shfl_sync(0xffffffff, kept_prob, j);
         const float* v_row = v + (n0 + j) * p.v_strides[1];
