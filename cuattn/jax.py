@@ -63,14 +63,23 @@ def dropout_seed(dropout_rng) -> int:
 
 def attention_varlen(
     q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None, causal=False, window=None,
-    align="bottom_right", scale=None, softcap=None, return_lse=False,
+    align="bottom_right", scale=None, softcap=None, dropout_p=0.0, dropout_rng=None, return_lse=False,
 ):
     """:func:`cuattn.attention_varlen` on JAX arrays (``cu_seqlens_*`` int32), differentiable
     in ``q``, ``k``, ``v`` (and through ``lse``). Under ``jax.jit`` the offsets are traced:
-    pass ``max_seqlen_*`` as Python ints when known, else the grids are sized by the totals."""
+    pass ``max_seqlen_*`` as Python ints when known, else the grids are sized by the totals.
+    Dropout as :func:`attention`."""
     options = {**AttnOptions.from_user(causal, window, align, scale, softcap, head_dim=q.shape[-1]).flat(WINDOW_SCHEMA),
                **flat_seqlen_bounds(max_seqlen_q, max_seqlen_k)}
-    out, lse = _differentiable("attention_varlen")(tuple(options.items()), q, k, v, cu_seqlens_q, cu_seqlens_k)
+    if check_dropout_p(dropout_p):
+        if dropout_rng is None:
+            raise ValueError("dropout_p > 0 needs dropout_rng (a JAX PRNG key)")
+        seed = jax.random.bits(dropout_rng, (2,), jnp.uint32)
+        out, lse = _differentiable("attention_varlen_dropout")(
+            tuple({**options, "dropout_p": float(dropout_p)}.items()), q, k, v, cu_seqlens_q, cu_seqlens_k, seed,
+        )
+    else:
+        out, lse = _differentiable("attention_varlen")(tuple(options.items()), q, k, v, cu_seqlens_q, cu_seqlens_k)
     return (out, lse) if check_bool("return_lse", return_lse) else out
 
 

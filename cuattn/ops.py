@@ -195,6 +195,33 @@ OPS = {
             )
         ),
     ),
+    "attention_varlen_dropout": OpEntry(
+        name="attention_varlen_dropout",
+        arrays=("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "dropout_seed"),
+        options=VARLEN_OPTIONS + (("dropout_p", "float"),),
+        returns=("out", "lse"),
+        outputs=_varlen_outputs,
+        call=lambda q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_seed, max_seqlen_q, max_seqlen_k, dropout_p, **o: attention_varlen(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p=dropout_p, dropout_seed=dropout_seed, return_lse=True,
+            **user_seqlen_bounds(max_seqlen_q, max_seqlen_k), **AttnOptions(**o).user_keywords(),
+        ),
+        vjp="attention_varlen_dropout_backward",
+        # dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dlse, dropout_seed
+        vjp_arrays=lambda inputs, outputs, grads: (grads[0], *inputs[:3], *outputs, *inputs[3:5], grads[1], inputs[5]),
+        vjp_options=(("deterministic", False),),
+    ),
+    "attention_varlen_dropout_backward": OpEntry(
+        name="attention_varlen_dropout_backward",
+        arrays=("dout", "q", "k", "v", "out", "lse", "cu_seqlens_q", "cu_seqlens_k", "dlse?", "dropout_seed"),
+        options=VARLEN_OPTIONS + (("dropout_p", "float"), ("deterministic", "bool")),
+        returns=("dq", "dk", "dv"),
+        outputs=_varlen_backward_outputs,
+        call=lambda dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dlse, dropout_seed, max_seqlen_q, max_seqlen_k, dropout_p,
+        deterministic, **o: attention_varlen_backward(
+            dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dlse=dlse, dropout_p=dropout_p, dropout_seed=dropout_seed,
+            deterministic=deterministic, **user_seqlen_bounds(max_seqlen_q, max_seqlen_k), **AttnOptions(**o).user_keywords(),
+        ),
+    ),
     "attention_with_kvcache": OpEntry(
         name="attention_with_kvcache",
         arrays=("q", "k_cache", "v_cache", "cache_seqlens", "k_new?", "v_new?", "block_table?", "cache_batch_idx?", "sink?"),

@@ -120,9 +120,11 @@ def _dropout_weights(heads_q, seq, rows, cols, dropout_p, seed):
 
 
 def attention(q, k, v, *, causal=False, window=None, align="bottom_right", scale=None, softcap=None, sink=None, sink_tokens=0,
-              dropout_p=0.0, dropout_seed=None, return_lse=False, out=None):
+              dropout_p=0.0, dropout_seed=None, return_lse=False, out=None, first_sequence=0):
     """Reference attention; see :func:`cuattn.attention`. Returns float64 ``out`` (and ``lse``,
-    which dropout does not change: it applies to the normalized probabilities)."""
+    which dropout does not change: it applies to the normalized probabilities).
+    ``first_sequence``: the sequence index of batch entry 0 in dropout's draws (the varlen
+    reference passes each packed sequence's)."""
     q, k, v = _f64(q), _f64(k), _f64(v)
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k = k.shape[1]
@@ -147,7 +149,7 @@ def attention(q, k, v, *, causal=False, window=None, align="bottom_right", scale
                 rescale = np.exp(row_max - safe)  # online softmax: old terms move to the new max
                 p = np.exp(s - safe[..., None])
                 denom = denom * rescale + p.sum(axis=2)
-                z = _dropout_weights(heads_q, b, rows, cols, dropout_p, dropout_seed)
+                z = _dropout_weights(heads_q, first_sequence + b, rows, cols, dropout_p, dropout_seed)
                 acc = acc * rescale[..., None] + np.einsum("hmn,nhd->hmd", p if z is None else p * z, vb[cols])
                 row_max = new_max
             seen = denom > 0
@@ -170,7 +172,7 @@ def with_sink(out, lse, sink):
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, window=None, align="bottom_right", scale=None,
-                     softcap=None, return_lse=False, **_):
+                     softcap=None, dropout_p=0.0, dropout_seed=None, return_lse=False, **_):
     """Reference of :func:`cuattn.attention_varlen`: every packed sequence through
     :func:`attention` alone. Returns float64 ``out`` ``(total_q, heads_q, head_dim)`` (and
     ``lse`` ``(heads_q, total_q)``)."""
@@ -181,7 +183,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, windo
     for b in range(len(cu_q) - 1):
         rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
         o, l = attention(q[None, rows], k[None, keys], v[None, keys], causal=causal, window=window, align=align, scale=scale,
-                         softcap=softcap, return_lse=True)
+                         softcap=softcap, dropout_p=dropout_p, dropout_seed=dropout_seed, return_lse=True, first_sequence=b)
         out[rows], lse[:, rows] = o[0], l[0]
     return (out, lse) if return_lse else out
 
@@ -210,7 +212,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=No
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, align="bottom_right", scale=None, softcap=None, sink=None,
-                       sink_tokens=0, dropout_p=0.0, dropout_seed=None, dlse=None, deterministic=False):
+                       sink_tokens=0, dropout_p=0.0, dropout_seed=None, dlse=None, deterministic=False, first_sequence=0):
     """Reference gradients ``(dq, dk, dv)`` of :func:`attention`, from the saved ``lse``
     (with ``sink``, ``(dq, dk, dv, dsink)``).
 
@@ -242,7 +244,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, al
                 row_lse = lse[b][:, rows][..., None]
                 p = np.where(mask & np.isfinite(row_lse), np.exp(s - np.where(np.isfinite(row_lse), row_lse, 0.0)), 0.0)
                 dp = np.einsum("mhd,nhd->hmn", dout[b, rows], vb[cols])
-                z = _dropout_weights(heads_q, b, rows, cols, dropout_p, dropout_seed)
+                z = _dropout_weights(heads_q, first_sequence + b, rows, cols, dropout_p, dropout_seed)
                 if z is not None:  # out used p * z: so do dV and the score gradient
                     dp = dp * z
                 ds = p * (dp - delta[b][:, rows][..., None] + dlse[b][:, rows][..., None])
@@ -261,7 +263,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, al
 
 
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, causal=False, window=None,
-                              align="bottom_right", scale=None, softcap=None, dlse=None, **_):
+                              align="bottom_right", scale=None, softcap=None, dropout_p=0.0, dropout_seed=None, dlse=None, **_):
     """Reference gradients of :func:`attention_varlen`: every packed sequence through
     :func:`attention_backward` alone. ``lse`` and ``dlse`` are ``(heads_q, total_q)``."""
     dout, q, k, v, out, lse = map(_f64, (dout, q, k, v, out, lse))
@@ -272,8 +274,8 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
         grads = attention_backward(
             dout[None, rows], q[None, rows], k[None, keys], v[None, keys], out[None, rows], lse[None, :, rows],
-            causal=causal, window=window, align=align, scale=scale, softcap=softcap,
-            dlse=None if dlse is None else dlse[None, :, rows],
+            causal=causal, window=window, align=align, scale=scale, softcap=softcap, dropout_p=dropout_p, dropout_seed=dropout_seed,
+            dlse=None if dlse is None else dlse[None, :, rows], first_sequence=b,
         )
         dq[rows], dk[keys], dv[keys] = (g[0] for g in grads)
     return dq, dk, dv

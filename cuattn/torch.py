@@ -89,19 +89,25 @@ def _attention_dropout(q, k, v, sink, dropout_p, seed, options, return_lse):
 
 def attention_varlen(
     q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None, causal=False, window=None,
-    align="bottom_right", scale=None, softcap=None, return_lse=False,
+    align="bottom_right", scale=None, softcap=None, dropout_p=0.0, dropout_seed=None, return_lse=False,
 ):
     """:func:`cuattn.attention_varlen` on torch tensors (``cu_seqlens_*`` int32 CUDA tensors),
     differentiable in ``q``, ``k``, ``v`` (and through ``lse``). Pass ``max_seqlen_*`` as ints
-    when known: derived, they are the totals (device offsets are never read on the host)."""
+    when known: derived, they are the totals (device offsets are never read on the host).
+    Dropout as :func:`attention` (the seed drawn on the device unless given)."""
+    dropout = check_dropout_p(dropout_p)
+    seed = _device_seed(dropout_seed, q) if dropout else None
     if _eager(q, k, v) and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
         return core_attention_varlen(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal,
-            window=window, align=align, scale=scale, softcap=softcap, return_lse=return_lse,
+            window=window, align=align, scale=scale, softcap=softcap, dropout_p=dropout, dropout_seed=seed, return_lse=return_lse,
         )
     options = _flat_mask_options(causal, window, align, scale, softcap, q.shape[-1], schema=WINDOW_SCHEMA)
     bounds = tuple(flat_seqlen_bounds(max_seqlen_q, max_seqlen_k).values())
-    out, lse = op("attention_varlen")(q, k, v, cu_seqlens_q, cu_seqlens_k, *options, *bounds)
+    if dropout:
+        out, lse = op("attention_varlen_dropout")(q, k, v, cu_seqlens_q, cu_seqlens_k, seed, *options, *bounds, dropout)
+    else:
+        out, lse = op("attention_varlen")(q, k, v, cu_seqlens_q, cu_seqlens_k, *options, *bounds)
     return (out, lse) if check_bool("return_lse", return_lse) else out
 
 

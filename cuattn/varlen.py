@@ -8,7 +8,7 @@ import dataclasses
 
 import numpy as np
 
-from cuattn import boundary, replay, validation
+from cuattn import boundary, dropout as dropout_, replay, validation
 from cuattn.attention import NO_LSE, attn_params, check_qkv, check_sink, launch_forward, require_arrays
 from cuattn.backward import backward_params, check_dout, launch_backward
 from cuattn.kernels.backward import BackwardGrid
@@ -22,7 +22,7 @@ from cuattn.validation import check_bool
 
 def attention_varlen(
     q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None, causal=False, window=None,
-    align="bottom_right", scale=None, softcap=None, sink=None, return_lse=False, out=None,
+    align="bottom_right", scale=None, softcap=None, sink=None, dropout_p=0.0, dropout_seed=None, return_lse=False, out=None,
 ):
     """:func:`cuattn.attention` of a batch of sequences of different lengths, packed without
     padding: sequence ``b`` is rows ``cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1`` of ``q``
@@ -52,8 +52,9 @@ def attention_varlen(
         the arrays.
     max_seqlen_k : optional int, accepted for FlashAttention's signature (the forward does not
         need it).
-    causal, window, align, scale, softcap, sink, out : as :func:`cuattn.attention`; ``out`` is
-        ``(total_q, heads_q, head_dim)``.
+    causal, window, align, scale, softcap, sink, dropout_p, dropout_seed, out : as
+        :func:`cuattn.attention` (dropout draws as for sequence ``b`` of a dense batch, rows
+        and keys counted within the sequence); ``out`` is ``(total_q, heads_q, head_dim)``.
     return_lse : bool. Also return ``lse``, ``(heads_q, total_q)`` float32.
 
     Returns
@@ -61,24 +62,28 @@ def attention_varlen(
     ``out`` ``(total_q, heads_q, head_dim)`` (or ``(out, lse)``) as the caller's array type.
     """
     raise_reported()
-    if out is None:
+    seed_array = dropout_.seed_array_argument(dropout_seed)
+    if out is None and (not dropout_p or seed_array is not None):  # a plan per int seed would never be replayed
         result = replay.run(
             "attention_varlen",
             lambda: attention_varlen(
                 q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal,
-                window=window, align=align, scale=scale, softcap=softcap, sink=sink, return_lse=return_lse,
+                window=window, align=align, scale=scale, softcap=softcap, sink=sink, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                return_lse=return_lse,
             ),
-            (q, k, v, cu_seqlens_q, cu_seqlens_k, sink),
-            (max_seqlen_q, max_seqlen_k, causal, window, align, scale, softcap, return_lse),
+            (q, k, v, cu_seqlens_q, cu_seqlens_k, sink, seed_array),
+            (max_seqlen_q, max_seqlen_k, causal, window, align, scale, softcap, return_lse, dropout_p),
         )
         if result is not replay.MISS:
             return result
     require_arrays({"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k})
     return_lse = check_bool("return_lse", return_lse)
-    ctx, a = boundary.import_arrays(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, sink=sink, out=out)
+    ctx, a = boundary.import_arrays(
+        q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, sink=sink, dropout_seed=seed_array, out=out,
+    )
     if out is not None and ctx.framework in (boundary.JAX, boundary.NUMPY):
         raise TypeError(f"out= is written in place, which {ctx.framework} arrays cannot be")
-    call = _PackedCall(a, max_seqlen_q, max_seqlen_k, causal, window, align, scale, softcap)
+    call = _PackedCall(a, max_seqlen_q, max_seqlen_k, causal, window, align, scale, softcap, dropout_p, dropout_seed)
     if out is not None:  # out=q is safe: each CTA reads its query rows before it writes them
         validation.check_writable_output("out", a["out"], {"q": a["q"], "k": a["k"], "v": a["v"]}, same_as_ok="q")
 
@@ -96,7 +101,8 @@ def attention_varlen(
 
 def attention_varlen_backward(
     dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None, causal=False,
-    window=None, align="bottom_right", scale=None, softcap=None, sink=None, dlse=None, deterministic=False,
+    window=None, align="bottom_right", scale=None, softcap=None, sink=None, dropout_p=0.0, dropout_seed=None, dlse=None,
+    deterministic=False,
 ):
     """Gradients of :func:`attention_varlen` with respect to ``q``, ``k`` and ``v`` (and
     ``sink``), as :func:`cuattn.attention_backward` computes them for each sequence.
@@ -110,7 +116,8 @@ def attention_varlen_backward(
         dK / dV grids; omitted, as in :func:`attention_varlen` (from NumPy offsets, else the
         totals), checked as there. Gradient rows of a sequence longer than a bound (device
         offsets: also reported by the GPU check) are set to NaN.
-    causal, window, align, scale, softcap, sink : exactly as given to the forward.
+    causal, window, align, scale, softcap, sink, dropout_p, dropout_seed : exactly as given to
+        the forward.
     dlse : optional ``(heads_q, total_q)`` float32, the gradient that flowed into ``lse``.
     deterministic : bool, as :func:`cuattn.attention_backward`. Batches of more sequences than
         64-row query blocks always take the deterministic kernels (the fused kernel's dQ
@@ -122,17 +129,20 @@ def attention_varlen_backward(
     dv, dsink)`` as :func:`cuattn.attention_backward` returns them.
     """
     raise_reported()
-    result = replay.run(
-        "attention_varlen_backward",
-        lambda: attention_varlen_backward(
-            dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-            causal=causal, window=window, align=align, scale=scale, softcap=softcap, sink=sink, dlse=dlse, deterministic=deterministic,
-        ),
-        (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dlse, sink),
-        (max_seqlen_q, max_seqlen_k, causal, window, align, scale, softcap, deterministic),
-    )
-    if result is not replay.MISS:
-        return result
+    seed_array = dropout_.seed_array_argument(dropout_seed)
+    if not dropout_p or seed_array is not None:  # a plan per int seed would never be replayed
+        result = replay.run(
+            "attention_varlen_backward",
+            lambda: attention_varlen_backward(
+                dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                causal=causal, window=window, align=align, scale=scale, softcap=softcap, sink=sink, dropout_p=dropout_p,
+                dropout_seed=dropout_seed, dlse=dlse, deterministic=deterministic,
+            ),
+            (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dlse, sink, seed_array),
+            (max_seqlen_q, max_seqlen_k, causal, window, align, scale, softcap, deterministic, dropout_p),
+        )
+        if result is not replay.MISS:
+            return result
     require_arrays(
         {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k},
         _REQUIRED,
@@ -140,8 +150,9 @@ def attention_varlen_backward(
     deterministic = check_bool("deterministic", deterministic)
     ctx, a = boundary.import_arrays(
         dout=dout, q=q, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, dlse=dlse, sink=sink,
+        dropout_seed=seed_array,
     )
-    call = _PackedCall(a, max_seqlen_q, max_seqlen_k, causal, window, align, scale, softcap)
+    call = _PackedCall(a, max_seqlen_q, max_seqlen_k, causal, window, align, scale, softcap, dropout_p, dropout_seed)
     check_dout(a["dout"], a["q"], call.c_type, PACKED)
     for name in ("lse", "dlse"):
         if a[name] is not None:
@@ -182,7 +193,7 @@ _REQUIRED = {
 class _PackedCall:
     """The checks and settings that the forward and backward of packed sequences share."""
 
-    def __init__(self, a: dict, max_seqlen_q, max_seqlen_k, causal, window, align, scale, softcap):
+    def __init__(self, a: dict, max_seqlen_q, max_seqlen_k, causal, window, align, scale, softcap, dropout_p, dropout_seed):
         max_seqlen_q = check_max_seqlen("max_seqlen_q", max_seqlen_q)
         max_seqlen_k = check_max_seqlen("max_seqlen_k", max_seqlen_k)
         for name in ("q", "k", "v", "out"):
@@ -198,6 +209,7 @@ class _PackedCall:
         lengths_k = host_lengths(a["cu_seqlens_k"], total_k, "cu_seqlens_k")
         self.offsets_on_device, self.totals = lengths_q is None or lengths_k is None, (total_q, total_k)
         self.options = AttnOptions.from_user(causal, window, align, scale, softcap, head_dim=self.head_dim)
+        self.dropout = dropout_.from_user(dropout_p, dropout_seed, a.get("dropout_seed"))
         self.seqs = PackedSequences(  # the offsets' addresses once staged: attn_params
             0, 0, batch, total_q, total_k,
             grid_bound("max_seqlen_q", max_seqlen_q, lengths_q, total_q), grid_bound("max_seqlen_k", max_seqlen_k, lengths_k, total_k),
@@ -207,7 +219,7 @@ class _PackedCall:
         """AttnParams over the staged arrays of ``a`` with ``out`` and ``lse`` (packed)."""
         views = [one_sequence_view(x) for x in (a["q"], a["k"], a["v"], out, lse)]
         seqs = dataclasses.replace(self.seqs, cu_seqlens_q=a["cu_seqlens_q"].ptr, cu_seqlens_k=a["cu_seqlens_k"].ptr)
-        return attn_params(*views, self.options, packed=seqs, sink=a.get("sink"))
+        return attn_params(*views, self.options, packed=seqs, sink=a.get("sink"), dropout=self.dropout)
 
 
 def check_varlen_offsets(synchronize: bool = True) -> None:

@@ -353,3 +353,87 @@ def test_jax_gradients_match_the_reference():
     naive = naive_attention_backward(w, q, k, v, "bfloat16", causal=True, dropout=weights)
     for g, r, nv in zip(grads, ref, naive):
         assert max_err(np.asarray(g).astype(np.float32), r) <= 3.0 * max_err(nv, r) + 1e-5 * max(1.0, float(np.abs(r).max()))
+
+
+def _varlen_case(rng, lengths, hq, hk, d, dtype):
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    q, k, v, dout = (randn(rng, (int(cu[-1]), h, d), dtype) for h in (hq, hk, hk, hq))
+    return cu, q, k, v, dout
+
+
+def _varlen_naive(cu, q, k, v, dout, dtype, p, **kw):
+    """Naive attention in the input precision, sequence by sequence with its dropout weights."""
+    outs, grads = [], [[], [], []]
+    for b in range(len(cu) - 1):
+        rows = slice(cu[b], cu[b + 1])
+        weights = np.stack([reference.dropout_keep(q.shape[1], b, np.arange(cu[b + 1] - cu[b]), np.arange(cu[b + 1] - cu[b]), p, SEED)])
+        weights = weights / reference.dropout_kept_fraction(p)
+        args = (q[None, rows], k[None, rows], v[None, rows])
+        outs.append(naive_attention(*args, dtype, dropout=weights, **kw)[0])
+        for acc, g in zip(grads, naive_attention_backward(dout[None, rows], *args, dtype, dropout=weights, **kw)):
+            acc.append(g[0])
+    return np.concatenate(outs), [np.concatenate(g) for g in grads]
+
+
+@gpu
+def test_varlen_draws_per_sequence_and_matches_the_reference():
+    """Packed sequences draw as sequence b of a dense batch (equal lengths: the same result as
+    the dense call, bit for bit), and ragged ones match float64 on both kernel paths."""
+    import cupy
+
+    rng = np.random.default_rng(11)
+    p, kw = 0.2, {"causal": True}
+    cu, q, k, v, dout = _varlen_case(rng, [300, 0, 1, 700, 113], 8, 2, 128, "bfloat16")
+    ref_out, ref_lse = reference.attention_varlen(q, k, v, cu, cu, return_lse=True, dropout_p=p, dropout_seed=SEED, **kw)
+    ref = reference.attention_varlen_backward(dout, q, k, v, ref_out, ref_lse, cu, cu, dropout_p=p, dropout_seed=SEED, **kw)
+    naive_out, naive = _varlen_naive(cu, q, k, v, dout, "bfloat16", p, **kw)
+    for path in KERNEL_PATHS:
+        with kernel_path(path):
+            dev = [cupy.asarray(x) for x in (q, k, v, dout, cu)]
+            out, lse = cuattn.attention_varlen(*dev[:3], dev[4], dev[4], return_lse=True, dropout_p=p, dropout_seed=SEED, **kw)
+            assert_attention_accuracy(_host(out), ref_out, naive_out)
+            for deterministic in (False, True):
+                grads = cuattn.attention_varlen_backward(dev[3], *dev[:3], out, lse, dev[4], dev[4], dropout_p=p, dropout_seed=SEED,
+                                                         deterministic=deterministic, **kw)
+                for g, r, nv in zip(grads, ref, naive):
+                    assert max_err(_host(g), r) <= 3.0 * max_err(nv, r) + 1e-5 * max(1.0, float(np.abs(r).max()))
+
+    dense = [cupy.asarray(randn(rng, (2, 256, 4, 64), "bfloat16")) for _ in range(3)]
+    packed = [x.reshape(512, 4, 64) for x in dense]
+    cu = cupy.asarray(np.array([0, 256, 512], np.int32))
+    want = cuattn.attention(*dense, causal=True, dropout_p=p, dropout_seed=SEED)
+    assert cupy.array_equal(cuattn.attention_varlen(*packed, cu, cu, causal=True, dropout_p=p, dropout_seed=SEED), want.reshape(512, 4, 64))
+
+
+@gpu
+def test_varlen_adapters_take_dropout():
+    torch = pytest.importorskip("torch")
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    import cuattn.jax as cj
+    import cuattn.torch as ct
+
+    rng = np.random.default_rng(12)
+    p = 0.25
+    cu, q, k, v, w = _varlen_case(rng, [100, 3, 150], 4, 2, 64, "bfloat16")
+    w = w.astype(np.float32)
+    key = jax.random.key(5)
+    for seed, run in (
+        (SEED, lambda: _torch_varlen_grads(torch, ct, cu, q, k, v, w, p)),
+        (cj.dropout_seed(key), lambda: [np.asarray(g, np.float32) for g in jax.jit(jax.grad(
+            lambda q, k, v: (cj.attention_varlen(q, k, v, jnp.asarray(cu), jnp.asarray(cu), dropout_p=p, dropout_rng=key)
+                             .astype(jnp.float32) * w).sum(), argnums=(0, 1, 2)))(*map(jnp.asarray, (q, k, v)))]),
+    ):
+        out, lse = reference.attention_varlen(q, k, v, cu, cu, return_lse=True, dropout_p=p, dropout_seed=seed)
+        ref = reference.attention_varlen_backward(w, q, k, v, out, lse, cu, cu, dropout_p=p, dropout_seed=seed)
+        for g, r in zip(run(), ref):
+            assert max_err(g, r) <= 0.05 * max(1.0, float(np.abs(r).max()))  # a wrong mask errs by O(|r|)
+
+
+def _torch_varlen_grads(torch, ct, cu, q, k, v, w, p):
+    xs = [torch.from_numpy(x.astype(np.float32)).cuda().bfloat16().requires_grad_() for x in (q, k, v)]
+    cu_t = torch.from_numpy(cu).cuda()
+    out = ct.attention_varlen(*xs, cu_t, cu_t, dropout_p=p, dropout_seed=SEED)
+    (out.float() * torch.from_numpy(w).cuda()).sum().backward()
+    return [x.grad.float().cpu().numpy() for x in xs]

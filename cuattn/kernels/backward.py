@@ -37,9 +37,20 @@ WGMMA_TILES = {
     "backward_dkdv": {64: (64, 1, 2), 128: (64, 1, 2)},
 }
 WGMMA_FUSED_TILES = {64: (64, 1, 3), 128: (64, 2, 1)}
-# Kernel and bucket whose dropout form needs more registers than its CTAs per SM leave (spills
-# at d64): CTAs per SM.
-WGMMA_DROPOUT_CTAS = {"backward_wgmma_dq": {64: 1}, "backward_wgmma_fused": {64: 2}}
+# Kernel and (bucket, softcap) whose dropout form needs more registers than its CTAs per SM
+# leave (spills): CTAs per SM.
+WGMMA_DROPOUT_CTAS = {
+    "backward_wgmma_dq": {(64, False): 1, (64, True): 1},
+    "backward_wgmma_fused": {(64, False): 2, (64, True): 2},
+}
+# (kernel, bucket, softcap, layout) whose Hopper form with dropout needs more than 255 registers:
+# the portable kernel serves them.
+WGMMA_DROPOUT_PORTABLE = {("backward_dkdv", 128, True, "packed")}
+
+
+def wgmma_serves(kernel: str, bucket: int, softcap: bool, layout: str, dropout: bool) -> bool:
+    """Whether backward_dq / backward_dkdv has a Hopper form for these."""
+    return bucket in WGMMA_TILES[kernel] and not (dropout and (kernel, bucket, softcap, layout) in WGMMA_DROPOUT_PORTABLE)
 
 
 def dkdv_splits(bucket: int) -> int:
@@ -50,8 +61,8 @@ def dkdv_splits(bucket: int) -> int:
 def stream_rows(kernel: str, bucket: int, dropout: bool = False) -> int:
     """Rows per streamed block where shared memory allows: queries in backward_dkdv (32 above
     d64, where dK and dV take head_dim registers), keys in backward_dq (32 above d128, where the
-    dQ accumulator alone takes 128 registers; 16 from d224 with dropout, whose draws need more)."""
-    if dropout and kernel == "backward_dq" and bucket >= 224:
+    dQ accumulator alone takes 128 registers); 16 from d224 with dropout, whose draws need more."""
+    if dropout and bucket >= 224:
         return 16
     return 32 if bucket > (64 if kernel == "backward_dkdv" else 128) else 64
 
@@ -165,7 +176,7 @@ def variant(
 def _wgmma(kernel: str, c_type: str, bucket: int, softcap: bool, layout: str, tiles: tuple, smem: int, traits: str, dropout: bool) -> Variant:
     stream, warpgroups, ctas = tiles
     if dropout:
-        ctas = WGMMA_DROPOUT_CTAS.get(kernel, {}).get(bucket, ctas)
+        ctas = WGMMA_DROPOUT_CTAS.get(kernel, {}).get((bucket, softcap), ctas)
     traits = f"cuattn::{traits}<{bucket}, {stream}, {warpgroups}>"
     return Variant(
         family=FAMILY, kernel=kernel,
@@ -214,7 +225,7 @@ def select(
 ) -> Variant:
     """backward_dq or backward_dkdv for a problem on a target: the Hopper twin where one exists,
     else the portable kernel tiled for ``smem_limit`` (default: the target's)."""
-    if allow_wgmma and arch == WGMMA_ARCH and c_type != "float" and bucket in WGMMA_TILES[kernel]:
+    if allow_wgmma and arch == WGMMA_ARCH and c_type != "float" and wgmma_serves(kernel, bucket, softcap, layout, dropout):
         return wgmma_variant(kernel, c_type, bucket, softcap, layout, dropout)
     return variant(kernel, c_type, bucket, softcap, arch_smem_limit(arch) if smem_limit is None else smem_limit, layout, dropout)
 
@@ -313,15 +324,16 @@ def variants(arch: str | None = None) -> list[Variant]:
     """Every backward variant; with ``arch``, the portable tiles chosen under its shared-memory limit."""
     smem_limit = MAX_SMEM_OPTIN if arch is None else arch_smem_limit(arch)
     out = []
-    for c_type in ("f16", "bf16", "float"):  # with dropout (dense layout)
-        for bucket in HEAD_DIM_BUCKETS:
-            for softcap in (False, True):
-                for kernel in ("backward_dkdv", "backward_dq"):
-                    out.append(variant(kernel, c_type, bucket, softcap, smem_limit, "dense", dropout=True))
-                    if c_type != "float" and bucket in WGMMA_TILES[kernel]:
-                        out.append(wgmma_variant(kernel, c_type, bucket, softcap, "dense", dropout=True))
-                if c_type != "float" and bucket in WGMMA_FUSED_TILES:
-                    out.append(fused_variant(c_type, bucket, softcap, "dense", dropout=True))
+    for layout in SEQ_LAYOUTS:  # with dropout
+        for c_type in ("f16", "bf16", "float"):
+            for bucket in HEAD_DIM_BUCKETS:
+                for softcap in (False, True):
+                    for kernel in ("backward_dkdv", "backward_dq"):
+                        out.append(variant(kernel, c_type, bucket, softcap, smem_limit, layout, dropout=True))
+                        if c_type != "float" and wgmma_serves(kernel, bucket, softcap, layout, True):
+                            out.append(wgmma_variant(kernel, c_type, bucket, softcap, layout, dropout=True))
+                    if c_type != "float" and bucket in WGMMA_FUSED_TILES:
+                        out.append(fused_variant(c_type, bucket, softcap, layout, dropout=True))
     for layout in SEQ_LAYOUTS:
         out.append(sink_grad_variant(layout))
         for c_type in ("f16", "bf16", "float"):

@@ -147,12 +147,13 @@ def variants(arch: str | None = None) -> list[Variant]:
                 out.append(variant(c_type, bucket, softcap, "dense", fold=True))
                 if bucket in WGMMA_TILES:
                     out.append(wgmma_variant(c_type, bucket, softcap, "dense", fold=True))
-    for c_type in ("f16", "bf16", "float"):  # with dropout
-        for bucket in HEAD_DIM_BUCKETS:
-            for softcap in (False, True):
-                out.append(variant(c_type, bucket, softcap, "dense", dropout=True))
-                if bucket in WGMMA_TILES and c_type != "float":
-                    out.append(wgmma_variant(c_type, bucket, softcap, "dense", dropout=True))
+    for layout in SEQ_LAYOUTS:  # with dropout
+        for c_type in ("f16", "bf16", "float"):
+            for bucket in HEAD_DIM_BUCKETS:
+                for softcap in (False, True):
+                    out.append(variant(c_type, bucket, softcap, layout, dropout=True))
+                    if bucket in WGMMA_TILES and c_type != "float":
+                        out.append(wgmma_variant(c_type, bucket, softcap, layout, dropout=True))
     for layout in SEQ_LAYOUTS + CACHE_LAYOUTS:
         for c_type in ("f16", "bf16") + (("float",) if layout in SEQ_LAYOUTS else ()):
             for bucket in HEAD_DIM_BUCKETS:

@@ -86,9 +86,9 @@ def softcap_uri(softcap: bool) -> str:
 
 
 def dropout_arg(dropout: bool, layout: str = "dense") -> str:
-    """The trailing DROPOUT template argument (common/dropout.cuh; dense layout only), or none."""
-    if dropout and layout != "dense":
-        raise ValueError(f"dropout is compiled for the dense layout only, not {layout!r}")
+    """The trailing DROPOUT template argument (common/dropout.cuh; dense and packed layouts), or none."""
+    if dropout and layout not in SEQ_LAYOUTS:
+        raise ValueError(f"dropout is compiled for the dense and packed layouts only, not {layout!r}")
     return ", true" if dropout else ""
 
 
