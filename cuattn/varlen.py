@@ -10,7 +10,7 @@ import numpy as np
 
 from cuattn import boundary, dropout as dropout_, replay, validation
 from cuattn.attention import NO_LSE, attn_params, check_qkv, check_sink, launch_forward, require_arrays
-from cuattn.backward import backward_params, check_dout, launch_backward
+from cuattn.backward import backward_params, check_dout, launch_backward, plan_backward
 from cuattn.kernels.backward import BackwardGrid
 from cuattn.options import AttnOptions, check_max_seqlen
 from cuattn.packed import (
@@ -167,9 +167,8 @@ def attention_varlen_backward(
         grads.append(ctx.empty((call.heads_q,), np.float32))
     delta = ctx.empty((call.heads_q, call.seqs.total_q), np.float32)
     seqs = call.seqs
-    if call.offsets_on_device:
-        launch_offset_check(ctx, a["cu_seqlens_q"], a["cu_seqlens_k"], seqs.batch, call.totals, (seqs.max_seqlen_q, seqs.max_seqlen_k))
-    if seqs.batch and call.heads_q and (seqs.total_q or seqs.total_k):
+    launched = seqs.batch and call.heads_q and (seqs.total_q or seqs.total_k)
+    if launched:  # planned (dQ accumulator allocated) before the first launch: a traced JAX call records up to there
         views = {n: one_sequence_view(x) for n, x in a.items()}
         p = backward_params(
             views, [*map(one_sequence_view, grads[:3]), *grads[3:]], one_sequence_view(delta), call.attn_params(a, a["out"], a["lse"]),
@@ -178,7 +177,11 @@ def attention_varlen_backward(
             "packed", seqs.batch, seqs.max_seqlen_q, seqs.max_seqlen_k, call.heads_q, a["k"].shape[1], call.head_dim,
             seqs.total_q, seqs.total_k,
         )
-        launch_backward(ctx, call.c_type, p, grid, deterministic)
+        fused = plan_backward(ctx, call.c_type, p, grid, deterministic)
+    if call.offsets_on_device:
+        launch_offset_check(ctx, a["cu_seqlens_q"], a["cu_seqlens_k"], seqs.batch, call.totals, (seqs.max_seqlen_q, seqs.max_seqlen_k))
+    if launched:
+        launch_backward(ctx, call.c_type, p, grid, deterministic, fused=fused)
     elif any(g.size for g in grads):  # no query head (K and V had no influence), or no rows at all
         ctx.zero(*(g for g in grads if g.size))
     return tuple(ctx.export(g) for g in grads)

@@ -366,6 +366,8 @@ def _varlen_naive(cu, q, k, v, dout, dtype, p, **kw):
     outs, grads = [], [[], [], []]
     for b in range(len(cu) - 1):
         rows = slice(cu[b], cu[b + 1])
+        if cu[b + 1] == cu[b]:  # an empty sequence has no rows
+            continue
         weights = np.stack([reference.dropout_keep(q.shape[1], b, np.arange(cu[b + 1] - cu[b]), np.arange(cu[b + 1] - cu[b]), p, SEED)])
         weights = weights / reference.dropout_kept_fraction(p)
         args = (q[None, rows], k[None, rows], v[None, rows])
