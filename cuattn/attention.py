@@ -90,7 +90,7 @@ def attention(
     device memory is only ``out`` and ``lse``: O(seqlen), never O(seqlen^2).
     """
     seed_array = dropout_.seed_array_argument(dropout_seed)
-    if out is None and (not dropout_p or seed_array is not None):  # a plan per int seed would never be replayed
+    if out is None and dropout_.replayable(dropout_p, seed_array):
         result = replay.run(
             "attention",
             lambda: attention(
@@ -113,9 +113,7 @@ def attention(
     batch, seqlen_q, heads_q, head_dim = a["q"].shape
     options = AttnOptions.from_user(causal, window, align, scale, softcap, head_dim=head_dim, sink_tokens=sink_tokens)
     pieces = options.key_pieces(seqlen_q, a["k"].shape[1])
-    dropout = dropout_.from_user(dropout_p, dropout_seed, a["dropout_seed"])
-    if dropout is not None and options.sink_tokens:
-        raise ValueError("dropout is not supported with sink_tokens")
+    dropout = dropout_.from_user(dropout_p, dropout_seed, a["dropout_seed"], options.sink_tokens)
 
     ctx.stage(*a.values())
     dst = a["out"] if out is not None else ctx.empty(a["q"].shape, a["q"].dtype)

@@ -59,7 +59,7 @@ def attention_backward(
     the CUDA cores with fp32 accuracy (no tf32).
     """
     seed_array = dropout_.seed_array_argument(dropout_seed)
-    if not dropout_p or seed_array is not None:  # a plan per int seed would never be replayed
+    if dropout_.replayable(dropout_p, seed_array):
         result = replay.run(
             "attention_backward",
             lambda: attention_backward(
@@ -86,9 +86,7 @@ def attention_backward(
         validation.check_float32(name, x)
         validation.check_unit_last_stride(name, x)
     options = AttnOptions.from_user(causal, window, align, scale, softcap, head_dim=head_dim, sink_tokens=sink_tokens)
-    dropout = dropout_.from_user(dropout_p, dropout_seed, a["dropout_seed"])
-    if dropout is not None and options.sink_tokens:
-        raise ValueError("dropout is not supported with sink_tokens")
+    dropout = dropout_.from_user(dropout_p, dropout_seed, a["dropout_seed"], options.sink_tokens)
 
     ctx.stage(*a.values())
     grads = [ctx.empty(a[n].shape, a[n].dtype) for n in ("q", "k", "v")]

@@ -63,19 +63,30 @@ def seed_array_argument(dropout_seed):
     return None if dropout_seed is None or seed_is_int(dropout_seed) else dropout_seed
 
 
-def from_user(dropout_p, dropout_seed, seed_array=None) -> Dropout | None:
+def replayable(dropout_p, seed_array) -> bool:
+    """Whether a call may take a replayed plan: not with dropout and an int seed, which the
+    plan would bake in (a plan per seed would never be replayed)."""
+    return not dropout_p or seed_array is not None
+
+
+def check_seed_int(seed) -> int:
+    """An int seed in [0, 2**64) (TypeError / ValueError naming dropout_seed)."""
+    if isinstance(seed, bool) or not seed_is_int(seed):
+        raise TypeError(f"dropout_seed must be an int or a {SEED_LAYOUT} array, got {type(seed).__name__}")
+    if not 0 <= int(seed) < 2**64:
+        raise ValueError(f"dropout_seed must be in [0, 2**64), got {seed}")
+    return int(seed)
+
+
+def from_user(dropout_p, dropout_seed, seed_array=None, sink_tokens=0) -> Dropout | None:
     """The checked dropout, or None where nothing is dropped (``dropout_p`` 0, or below
     1 / 512, which the 8-bit threshold rounds to 0). ``seed_array``: ``dropout_seed`` imported as a
-    DeviceArray when it is an array."""
+    DeviceArray when it is an array; ``sink_tokens``: the call's (dropout is refused with them)."""
     p = check_dropout_p(dropout_p)
-    if isinstance(dropout_seed, bool):
-        raise TypeError(f"dropout_seed must be an int or a {SEED_LAYOUT} array, got bool")
-    if seed_is_int(dropout_seed):
-        seed = int(dropout_seed)
-        if not 0 <= seed < 2**64:
-            raise ValueError(f"dropout_seed must be in [0, 2**64), got {seed}")
-    elif dropout_seed is not None:
+    if seed_array is not None:
         check_seed_array(seed_array)
+    elif dropout_seed is not None:
+        check_seed_int(dropout_seed)
     if p == 0.0:
         return None
     if dropout_seed is None:
@@ -83,6 +94,8 @@ def from_user(dropout_p, dropout_seed, seed_array=None) -> Dropout | None:
     threshold = dropout_threshold(p)
     if threshold == 0:
         return None
+    if sink_tokens:
+        raise ValueError("dropout is not supported with sink_tokens")
     return Dropout(threshold, int(dropout_seed)) if seed_is_int(dropout_seed) else Dropout(threshold, 0, seed_array)
 
 

@@ -42,12 +42,9 @@ def attention(
     user = AttnOptions.from_user(causal, window, align, scale, softcap, head_dim=q.shape[-1], sink_tokens=sink_tokens)
     options = tuple(user.flat().items())
     if check_dropout_p(dropout_p):
-        if dropout_rng is None:
-            raise ValueError("dropout_p > 0 needs dropout_rng (a JAX PRNG key)")
         if sink is not None:
             raise NotImplementedError("cuattn.jax.attention takes sink or dropout, not both")
-        seed = jax.random.bits(dropout_rng, (2,), jnp.uint32)
-        out, lse = _differentiable("attention_dropout")(options + (("dropout_p", float(dropout_p)),), q, k, v, seed)
+        out, lse = _differentiable("attention_dropout")(options + (("dropout_p", float(dropout_p)),), q, k, v, _seed_words(dropout_rng))
     elif sink is None:
         out, lse = _differentiable("attention")(options, q, k, v)
     else:
@@ -57,8 +54,15 @@ def attention(
 
 def dropout_seed(dropout_rng) -> int:
     """The 64-bit seed that :func:`attention` draws from ``dropout_rng`` (a concrete key)."""
-    low, high = (int(w) for w in np.asarray(jax.random.bits(dropout_rng, (2,), jnp.uint32)))
+    low, high = (int(w) for w in np.asarray(_seed_words(dropout_rng)))
     return low | high << 32
+
+
+def _seed_words(dropout_rng):
+    """The kernels' seed from a JAX PRNG key: two uint32 words, low first."""
+    if dropout_rng is None:
+        raise ValueError("dropout_p > 0 needs dropout_rng (a JAX PRNG key)")
+    return jax.random.bits(dropout_rng, (2,), jnp.uint32)
 
 
 def attention_varlen(
@@ -72,11 +76,8 @@ def attention_varlen(
     options = {**AttnOptions.from_user(causal, window, align, scale, softcap, head_dim=q.shape[-1]).flat(WINDOW_SCHEMA),
                **flat_seqlen_bounds(max_seqlen_q, max_seqlen_k)}
     if check_dropout_p(dropout_p):
-        if dropout_rng is None:
-            raise ValueError("dropout_p > 0 needs dropout_rng (a JAX PRNG key)")
-        seed = jax.random.bits(dropout_rng, (2,), jnp.uint32)
         out, lse = _differentiable("attention_varlen_dropout")(
-            tuple({**options, "dropout_p": float(dropout_p)}.items()), q, k, v, cu_seqlens_q, cu_seqlens_k, seed,
+            tuple({**options, "dropout_p": float(dropout_p)}.items()), q, k, v, cu_seqlens_q, cu_seqlens_k, _seed_words(dropout_rng),
         )
     else:
         out, lse = _differentiable("attention_varlen")(tuple(options.items()), q, k, v, cu_seqlens_q, cu_seqlens_k)

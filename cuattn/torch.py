@@ -15,7 +15,7 @@ import torch
 from cuattn import ops, replay, requirements
 from cuattn.attention import attention as core_attention
 from cuattn.backward import attention_backward as core_attention_backward
-from cuattn.dropout import check_dropout_p
+from cuattn.dropout import check_dropout_p, check_seed_int
 from cuattn.decode import append_kv as core_append_kv, attention_with_kvcache as core_attention_with_kvcache, check_num_splits
 from cuattn.merge import merge as core_merge
 from cuattn.options import OP_SCHEMA, WINDOW_SCHEMA, AttnOptions, flat_seqlen_bounds
@@ -63,10 +63,7 @@ def _device_seed(seed, q):
         return torch.randint(0, 2**62, (1,), dtype=torch.int64, device=q.device)
     if isinstance(seed, torch.Tensor):
         return seed
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
-        raise (TypeError if isinstance(seed, bool) or not isinstance(seed, int) else ValueError)(
-            f"dropout_seed must be an int in [0, 2**64) or a tensor, got {seed!r}"
-        )
+    seed = check_seed_int(seed)
     return torch.tensor([seed - 2**64 if seed >= 2**63 else seed], dtype=torch.int64, device=q.device)  # the same 8 bytes
 
 
