@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cuattn import boundary, dropout as dropout_, params, replay, validation
+from cuattn import block_mask as block_mask_, boundary, dropout as dropout_, params, replay, validation
 from cuattn.kernels import forward
 from cuattn.kernels.variant import HEAD_DIM_BUCKETS, head_dim_bucket
 from cuattn.loader import device_arch, wgmma_enabled
@@ -17,7 +17,7 @@ MAX_HEAD_DIM = HEAD_DIM_BUCKETS[-1]
 
 def attention(
     q, k, v, *, causal=False, window=None, align="bottom_right", scale=None, softcap=None, sink=None, sink_tokens=0,
-    dropout_p=0.0, dropout_seed=None, return_lse=False, out=None,
+    dropout_p=0.0, dropout_seed=None, block_mask=None, return_lse=False, out=None,
 ):
     """Exact softmax attention, ``softmax(scale * q k^T + mask) v``, in one tiled kernel.
 
@@ -78,6 +78,12 @@ def attention(
         by the kernels when they run, so a captured CUDA graph can change it between replays,
         and calls take the replayed host path; with an int seed every call takes the full host
         path (the seed is baked into its launch).
+    block_mask : optional :class:`cuattn.block_mask.BlockMask`
+        Block-sparse attention: only the 128 x 128 blocks of the score matrix the mask keeps
+        are computed (skipped blocks cost nothing); ``causal`` / ``window`` still mask inside
+        kept blocks. Its arrays on q's device, in q's framework. Not with ``dropout_p`` or
+        ``sink_tokens``. A row whose kept blocks hold no visible key gets ``out = 0``, ``lse =
+        -inf``, as any row that sees no key.
     return_lse : bool
         Also return ``lse``, ``(batch, heads_q, seqlen_q)`` float32: the natural log of each
         row's softmax denominator including its max, ``lse = m + log(l)``; merging partial
@@ -90,20 +96,22 @@ def attention(
     device memory is only ``out`` and ``lse``: O(seqlen), never O(seqlen^2).
     """
     seed_array = dropout_.seed_array_argument(dropout_seed)
+    mask_arrays = block_mask_.array_arguments(block_mask)
     if out is None and dropout_.replayable(dropout_p, seed_array):
         result = replay.run(
             "attention",
             lambda: attention(
                 q, k, v, causal=causal, window=window, align=align, scale=scale, softcap=softcap, sink=sink, sink_tokens=sink_tokens,
-                dropout_p=dropout_p, dropout_seed=dropout_seed, return_lse=return_lse,
+                dropout_p=dropout_p, dropout_seed=dropout_seed, block_mask=block_mask, return_lse=return_lse,
             ),
-            (q, k, v, sink, seed_array), (causal, window, align, scale, softcap, sink_tokens, return_lse, dropout_p),
+            (q, k, v, sink, seed_array, *mask_arrays.values()),
+            (causal, window, align, scale, softcap, sink_tokens, return_lse, dropout_p, *block_mask_.replay_key(block_mask)),
         )
         if result is not replay.MISS:
             return result
     require_arrays({"q": q, "k": k, "v": v})
     return_lse = check_bool("return_lse", return_lse)
-    ctx, a = boundary.import_arrays(q=q, k=k, v=v, sink=sink, dropout_seed=seed_array, out=out)
+    ctx, a = boundary.import_arrays(q=q, k=k, v=v, sink=sink, dropout_seed=seed_array, out=out, **mask_arrays)
     if out is not None and ctx.framework in (boundary.JAX, boundary.NUMPY):
         raise TypeError(f"out= is written in place, which {ctx.framework} arrays cannot be")
     c_type = check_qkv(a["q"], a["k"], a["v"], a["out"])
@@ -114,6 +122,7 @@ def attention(
     options = AttnOptions.from_user(causal, window, align, scale, softcap, head_dim=head_dim, sink_tokens=sink_tokens)
     pieces = options.key_pieces(seqlen_q, a["k"].shape[1])
     dropout = dropout_.from_user(dropout_p, dropout_seed, a["dropout_seed"], options.sink_tokens)
+    block_mask_.check_call(block_mask, a, batch, heads_q, seqlen_q, a["k"].shape[1], dropout, options.sink_tokens)
 
     ctx.stage(*a.values())
     dst = a["out"] if out is not None else ctx.empty(a["q"].shape, a["q"].dtype)
@@ -122,7 +131,8 @@ def attention(
     lse = ctx.empty((batch, heads_q, seqlen_q), np.float32) if return_lse or len(pieces) > 1 else NO_LSE
     if batch and seqlen_q and heads_q:
         if len(pieces) == 1:
-            p = attn_params(a["q"], a["k"], a["v"], dst, lse, options, sink=a["sink"], dropout=dropout)
+            p = attn_params(a["q"], a["k"], a["v"], dst, lse, options, sink=a["sink"], dropout=dropout,
+                            block_mask=block_mask_.kernel_fields(block_mask, a))
             set_mask(p, pieces[0].fields)
             launch_forward(ctx, c_type, p, seqlen_q, heads_q, batch)
         else:
@@ -207,11 +217,12 @@ def check_qkv(q, k, v, out) -> str:
     return c_type
 
 
-def attn_params(q, k, v, out, lse, options: AttnOptions, packed=None, sink=None, dropout=None) -> np.void:
+def attn_params(q, k, v, out, lse, options: AttnOptions, packed=None, sink=None, dropout=None, block_mask=None) -> np.void:
     """AttnParams of the forward problem (shared with the backward) from the kernels' 4-D
     views. ``packed``: a :class:`cuattn.packed.PackedSequences` (the views are then of one
     sequence of ``total`` rows, cuattn.packed.one_sequence_view), or None for dense tensors;
-    ``sink``: the sinks' array, or None."""
+    ``sink``: the sinks' array, or None; ``block_mask``: the block mask's fields
+    (:func:`cuattn.block_mask.kernel_fields`), or None."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k = k.shape[1]
     seqs = (0, 0, 0, 0, 0)
@@ -232,17 +243,21 @@ def attn_params(q, k, v, out, lse, options: AttnOptions, packed=None, sink=None,
         cache_seqlens=0, block_table=0, cache_batch_idx=0, block_table_stride=0, capacity=0, cache_rows=0, page_size=0, seqlen_new=0,
         accum=0, accum_strides=(0, 0, 0), accum_fresh=0,
         **(dropout_.NO_DROPOUT_FIELDS if dropout is None else dropout.fields()),
+        **(block_mask or block_mask_.NO_BLOCK_MASK_FIELDS),
     )
 
 
 def launch_forward(ctx, c_type, p, rows, heads_q, batch, layout="dense") -> None:
     """Launches the forward kernel of ``layout`` over ``rows`` query rows per sequence (for
     packed sequences a bound that sizes the grid, common/seq_layout.cuh); the accumulating form
-    when ``p`` names an accumulator, the dropout form when it has a dropout threshold."""
+    when ``p`` names an accumulator, the dropout form when it has a dropout threshold, the
+    block-sparse form when it has a block mask."""
     with ctx.device, ctx.stream:
         arch = device_arch(ctx.device.id)
-        fold, dropout = bool(p["accum"]), bool(p["dropout_threshold"])
-        variant = forward.select(c_type, head_dim_bucket(int(p["head_dim"])), p["softcap"] > 0, arch, wgmma_enabled(), layout, fold, dropout)
+        fold, dropout, sparse = bool(p["accum"]), bool(p["dropout_threshold"]), bool(p["kv_block_counts"])
+        variant = forward.select(
+            c_type, head_dim_bucket(int(p["head_dim"])), p["softcap"] > 0, arch, wgmma_enabled(), layout, fold, dropout, sparse,
+        )
         for grid, block, batch_offset in forward.launches(variant, rows, heads_q, batch):
             p["batch_offset"] = batch_offset
             ctx.launch(variant, grid, block, p)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cuattn import boundary, dropout as dropout_, loader, params, replay, validation
+from cuattn import block_mask as block_mask_, boundary, dropout as dropout_, loader, params, replay, validation
 from cuattn.attention import _LAYOUT, attn_params, check_qkv, check_sink, require_arrays, set_mask
 from cuattn.kernels import backward
 from cuattn.kernels.backward import BackwardGrid
@@ -22,7 +22,7 @@ SUM_DQ, SUM_DKDV = 1, 2
 
 def attention_backward(
     dout, q, k, v, out, lse, *, causal=False, window=None, align="bottom_right", scale=None, softcap=None, sink=None,
-    sink_tokens=0, dropout_p=0.0, dropout_seed=None, dlse=None, deterministic=False,
+    sink_tokens=0, dropout_p=0.0, dropout_seed=None, block_mask=None, dlse=None, deterministic=False,
 ):
     """Gradients of :func:`cuattn.attention` with respect to ``q``, ``k`` and ``v``.
 
@@ -34,8 +34,9 @@ def attention_backward(
     ----------
     dout : gradient of the loss with respect to ``out``, shaped and typed like ``q``.
     q, k, v, out, lse : the forward's inputs and outputs (``lse`` from ``return_lse=True``).
-    causal, window, align, scale, softcap, sink, sink_tokens, dropout_p, dropout_seed : exactly as
-        given to the forward (dropout's mask is drawn again from the seed).
+    causal, window, align, scale, softcap, sink, sink_tokens, dropout_p, dropout_seed, block_mask :
+        exactly as given to the forward (dropout's mask is drawn again from the seed; a block
+        mask's skipped blocks cost nothing here either).
         With sink tokens outside the window, each of the two key ranges gets its own launches
         (dK / dV written in place, dQ added into an fp32 sum rounded once).
     dlse : optional ``(batch, heads_q, seqlen_q)`` float32, the gradient that flowed into
@@ -59,20 +60,25 @@ def attention_backward(
     the CUDA cores with fp32 accuracy (no tf32).
     """
     seed_array = dropout_.seed_array_argument(dropout_seed)
+    mask_arrays = block_mask_.array_arguments(block_mask)
     if dropout_.replayable(dropout_p, seed_array):
         result = replay.run(
             "attention_backward",
             lambda: attention_backward(
                 dout, q, k, v, out, lse, causal=causal, window=window, align=align, scale=scale, softcap=softcap, sink=sink,
-                sink_tokens=sink_tokens, dropout_p=dropout_p, dropout_seed=dropout_seed, dlse=dlse, deterministic=deterministic,
+                sink_tokens=sink_tokens, dropout_p=dropout_p, dropout_seed=dropout_seed, block_mask=block_mask, dlse=dlse,
+                deterministic=deterministic,
             ),
-            (dout, q, k, v, out, lse, dlse, sink, seed_array), (causal, window, align, scale, softcap, sink_tokens, deterministic, dropout_p),
+            (dout, q, k, v, out, lse, dlse, sink, seed_array, *mask_arrays.values()),
+            (causal, window, align, scale, softcap, sink_tokens, deterministic, dropout_p, *block_mask_.replay_key(block_mask)),
         )
         if result is not replay.MISS:
             return result
     require_arrays({"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}, _REQUIRED)
     deterministic = check_bool("deterministic", deterministic)
-    ctx, a = boundary.import_arrays(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dlse=dlse, sink=sink, dropout_seed=seed_array)
+    ctx, a = boundary.import_arrays(
+        dout=dout, q=q, k=k, v=v, out=out, lse=lse, dlse=dlse, sink=sink, dropout_seed=seed_array, **mask_arrays,
+    )
     c_type = check_qkv(a["q"], a["k"], a["v"], a["out"])
     batch, seqlen_q, heads_q, head_dim = a["q"].shape
     check_sink(a["sink"], heads_q)
@@ -87,6 +93,7 @@ def attention_backward(
         validation.check_unit_last_stride(name, x)
     options = AttnOptions.from_user(causal, window, align, scale, softcap, head_dim=head_dim, sink_tokens=sink_tokens)
     dropout = dropout_.from_user(dropout_p, dropout_seed, a["dropout_seed"], options.sink_tokens)
+    block_mask_.check_call(block_mask, a, batch, heads_q, seqlen_q, a["k"].shape[1], dropout, options.sink_tokens)
 
     ctx.stage(*a.values())
     grads = [ctx.empty(a[n].shape, a[n].dtype) for n in ("q", "k", "v")]
@@ -96,7 +103,8 @@ def attention_backward(
     seqlen_k, heads_kv = a["k"].shape[1], a["k"].shape[2]
     pieces = options.key_pieces(seqlen_q, seqlen_k)
     if batch and heads_q and (seqlen_q or seqlen_k) and len(pieces) == 1:
-        attn = attn_params(a["q"], a["k"], a["v"], a["out"], a["lse"], options, sink=a["sink"], dropout=dropout)
+        attn = attn_params(a["q"], a["k"], a["v"], a["out"], a["lse"], options, sink=a["sink"], dropout=dropout,
+                           block_mask=block_mask_.kernel_fields(block_mask, a))
         set_mask(attn, pieces[0].fields)
         p = backward_params(a, grads, delta, attn)
         grid = BackwardGrid("dense", batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, batch * seqlen_q, batch * seqlen_k)
@@ -230,8 +238,10 @@ def launch_backward(
     softcap, arch = bool(p["attn"]["softcap"] > 0), ctx.arch()
     with ctx.device, ctx.stream:
         sink = bool(p["attn"]["sink"])
-        dropout = bool(p["attn"]["dropout_threshold"])
-        plan = backward.launches(g, c_type, softcap, arch, wgmma_enabled(), device_smem_limit(ctx.device.id), fused, sink, query_splits, dropout)
+        dropout, sparse = bool(p["attn"]["dropout_threshold"]), bool(p["attn"]["kv_block_counts"])
+        plan = backward.launches(
+            g, c_type, softcap, arch, wgmma_enabled(), device_smem_limit(ctx.device.id), fused, sink, query_splits, dropout, sparse,
+        )
         for variant, variant_launches in plan:
             for grid, block, batch_offset in variant_launches:
                 if batch_offset is not None:

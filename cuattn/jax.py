@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cuattn import boundary, ops, replay, requirements
+from cuattn.block_mask import ARRAY_FIELDS, BlockMask
 from cuattn.decode import check_num_splits
 from cuattn.dropout import check_dropout_p
 from cuattn.options import WINDOW_SCHEMA, AttnOptions, flat_seqlen_bounds
@@ -27,21 +28,32 @@ requirements.require("jax", "cupy", by="cuattn.jax")  # before importing what ol
 
 from jax.experimental.buffer_callback import buffer_callback  # noqa: E402
 
+# A block mask is a pytree of its four arrays (traced under jit), its lengths static.
+jax.tree_util.register_dataclass(BlockMask, data_fields=list(ARRAY_FIELDS), meta_fields=["seqlen_q", "seqlen_k"])
+
 __all__ = ["attention", "attention_varlen", "attention_with_kvcache", "append_kv", "merge", "call"]
 
 
 def attention(
     q, k, v, *, causal=False, window=None, align="bottom_right", scale=None, softcap=None, sink=None, sink_tokens=0,
-    dropout_p=0.0, dropout_rng=None, return_lse=False,
+    dropout_p=0.0, dropout_rng=None, block_mask=None, return_lse=False,
 ):
     """:func:`cuattn.attention` on JAX arrays, differentiable in ``q``, ``k``, ``v``, the
     ``sink`` logits if given (``(heads_q,)`` float32), and through ``lse`` when it is returned
     and used. ``dropout_p > 0`` needs ``dropout_rng``, a JAX PRNG key (traced under jit): the
     kernels' seed is ``jax.random.bits(dropout_rng, (2,), uint32)`` (low word first), so
-    :func:`dropout_seed` gives the seed that :func:`cuattn.reference.dropout_keep` takes."""
+    :func:`dropout_seed` gives the seed that :func:`cuattn.reference.dropout_keep` takes.
+    ``block_mask``: a :class:`cuattn.block_mask.BlockMask` of int32 JAX arrays
+    (``mask.to(jax.numpy.asarray)``; traced under jit like any argument)."""
     user = AttnOptions.from_user(causal, window, align, scale, softcap, head_dim=q.shape[-1], sink_tokens=sink_tokens)
     options = tuple(user.flat().items())
-    if check_dropout_p(dropout_p):
+    if block_mask is not None:
+        if sink is not None or check_dropout_p(dropout_p):
+            raise NotImplementedError("cuattn.jax.attention takes block_mask without sink or dropout")
+        if not isinstance(block_mask, BlockMask):
+            raise TypeError(f"block_mask must be a cuattn.block_mask.BlockMask, got {type(block_mask).__name__}")
+        out, lse = _differentiable("attention_block_sparse")(options, q, k, v, *block_mask.arrays)
+    elif check_dropout_p(dropout_p):
         if sink is not None:
             raise NotImplementedError("cuattn.jax.attention takes sink or dropout, not both")
         out, lse = _differentiable("attention_dropout")(options + (("dropout_p", float(dropout_p)),), q, k, v, _seed_words(dropout_rng))

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from cuattn.attention import attention
 from cuattn.backward import attention_backward
+from cuattn.block_mask import ARRAY_FIELDS as BLOCK_MASK_ARRAYS, BlockMask
 from cuattn.decode import append_kv, attention_with_kvcache
 from cuattn.merge import merge
 from cuattn.options import OP_SCHEMA, SEQLEN_SCHEMA, WINDOW_SCHEMA, AttnOptions, user_seqlen_bounds
@@ -61,6 +62,11 @@ def _attention_outputs(q, k, v, **_):
 
 def _backward_outputs(dout, q, k, v, out, lse, dlse, **_):
     return [(q, "q"), (k, "k"), (v, "v")]
+
+
+def _block_mask(*arrays) -> BlockMask:
+    """A BlockMask of the call's lengths from its four arrays."""
+    return BlockMask(*arrays, seqlen_q=None, seqlen_k=None)
 
 
 def _sink_backward_outputs(dout, q, k, v, out, lse, dlse, sink, **_):
@@ -143,6 +149,29 @@ OPS = {
         call=lambda dout, q, k, v, out, lse, dlse, dropout_seed, deterministic, dropout_p, **o: attention_backward(
             dout, q, k, v, out, lse, dlse=dlse, dropout_p=dropout_p, dropout_seed=dropout_seed, deterministic=deterministic,
             **AttnOptions(**o).user_keywords(),
+        ),
+    ),
+    # Block-sparse: the four arrays of a cuattn.block_mask.BlockMask after q, k and v.
+    "attention_block_sparse": OpEntry(
+        name="attention_block_sparse",
+        arrays=("q", "k", "v", *BLOCK_MASK_ARRAYS),
+        options=MASK_OPTIONS,
+        returns=("out", "lse"),
+        outputs=_attention_outputs,
+        call=lambda q, k, v, *mask, **o: attention(q, k, v, block_mask=_block_mask(*mask), return_lse=True, **AttnOptions(**o).user_keywords()),
+        vjp="attention_block_sparse_backward",
+        # dout, q, k, v, out, lse, dlse, the mask's arrays
+        vjp_arrays=lambda inputs, outputs, grads: (grads[0], *inputs[:3], *outputs, grads[1], *inputs[3:]),
+        vjp_options=(("deterministic", False),),
+    ),
+    "attention_block_sparse_backward": OpEntry(
+        name="attention_block_sparse_backward",
+        arrays=("dout", "q", "k", "v", "out", "lse", "dlse?", *BLOCK_MASK_ARRAYS),
+        options=MASK_OPTIONS + (("deterministic", "bool"),),
+        returns=("dq", "dk", "dv"),
+        outputs=_backward_outputs,
+        call=lambda dout, q, k, v, out, lse, dlse, *mask, deterministic, **o: attention_backward(
+            dout, q, k, v, out, lse, dlse=dlse, block_mask=_block_mask(*mask), deterministic=deterministic, **AttnOptions(**o).user_keywords(),
         ),
     ),
     # With attention sinks (a learnable per-head logit), differentiable in it too.

@@ -91,6 +91,12 @@ ATTN_PARAMS = np.dtype(
         ("dropout_seed", np.uint64),
         ("dropout_threshold", np.uint32),
         ("dropout_scale", np.float32),
+        ("kv_block_counts", _P),
+        ("kv_block_indices", _P),
+        ("q_block_counts", _P),
+        ("q_block_indices", _P),
+        ("kv_block_strides", np.int64, (2,)),
+        ("q_block_strides", np.int64, (2,)),
     ],
     align=True,
 )

@@ -120,17 +120,19 @@ def _dropout_weights(heads_q, seq, rows, cols, dropout_p, seed):
 
 
 def attention(q, k, v, *, causal=False, window=None, align="bottom_right", scale=None, softcap=None, sink=None, sink_tokens=0,
-              dropout_p=0.0, dropout_seed=None, return_lse=False, out=None, first_sequence=0):
+              dropout_p=0.0, dropout_seed=None, block_mask=None, return_lse=False, out=None, first_sequence=0):
     """Reference attention; see :func:`cuattn.attention`. Returns float64 ``out`` (and ``lse``,
     which dropout does not change: it applies to the normalized probabilities).
     ``first_sequence``: the sequence index of batch entry 0 in dropout's draws (the varlen
-    reference passes each packed sequence's)."""
+    reference passes each packed sequence's). ``block_mask``: a BlockMask (arrays of any
+    framework) or its dense bool form ``(B, H, q_blocks, k_blocks)``."""
     q, k, v = _f64(q), _f64(k), _f64(v)
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k = k.shape[1]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     offset = diagonal_offset(seqlen_q, seqlen_k, align)
     left, right = window_bounds(causal, window)
+    keep_blocks = _keep_blocks(block_mask)
     result = np.zeros((batch, seqlen_q, heads_q, v.shape[3]))
     lse = np.full((batch, heads_q, seqlen_q), -np.inf)
     for b in range(batch):
@@ -143,7 +145,7 @@ def attention(q, k, v, *, causal=False, window=None, align="bottom_right", scale
             for n0 in range(0, seqlen_k, KEY_CHUNK):
                 cols = np.arange(n0, min(n0 + KEY_CHUNK, seqlen_k))
                 s = _scores(q[b, rows], kb[cols], scale, softcap)
-                s = np.where(visible(rows, cols, offset, left, right, sink_tokens)[None], s, -np.inf)
+                s = np.where(visible(rows, cols, offset, left, right, sink_tokens)[None] & _kept(keep_blocks, b, rows, cols), s, -np.inf)
                 new_max = np.maximum(row_max, s.max(axis=2))
                 safe = np.where(np.isfinite(new_max), new_max, 0.0)
                 rescale = np.exp(row_max - safe)  # online softmax: old terms move to the new max
@@ -160,6 +162,25 @@ def attention(q, k, v, *, causal=False, window=None, align="bottom_right", scale
     if out is not None:
         np.copyto(out, result.astype(out.dtype))
     return (result, lse) if return_lse else result
+
+
+def _keep_blocks(block_mask):
+    """The dense bool (B, H, q_blocks, k_blocks) form of a block mask, or None."""
+    if block_mask is None:
+        return None
+    from cuattn.block_mask import BlockMask
+
+    return block_mask.to_dense() if isinstance(block_mask, BlockMask) else np.asarray(block_mask, dtype=bool)
+
+
+def _kept(keep_blocks, b: int, rows: np.ndarray, cols: np.ndarray):
+    """(H or 1, len(rows), len(cols)): the elements a block mask keeps for batch entry b."""
+    if keep_blocks is None:
+        return np.ones((1, 1, 1), dtype=bool)
+    from cuattn.block_mask import BLOCK_SIZE
+
+    entry = keep_blocks[b if keep_blocks.shape[0] > 1 else 0]
+    return entry[:, rows // BLOCK_SIZE][:, :, cols // BLOCK_SIZE]
 
 
 def with_sink(out, lse, sink):
@@ -212,7 +233,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=No
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, align="bottom_right", scale=None, softcap=None, sink=None,
-                       sink_tokens=0, dropout_p=0.0, dropout_seed=None, dlse=None, deterministic=False, first_sequence=0):
+                       sink_tokens=0, dropout_p=0.0, dropout_seed=None, block_mask=None, dlse=None, deterministic=False, first_sequence=0):
     """Reference gradients ``(dq, dk, dv)`` of :func:`attention`, from the saved ``lse``
     (with ``sink``, ``(dq, dk, dv, dsink)``).
 
@@ -229,6 +250,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, al
     offset = diagonal_offset(seqlen_q, seqlen_k, align)
     left, right = window_bounds(causal, window)
     dlse = np.zeros_like(lse) if dlse is None else _f64(dlse)
+    keep_blocks = _keep_blocks(block_mask)
     delta = np.einsum("bshd,bshd->bhs", dout, out)
     dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
     for b in range(batch):
@@ -240,7 +262,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, al
                 cols = np.arange(n0, min(n0 + KEY_CHUNK, seqlen_k))
                 raw = np.einsum("mhd,nhd->hmn", q[b, rows], kb[cols]) * scale
                 s = softcap * np.tanh(raw / softcap) if softcap else raw
-                mask = visible(rows, cols, offset, left, right, sink_tokens)[None]
+                mask = visible(rows, cols, offset, left, right, sink_tokens)[None] & _kept(keep_blocks, b, rows, cols)
                 row_lse = lse[b][:, rows][..., None]
                 p = np.where(mask & np.isfinite(row_lse), np.exp(s - np.where(np.isfinite(row_lse), row_lse, 0.0)), 0.0)
                 dp = np.einsum("mhd,nhd->hmn", dout[b, rows], vb[cols])

@@ -8,6 +8,7 @@ of :data:`cuattn.ops.OPS` is registered the same way (``torch.ops.cuattn.<name>`
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -15,6 +16,7 @@ import torch
 from cuattn import ops, replay, requirements
 from cuattn.attention import attention as core_attention
 from cuattn.backward import attention_backward as core_attention_backward
+from cuattn.block_mask import ARRAY_FIELDS as BLOCK_MASK_FIELDS, BlockMask
 from cuattn.dropout import check_dropout_p, check_seed_int
 from cuattn.decode import append_kv as core_append_kv, attention_with_kvcache as core_attention_with_kvcache, check_num_splits
 from cuattn.merge import merge as core_merge
@@ -32,13 +34,17 @@ _TENSOR_KINDS = {"?": "Tensor?", "]": "Tensor[]"}
 
 def attention(
     q, k, v, *, causal=False, window=None, align="bottom_right", scale=None, softcap=None, sink=None, sink_tokens=0,
-    dropout_p=0.0, dropout_seed=None, return_lse=False,
+    dropout_p=0.0, dropout_seed=None, block_mask=None, return_lse=False,
 ):
     """:func:`cuattn.attention` on torch tensors, differentiable in ``q``, ``k``, ``v``, the
     ``sink`` logits if given (``(heads_q,)`` float32), and through ``lse`` when it is returned
     and used. With ``dropout_p > 0`` and no ``dropout_seed``, the seed is drawn on q's device
     from torch's generator (``torch.manual_seed`` makes runs repeatable; a captured CUDA graph
-    draws a new one each replay); the backward reuses it."""
+    draws a new one each replay); the backward reuses it. ``block_mask``: a
+    :class:`cuattn.block_mask.BlockMask` of CUDA int32 tensors (``mask.to(lambda a:
+    torch.as_tensor(a, device="cuda"))``); traced, ``torch.ops.cuattn.attention_block_sparse``."""
+    if block_mask is not None:
+        return _attention_block_sparse(q, k, v, sink, block_mask, (causal, window, align, scale, softcap, sink_tokens), return_lse)
     if check_dropout_p(dropout_p):
         dropout_seed = _device_seed(dropout_seed, q)
         return _attention_dropout(q, k, v, sink, dropout_p, dropout_seed, (causal, window, align, scale, softcap, sink_tokens), return_lse)
@@ -82,6 +88,32 @@ def _attention_dropout(q, k, v, sink, dropout_p, seed, options, return_lse):
     else:
         raise NotImplementedError("traced cuattn.torch.attention takes sink or dropout, not both (eager calls take both)")
     return (out, lse) if check_bool("return_lse", return_lse) else out
+
+
+def _attention_block_sparse(q, k, v, sink, block_mask, options, return_lse):
+    tensors = (q, k, v) if sink is None else (q, k, v, sink)
+    causal, window, align, scale, softcap, sink_tokens = options
+    mask_arrays = block_mask_arrays(block_mask)
+    if _eager(*tensors, *mask_arrays):
+        if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+            return core_attention(
+                q, k, v, causal=causal, window=window, align=align, scale=scale, softcap=softcap, sink=sink, sink_tokens=sink_tokens,
+                block_mask=block_mask, return_lse=return_lse,
+            )
+        out, lse = _EagerAttention.apply(q, k, v, sink, options, (0.0, None), block_mask)
+    elif sink is None:
+        flat = _flat_mask_options(causal, window, align, scale, softcap, q.shape[-1], sink_tokens)
+        out, lse = op("attention_block_sparse")(q, k, v, *mask_arrays, *flat)
+    else:
+        raise NotImplementedError("traced cuattn.torch.attention takes sink or block_mask, not both (eager calls take both)")
+    return (out, lse) if check_bool("return_lse", return_lse) else out
+
+
+def block_mask_arrays(block_mask) -> tuple:
+    """The four tensors of a BlockMask (TypeError for anything else)."""
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(f"block_mask must be a cuattn.block_mask.BlockMask, got {type(block_mask).__name__}")
+    return block_mask.arrays
 
 
 def attention_varlen(
@@ -206,22 +238,26 @@ class _EagerAttention(torch.autograd.Function):
     call the core path (its validated, replayed launches); traced code uses the op instead."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sink, options, dropout=(0.0, None)):
+    def forward(ctx, q, k, v, sink, options, dropout=(0.0, None), block_mask=None):
         causal, window, align, scale, softcap, sink_tokens = options
         out, lse = core_attention(
             q, k, v, causal=causal, window=window, align=align, scale=scale, softcap=softcap, sink=sink, sink_tokens=sink_tokens,
-            dropout_p=dropout[0], dropout_seed=dropout[1], return_lse=True,
+            dropout_p=dropout[0], dropout_seed=dropout[1], block_mask=block_mask, return_lse=True,
         )
-        # The seed (a tensor, or None) is saved too: changed in place before the backward, it raises.
-        ctx.save_for_backward(q, k, v, out, lse, sink, dropout[1])
-        ctx.options, ctx.dropout_p = options, dropout[0]
+        # The seed (a tensor, or None) and the block mask are saved too: changed in place
+        # before the backward, they raise.
+        mask_arrays = () if block_mask is None else block_mask.arrays
+        ctx.save_for_backward(q, k, v, out, lse, sink, dropout[1], *mask_arrays)
+        ctx.options, ctx.dropout_p, ctx.block_mask = options, dropout[0], block_mask
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse, sink, saved_seed = ctx.saved_tensors
+        q, k, v, out, lse, sink, saved_seed, *mask_arrays = ctx.saved_tensors
+        block_mask = None if ctx.block_mask is None else dataclasses.replace(ctx.block_mask, **dict(zip(BLOCK_MASK_FIELDS, mask_arrays)))
+        tail = (None,) * (3 if sink is None else 2) + (None,)  # options, dropout, block_mask
         if dout is None:
             dout = torch.zeros_like(out)
         dout, dlse = _kernel_ready(dout), _kernel_ready(dlse)
@@ -230,19 +266,21 @@ class _EagerAttention(torch.autograd.Function):
         if not _eager(*(t for t in (dout, q, k, v, out, lse, dlse, sink) if t is not None)):  # e.g. compiled autograd
             causal, window, align, scale, softcap, sink_tokens = ctx.options
             flat = _flat_mask_options(causal, window, align, scale, softcap, q.shape[-1], sink_tokens)
-            if dropout_p and sink is None:
-                return (*op("attention_dropout_backward")(dout, q, k, v, out, lse, dlse, seed, *flat, dropout_p, deterministic), None, None, None)
+            if (dropout_p or block_mask is not None) and sink is not None:
+                raise NotImplementedError("traced backward of attention with sink and dropout or a block mask")
             if dropout_p:
-                raise NotImplementedError("traced backward of attention with both sink and dropout")
+                return (*op("attention_dropout_backward")(dout, q, k, v, out, lse, dlse, seed, *flat, dropout_p, deterministic), *tail)
+            if block_mask is not None:
+                return (*op("attention_block_sparse_backward")(dout, q, k, v, out, lse, dlse, *mask_arrays, *flat, deterministic), *tail)
             if sink is None:
-                return (*op("attention_backward")(dout, q, k, v, out, lse, dlse, *flat, deterministic), None, None, None)
-            return (*op("attention_sink_backward")(dout, q, k, v, out, lse, dlse, sink, *flat, deterministic), None, None)
+                return (*op("attention_backward")(dout, q, k, v, out, lse, dlse, *flat, deterministic), *tail)
+            return (*op("attention_sink_backward")(dout, q, k, v, out, lse, dlse, sink, *flat, deterministic), *tail)
         causal, window, align, scale, softcap, sink_tokens = ctx.options
         grads = core_attention_backward(
             dout, q, k, v, out, lse, causal=causal, window=window, align=align, scale=scale, softcap=softcap, sink=sink,
-            sink_tokens=sink_tokens, dropout_p=dropout_p, dropout_seed=seed, dlse=dlse, deterministic=deterministic,
+            sink_tokens=sink_tokens, dropout_p=dropout_p, dropout_seed=seed, block_mask=block_mask, dlse=dlse, deterministic=deterministic,
         )
-        return (*grads, None, None) if sink is not None else (*grads, None, None, None)
+        return (*grads, *tail)
 
 
 def _in_dispatch_mode() -> bool:

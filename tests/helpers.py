@@ -60,9 +60,10 @@ def to_host(x) -> np.ndarray:
     return np.asarray(x).astype(np.float64)
 
 
-def _naive_probs(q, k, rnd, causal, window, align, scale, softcap, sink=None, sink_tokens=0):
+def _naive_probs(q, k, rnd, causal, window, align, scale, softcap, sink=None, sink_tokens=0, keep=None):
     """(capped scores, probabilities, scale) of naive attention on fp32 q and head-expanded k;
-    with ``sink`` (per head) the probabilities of the sink column come last along the keys."""
+    with ``sink`` (per head) the probabilities of the sink column come last along the keys;
+    ``keep``: a further element mask, (batch or 1, heads or 1, seqlen_q, seqlen_k) bool."""
     import math
 
     from cuattn import reference
@@ -74,7 +75,7 @@ def _naive_probs(q, k, rnd, causal, window, align, scale, softcap, sink=None, si
     sq, sk = q.shape[1], k.shape[1]
     left, right = reference.window_bounds(causal, window)
     ok = reference.visible(np.arange(sq), np.arange(sk), reference.diagonal_offset(sq, sk, align), left, right, sink_tokens)
-    sm = np.where(ok, s, -np.inf)
+    sm = np.where(ok if keep is None else ok & keep, s, -np.inf)
     if sink is not None:
         sm = np.concatenate([sm, np.broadcast_to(np.asarray(sink, np.float32)[None, :, None, None], (*sm.shape[:3], 1))], axis=-1)
     m = sm.max(-1, keepdims=True)
@@ -84,16 +85,17 @@ def _naive_probs(q, k, rnd, causal, window, align, scale, softcap, sink=None, si
 
 
 def naive_attention(q, k, v, dtype, causal=False, window=None, align="bottom_right", scale=None, softcap=None, sink=None, sink_tokens=0,
-                    dropout=None):
+                    dropout=None, keep=None):
     """Textbook attention done in the input precision (products accumulated in fp32, every
     intermediate rounded to ``dtype``): the yardstick of the FlashAttention test criterion.
-    ``dropout``: (batch, heads_q, seqlen_q, seqlen_k) weights (kept / kept fraction, 0)."""
+    ``dropout``: (batch, heads_q, seqlen_q, seqlen_k) weights (kept / kept fraction, 0);
+    ``keep``: an element mask (a block mask's elements)."""
     dt = DTYPES[dtype]
     rnd = lambda x: np.asarray(x, np.float32).astype(dt).astype(np.float32)  # noqa: E731
     q, k, v = (np.asarray(x).astype(np.float32) for x in (q, k, v))
     hq, hk = q.shape[2], k.shape[2]
     k, v = np.repeat(k, hq // hk, axis=2), np.repeat(v, hq // hk, axis=2)
-    _, p, _ = _naive_probs(q, k, rnd, causal, window, align, scale, softcap, sink, sink_tokens)
+    _, p, _ = _naive_probs(q, k, rnd, causal, window, align, scale, softcap, sink, sink_tokens, keep)
     p = p[..., : k.shape[1]] if dropout is None else rnd(p[..., : k.shape[1]] * dropout)
     return rnd(np.einsum("bhmn,bnhd->bmhd", p, v))
 
@@ -118,7 +120,7 @@ def result_ulp(ref, dtype) -> float:
 
 
 def naive_attention_backward(dout, q, k, v, dtype, causal=False, window=None, align="bottom_right", scale=None, softcap=None, dlse=None,
-                             sink=None, sink_tokens=0, dropout=None):
+                             sink=None, sink_tokens=0, dropout=None, keep=None):
     """Textbook autograd of :func:`naive_attention` in the input precision (fp32 products,
     every intermediate rounded to ``dtype``): the yardstick for backward accuracy. With
     ``sink``, also its gradient (summed in fp32)."""
@@ -129,7 +131,7 @@ def naive_attention_backward(dout, q, k, v, dtype, causal=False, window=None, al
     group = hq // hk
     ke, ve = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
     sk = k.shape[1]
-    s, p, scale = _naive_probs(q, ke, rnd, causal, window, align, scale, softcap, sink, sink_tokens)
+    s, p, scale = _naive_probs(q, ke, rnd, causal, window, align, scale, softcap, sink, sink_tokens, keep)
     p, p_sink = p[..., :sk], p[..., sk:]
     dv = rnd(np.einsum("bhmn,bmhd->bnhd", p if dropout is None else rnd(p * dropout), dout))
     dp = rnd(np.einsum("bmhd,bnhd->bhmn", dout, ve))
@@ -194,3 +196,27 @@ def ragged_lengths(values, max_size):
 
 
 VARLEN_HEADS = [(1, 1), (4, 4), (8, 1), (6, 2)]  # (heads_q, heads_kv) the varlen tests draw
+
+
+def assert_every_kernel_path_has_form(suffix: str, expression_tail: str, **form):
+    """On every target, dtype, bucket and softcap, the forward kernel and every gradient kernel
+    of both backward modes selected with ``form`` (``dropout=True``, ``sparse=True``) are its
+    form: URIs ending in ``suffix``, the forward's template arguments in ``expression_tail``;
+    without ``form`` the forward is not."""
+    from cuattn.kernels import backward as backward_plan, forward as forward_plan
+    from cuattn.kernels.backward import BackwardGrid
+
+    for arch in ("sm_80", "sm_86", "sm_90a"):
+        for c_type in ("f16", "bf16", "float"):
+            for bucket in (32, 64, 128, 256):
+                for softcap in (False, True):
+                    v = forward_plan.select(c_type, bucket, softcap, arch, **form)
+                    assert v.uri.endswith(suffix) and v.expression.endswith(expression_tail)
+                    assert not forward_plan.select(c_type, bucket, softcap, arch).uri.endswith(suffix)
+                    g = BackwardGrid("dense", 2, 300, 300, 4, 2, bucket, 600, 600)
+                    for fused in (False, True) if c_type != "float" else (False,):
+                        if fused and backward_plan.select_fused(c_type, bucket, softcap, arch) is None:
+                            continue
+                        plan = backward_plan.launches(g, c_type, softcap, arch, True, 232448, fused, **form)
+                        gradient_kernels = [variant for variant, _ in plan if "prep" not in variant.uri and "finish" not in variant.uri]
+                        assert gradient_kernels and all(variant.uri.endswith(suffix) for variant in gradient_kernels)

@@ -8,10 +8,8 @@ import pytest
 
 import cuattn
 from cuattn import reference
-from cuattn.kernels import backward as backward_plan, forward as forward_plan
-from cuattn.kernels.backward import BackwardGrid
 from helpers import (
-    DTYPES, KERNEL_PATHS, assert_attention_accuracy, kernel_path, max_err, naive_attention, naive_attention_backward, poison_cupy_pool, randn,
+    DTYPES, KERNEL_PATHS, assert_attention_accuracy, assert_every_kernel_path_has_form, kernel_path, max_err, naive_attention, naive_attention_backward, poison_cupy_pool, randn,
     torch_attention_grads,
 )
 
@@ -117,20 +115,7 @@ def test_dropout_with_sink_tokens_is_refused(window):
 
 
 def test_every_kernel_path_has_a_dropout_form():
-    for arch in ("sm_80", "sm_86", "sm_90a"):
-        for c_type in ("f16", "bf16", "float"):
-            for bucket in (32, 64, 128, 256):
-                for softcap in (False, True):
-                    v = forward_plan.select(c_type, bucket, softcap, arch, dropout=True)
-                    assert v.uri.endswith("/dropout") and v.expression.endswith(", true>")
-                    assert not forward_plan.select(c_type, bucket, softcap, arch).uri.endswith("/dropout")
-                    g = BackwardGrid("dense", 2, 300, 300, 4, 2, bucket, 600, 600)
-                    for fused in (False, True) if c_type != "float" else (False,):
-                        if fused and backward_plan.select_fused(c_type, bucket, softcap, arch) is None:
-                            continue
-                        plan = backward_plan.launches(g, c_type, softcap, arch, True, 232448, fused, dropout=True)
-                        gradient_kernels = [variant for variant, _ in plan if "prep" not in variant.uri and "finish" not in variant.uri]
-                        assert gradient_kernels and all(variant.uri.endswith("/dropout") for variant in gradient_kernels)
+    assert_every_kernel_path_has_form("/dropout", ", true>", dropout=True)
 
 
 def _keeps(batch, heads, sq, sk, p, seed):

@@ -46,11 +46,17 @@ WGMMA_DROPOUT_CTAS = {
 # (kernel, bucket, softcap, layout) whose Hopper form with dropout needs more than 255 registers:
 # the portable kernel serves them.
 WGMMA_DROPOUT_PORTABLE = {("backward_dkdv", 128, True, "packed")}
+# Likewise (kernel, bucket, softcap) of the block-sparse forms.
+WGMMA_SPARSE_PORTABLE = {("backward_dkdv", 128, True)}
 
 
-def wgmma_serves(kernel: str, bucket: int, softcap: bool, layout: str, dropout: bool) -> bool:
+def wgmma_serves(kernel: str, bucket: int, softcap: bool, layout: str, dropout: bool, sparse: bool = False) -> bool:
     """Whether backward_dq / backward_dkdv has a Hopper form for these."""
-    return bucket in WGMMA_TILES[kernel] and not (dropout and (kernel, bucket, softcap, layout) in WGMMA_DROPOUT_PORTABLE)
+    return (
+        bucket in WGMMA_TILES[kernel]
+        and not (dropout and (kernel, bucket, softcap, layout) in WGMMA_DROPOUT_PORTABLE)
+        and not (sparse and (kernel, bucket, softcap) in WGMMA_SPARSE_PORTABLE)
+    )
 
 
 def dkdv_splits(bucket: int) -> int:
@@ -134,12 +140,14 @@ def sink_grad_variant(layout: str = "dense") -> Variant:
 @functools.cache
 def variant(
     kernel: str, c_type: str, bucket: int, softcap: bool, smem_limit: int = MAX_SMEM_OPTIN, layout: str = "dense", dropout: bool = False,
+    sparse: bool = False,
 ) -> Variant:
     """``kernel`` is backward_dkdv or backward_dq, tiled for ``smem_limit`` bytes of shared
     memory per block; float32 runs their CUDA-core twins (backward_fp32_dkdv, backward_fp32_dq);
-    ``dropout``: the form with dropout (common/dropout.cuh)."""
-    cap, layout_tail = softcap_arg(softcap), softcap_uri(softcap) + layout_uri(layout) + dropout_uri(dropout)
-    drop = dropout_arg(dropout, layout)
+    ``dropout``: the form with dropout (common/dropout.cuh); ``sparse``: the block-sparse form
+    (common/block_sparse.cuh)."""
+    cap, layout_tail = softcap_arg(softcap), softcap_uri(softcap) + layout_uri(layout) + dropout_uri(dropout, sparse)
+    drop = dropout_arg(dropout, layout, sparse)
     if c_type == "float":
         fp32_kernel = kernel.replace("backward_", "backward_fp32_")
         return Variant(
@@ -173,7 +181,9 @@ def variant(
     )
 
 
-def _wgmma(kernel: str, c_type: str, bucket: int, softcap: bool, layout: str, tiles: tuple, smem: int, traits: str, dropout: bool) -> Variant:
+def _wgmma(
+    kernel: str, c_type: str, bucket: int, softcap: bool, layout: str, tiles: tuple, smem: int, traits: str, dropout: bool, sparse: bool,
+) -> Variant:
     stream, warpgroups, ctas = tiles
     if dropout:
         ctas = WGMMA_DROPOUT_CTAS.get(kernel, {}).get((bucket, softcap), ctas)
@@ -181,8 +191,9 @@ def _wgmma(kernel: str, c_type: str, bucket: int, softcap: bool, layout: str, ti
     return Variant(
         family=FAMILY, kernel=kernel,
         expression=(f"cuattn::{kernel}_kernel<{cxx_type(c_type)}, {bucket}, {stream}, {warpgroups}, {ctas}, {softcap_arg(softcap)}, "
-                    f"{layout_arg(layout)}{dropout_arg(dropout, layout)}>"),
-        uri=f"{kernel}/{c_type}/d{bucket}/s{stream}wg{warpgroups}c{ctas}" + softcap_uri(softcap) + layout_uri(layout) + dropout_uri(dropout),
+                    f"{layout_arg(layout)}{dropout_arg(dropout, layout, sparse)}>"),
+        uri=(f"{kernel}/{c_type}/d{bucket}/s{stream}wg{warpgroups}c{ctas}" + softcap_uri(softcap) + layout_uri(layout)
+             + dropout_uri(dropout, sparse)),
         hot=True,
         dynamic_smem=smem,
         threads=128 * warpgroups,
@@ -193,41 +204,45 @@ def _wgmma(kernel: str, c_type: str, bucket: int, softcap: bool, layout: str, ti
 
 
 @functools.cache
-def wgmma_variant(kernel: str, c_type: str, bucket: int, softcap: bool, layout: str = "dense", dropout: bool = False) -> Variant:
+def wgmma_variant(
+    kernel: str, c_type: str, bucket: int, softcap: bool, layout: str = "dense", dropout: bool = False, sparse: bool = False,
+) -> Variant:
     """``kernel`` is backward_dq or backward_dkdv; the variant is its backward_wgmma_* twin."""
     return _wgmma(
         kernel.replace("backward_", "backward_wgmma_"), c_type, bucket, softcap, layout, WGMMA_TILES[kernel][bucket],
-        wgmma_smem_bytes(kernel, bucket), "WgmmaBackwardTraits", dropout,
+        wgmma_smem_bytes(kernel, bucket), "WgmmaBackwardTraits", dropout, sparse,
     )
 
 
 @functools.cache
-def fused_variant(c_type: str, bucket: int, softcap: bool, layout: str = "dense", dropout: bool = False) -> Variant:
+def fused_variant(c_type: str, bucket: int, softcap: bool, layout: str = "dense", dropout: bool = False, sparse: bool = False) -> Variant:
     """dK / dV plus dQ by fp32 atomics into the accumulator (backward_wgmma_fused.cu)."""
     v = _wgmma(
-        "backward_wgmma_fused", c_type, bucket, softcap, layout, WGMMA_FUSED_TILES[bucket], fused_smem_bytes(bucket), "WgmmaFusedTraits", dropout,
+        "backward_wgmma_fused", c_type, bucket, softcap, layout, WGMMA_FUSED_TILES[bucket], fused_smem_bytes(bucket), "WgmmaFusedTraits",
+        dropout, sparse,
     )
     return dataclasses.replace(v, contract=v.contract + (("cuattn::kDqTileRows", DQ_TILE_ROWS),))
 
 
 def select_fused(
     c_type: str, bucket: int, softcap: bool, arch: str, allow_wgmma: bool = True, layout: str = "dense", dropout: bool = False,
+    sparse: bool = False,
 ) -> Variant | None:
     """The one-pass backward (dQ by atomics) where it serves the problem on the target, else None."""
     if allow_wgmma and arch == WGMMA_ARCH and c_type != "float" and bucket in WGMMA_FUSED_TILES:
-        return fused_variant(c_type, bucket, softcap, layout, dropout)
+        return fused_variant(c_type, bucket, softcap, layout, dropout, sparse)
     return None
 
 
 def select(
     kernel: str, c_type: str, bucket: int, softcap: bool, arch: str, allow_wgmma: bool = True, smem_limit: int | None = None,
-    layout: str = "dense", dropout: bool = False,
+    layout: str = "dense", dropout: bool = False, sparse: bool = False,
 ) -> Variant:
     """backward_dq or backward_dkdv for a problem on a target: the Hopper twin where one exists,
     else the portable kernel tiled for ``smem_limit`` (default: the target's)."""
-    if allow_wgmma and arch == WGMMA_ARCH and c_type != "float" and wgmma_serves(kernel, bucket, softcap, layout, dropout):
-        return wgmma_variant(kernel, c_type, bucket, softcap, layout, dropout)
-    return variant(kernel, c_type, bucket, softcap, arch_smem_limit(arch) if smem_limit is None else smem_limit, layout, dropout)
+    if allow_wgmma and arch == WGMMA_ARCH and c_type != "float" and wgmma_serves(kernel, bucket, softcap, layout, dropout, sparse):
+        return wgmma_variant(kernel, c_type, bucket, softcap, layout, dropout, sparse)
+    return variant(kernel, c_type, bucket, softcap, arch_smem_limit(arch) if smem_limit is None else smem_limit, layout, dropout, sparse)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,13 +296,13 @@ def query_splits(c_type: str, g: BackwardGrid, sms: int) -> int:
 
 def launches(
     g: BackwardGrid, c_type: str, softcap: bool, arch: str, allow_wgmma: bool, smem_limit: int, fused: bool, sink: bool = False,
-    query_splits: int = 1, dropout: bool = False,
+    query_splits: int = 1, dropout: bool = False, sparse: bool = False,
 ) -> Launches:
     """Every launch of one backward call, in order: (variant, [(grid, block, batch_offset)]);
     ``fused``: dQ through the accumulator by the fused kernel (``select_fused`` serves it);
     ``sink``: the sinks' gradient too (dense or packed rows); ``query_splits``: CTAs per key
     block of the dK / dV kernel (BackwardParams::query_splits; 16-bit types, not fused);
-    ``dropout``: the gradient kernels with dropout."""
+    ``dropout``: the gradient kernels with dropout; ``sparse``: the block-sparse ones (one split)."""
     bucket, layout = head_dim_bucket(g.head_dim), g.layout
     row_groups = g.rows * g.heads_q
     row_launch = [((-(-row_groups // ROWS_PER_CTA), 1, 1), (32 * ROW_WARPS, 1, 1), None)]
@@ -300,20 +315,20 @@ def launches(
         out.append((sink_grad_variant(layout), [((g.heads_q, 1, 1), (SINK_GRAD_WARPS * 32, 1, 1), None)]))
     # dK and dV are written (zeros included) even when no query sees a key.
     if fused:
-        one_pass = select_fused(c_type, bucket, softcap, arch, layout=layout, dropout=dropout)
+        one_pass = select_fused(c_type, bucket, softcap, arch, layout=layout, dropout=dropout, sparse=sparse)
         if g.keys:
             out.append((one_pass, tile_launches(one_pass, grid_k, g.heads_kv, g.batch)))
         if row_groups:
             out.append((row_variant("backward_dq_finish", c_type, bucket, layout), row_launch))
         return out
     if row_groups:
-        dq = select("backward_dq", c_type, bucket, softcap, arch, allow_wgmma, smem_limit, layout, dropout)
+        dq = select("backward_dq", c_type, bucket, softcap, arch, allow_wgmma, smem_limit, layout, dropout, sparse)
         out.append((dq, tile_launches(dq, grid_q, g.heads_q, g.batch)))
     if g.keys:
-        dkdv = select("backward_dkdv", c_type, bucket, softcap, arch, allow_wgmma, smem_limit, layout, dropout)
+        dkdv = select("backward_dkdv", c_type, bucket, softcap, arch, allow_wgmma, smem_limit, layout, dropout, sparse)
         tiles = tile_launches(dkdv, grid_k, g.heads_kv * dkdv.column_splits, g.batch)
         if query_splits > 1:
-            if fused or c_type == "float" or layout != "dense":
+            if fused or c_type == "float" or layout != "dense" or sparse:
                 raise ValueError("query splits need the 16-bit dK / dV kernels on dense rows")
             tiles = [((x * query_splits, y, z), block, b0) for (x, y, z), block, b0 in tiles]
         out.append((dkdv, tiles))
@@ -324,6 +339,15 @@ def variants(arch: str | None = None) -> list[Variant]:
     """Every backward variant; with ``arch``, the portable tiles chosen under its shared-memory limit."""
     smem_limit = MAX_SMEM_OPTIN if arch is None else arch_smem_limit(arch)
     out = []
+    for c_type in ("f16", "bf16", "float"):  # block-sparse
+        for bucket in HEAD_DIM_BUCKETS:
+            for softcap in (False, True):
+                for kernel in ("backward_dkdv", "backward_dq"):
+                    out.append(variant(kernel, c_type, bucket, softcap, smem_limit, sparse=True))
+                    if c_type != "float" and wgmma_serves(kernel, bucket, softcap, "dense", False, sparse=True):
+                        out.append(wgmma_variant(kernel, c_type, bucket, softcap, sparse=True))
+                if c_type != "float" and bucket in WGMMA_FUSED_TILES:
+                    out.append(fused_variant(c_type, bucket, softcap, sparse=True))
     for layout in SEQ_LAYOUTS:  # with dropout
         for c_type in ("f16", "bf16", "float"):
             for bucket in HEAD_DIM_BUCKETS:

@@ -52,34 +52,38 @@ def wgmma_smem_bytes(bucket: int) -> int:
     return (64 * warpgroups + 2 * STAGES * block_n) * bucket * 2 + swizzle_alignment
 
 
-def _fold_arg(fold: bool, layout: str, dropout: bool = False) -> tuple[str, str]:
+def _fold_arg(fold: bool, layout: str, dropout: bool = False, sparse: bool = False) -> tuple[str, str]:
     """(trailing template arguments, uri suffix) of a kernel that folds its result into an fp32
-    accumulator (forward/accumulate.cuh; dense layout only) and / or applies dropout."""
+    accumulator (forward/accumulate.cuh; dense layout only), applies dropout, or follows a
+    block mask."""
     if fold and layout != "dense":
         raise ValueError(f"the accumulating forward is compiled for the dense layout only, not {layout!r}")
-    if fold and dropout:
-        raise ValueError("the accumulating forward is not compiled with dropout")
-    if dropout:
-        return ", false" + dropout_arg(dropout, layout), dropout_uri(dropout)
+    if fold and (dropout or sparse):
+        raise ValueError("the accumulating forward is not compiled with dropout or a block mask")
+    if dropout or sparse:
+        return ", false" + dropout_arg(dropout, layout, sparse), dropout_uri(dropout, sparse)
     return (", true", "/fold") if fold else ("", "")
 
 
 @functools.cache
-def variant(c_type: str, bucket: int, softcap: bool, layout: str = "dense", fold: bool = False, dropout: bool = False) -> Variant:
+def variant(
+    c_type: str, bucket: int, softcap: bool, layout: str = "dense", fold: bool = False, dropout: bool = False, sparse: bool = False,
+) -> Variant:
     """The portable kernel: tensor cores (mma.sync) for float16 / bfloat16, CUDA cores for
     float32 (which folds into an accumulator at run time: ``fold`` changes nothing there)."""
     if c_type == "float":
         return Variant(
             family=FAMILY, kernel="forward_fp32",
-            expression=f"cuattn::forward_fp32_kernel<{bucket}, {softcap_arg(softcap)}, {layout_arg(layout)}{dropout_arg(dropout, layout)}>",
-            uri=f"forward_fp32/d{bucket}" + softcap_uri(softcap) + layout_uri(layout) + dropout_uri(dropout),
+            expression=(f"cuattn::forward_fp32_kernel<{bucket}, {softcap_arg(softcap)}, {layout_arg(layout)}"
+                        f"{dropout_arg(dropout, layout, sparse)}>"),
+            uri=f"forward_fp32/d{bucket}" + softcap_uri(softcap) + layout_uri(layout) + dropout_uri(dropout, sparse),
             threads=FP32_WARPS * 32,
             block_m=FP32_ROWS_PER_WARP * FP32_WARPS,
             contract=(("cuattn::kF32Warps", FP32_WARPS), ("cuattn::kF32RowsPerWarp", FP32_ROWS_PER_WARP)),
         )
     block_m, block_n, warps = TILES[bucket]
     traits = f"cuattn::ForwardTraits<{bucket}, {block_m}, {block_n}, {warps}>"
-    fold_arg, fold_uri = _fold_arg(fold, layout, dropout)
+    fold_arg, fold_uri = _fold_arg(fold, layout, dropout, sparse)
     return Variant(
         family=FAMILY, kernel="forward",
         expression=(f"cuattn::forward_kernel<{cxx_type(c_type)}, {bucket}, {block_m}, {block_n}, {warps}, {softcap_arg(softcap)}, "
@@ -97,12 +101,14 @@ def variant(c_type: str, bucket: int, softcap: bool, layout: str = "dense", fold
 
 
 @functools.cache
-def wgmma_variant(c_type: str, bucket: int, softcap: bool, layout: str = "dense", fold: bool = False, dropout: bool = False) -> Variant:
+def wgmma_variant(
+    c_type: str, bucket: int, softcap: bool, layout: str = "dense", fold: bool = False, dropout: bool = False, sparse: bool = False,
+) -> Variant:
     block_n, warpgroups, ctas = WGMMA_TILES[bucket]
     if dropout:
         ctas = WGMMA_DROPOUT_CTAS.get((bucket, softcap), ctas)
     traits = f"cuattn::WgmmaForwardTraits<{bucket}, {block_n}, {warpgroups}>"
-    fold_arg, fold_uri = _fold_arg(fold, layout, dropout)
+    fold_arg, fold_uri = _fold_arg(fold, layout, dropout, sparse)
     return Variant(
         family=FAMILY, kernel="forward_wgmma",
         expression=(f"cuattn::forward_wgmma_kernel<{cxx_type(c_type)}, {bucket}, {block_n}, {warpgroups}, {ctas}, {softcap_arg(softcap)}, "
@@ -122,14 +128,15 @@ def wgmma_variant(c_type: str, bucket: int, softcap: bool, layout: str = "dense"
 
 def select(
     c_type: str, bucket: int, softcap: bool, arch: str, allow_wgmma: bool = True, layout: str = "dense", fold: bool = False,
-    dropout: bool = False,
+    dropout: bool = False, sparse: bool = False,
 ) -> Variant:
     """The forward kernel for a problem on a target: the Hopper kernel where one exists for it,
     else the portable one; ``fold``: the form that folds into an fp32 accumulator; ``dropout``:
-    the form with dropout (common/dropout.cuh)."""
+    the form with dropout (common/dropout.cuh); ``sparse``: the block-sparse form
+    (common/block_sparse.cuh)."""
     if allow_wgmma and arch == WGMMA_ARCH and c_type != "float" and bucket in WGMMA_TILES:
-        return wgmma_variant(c_type, bucket, softcap, layout, fold, dropout)
-    return variant(c_type, bucket, softcap, layout, fold and c_type != "float", dropout)
+        return wgmma_variant(c_type, bucket, softcap, layout, fold, dropout, sparse)
+    return variant(c_type, bucket, softcap, layout, fold and c_type != "float", dropout, sparse)
 
 
 def launches(v: Variant, rows: int, heads_q: int, batch: int) -> list[tuple[tuple, tuple, int]]:
@@ -147,6 +154,12 @@ def variants(arch: str | None = None) -> list[Variant]:
                 out.append(variant(c_type, bucket, softcap, "dense", fold=True))
                 if bucket in WGMMA_TILES:
                     out.append(wgmma_variant(c_type, bucket, softcap, "dense", fold=True))
+    for c_type in ("f16", "bf16", "float"):  # block-sparse
+        for bucket in HEAD_DIM_BUCKETS:
+            for softcap in (False, True):
+                out.append(variant(c_type, bucket, softcap, sparse=True))
+                if bucket in WGMMA_TILES and c_type != "float":
+                    out.append(wgmma_variant(c_type, bucket, softcap, sparse=True))
     for layout in SEQ_LAYOUTS:  # with dropout
         for c_type in ("f16", "bf16", "float"):
             for bucket in HEAD_DIM_BUCKETS:

@@ -85,15 +85,20 @@ def softcap_uri(softcap: bool) -> str:
     return "/softcap" if softcap else ""
 
 
-def dropout_arg(dropout: bool, layout: str = "dense") -> str:
-    """The trailing DROPOUT template argument (common/dropout.cuh; dense and packed layouts), or none."""
+def dropout_arg(dropout: bool, layout: str = "dense", sparse: bool = False) -> str:
+    """The trailing DROPOUT (common/dropout.cuh; dense and packed layouts) and SPARSE
+    (common/block_sparse.cuh; dense layout, not with dropout) template arguments, or none."""
     if dropout and layout not in SEQ_LAYOUTS:
         raise ValueError(f"dropout is compiled for the dense and packed layouts only, not {layout!r}")
+    if sparse and (layout != "dense" or dropout):
+        raise ValueError(f"block-sparse kernels are compiled for the dense layout without dropout only, not {layout!r}")
+    if sparse:
+        return ", false, true"
     return ", true" if dropout else ""
 
 
-def dropout_uri(dropout: bool) -> str:
-    return "/dropout" if dropout else ""
+def dropout_uri(dropout: bool, sparse: bool = False) -> str:
+    return ("/dropout" if dropout else "") + ("/sparse" if sparse else "")
 
 
 MAX_GRID_YZ = 65535  # gridDim.y and gridDim.z limit

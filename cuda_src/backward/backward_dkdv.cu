@@ -23,7 +23,8 @@ constexpr int kDkdvSplits = HEAD_DIM > 128 ? 2 : 1;
 /// common/seq_layout.cuh), BLOCK_Q queries per step. STATS_IN_SMEM stages each step's lse and delta in shared memory with its
 /// tiles; without it (a device whose shared memory fits only the tiles) they are read from
 /// global memory where they are used. DROPOUT: dropout on the probabilities (common/dropout.cuh).
-template <typename T, int HEAD_DIM, int BLOCK_Q, bool STATS_IN_SMEM, bool SOFTCAP, SeqLayout LAYOUT, bool DROPOUT = false>
+/// SPARSE: only the blocks of a block mask (common/block_sparse.cuh; dense layout, one split).
+template <typename T, int HEAD_DIM, int BLOCK_Q, bool STATS_IN_SMEM, bool SOFTCAP, SeqLayout LAYOUT, bool DROPOUT = false, bool SPARSE = false>
 __global__ void __launch_bounds__(128, 1) backward_dkdv_kernel(const __grid_constant__ BackwardParams p) {
   using Tr = BackwardTraits<HEAD_DIM, BLOCK_Q, kDkdvSplits<HEAD_DIM>, STATS_IN_SMEM>;
   constexpr int BM = Tr::kBlockStream;    // queries per step
@@ -39,7 +40,7 @@ __global__ void __launch_bounds__(128, 1) backward_dkdv_kernel(const __grid_cons
   float* sDelta_ring = sLse_ring + Tr::kStages * BM;
 
   const AttnParams& a = p.attn;
-  const int splits = LAYOUT == SeqLayout::kDense ? p.query_splits : 1;  // BackwardParams::query_splits
+  const int splits = LAYOUT == SeqLayout::kDense && !SPARSE ? p.query_splits : 1;  // BackwardParams::query_splits
   const int n_block = blockIdx.x / splits;
   const int kv_head = blockIdx.y / Tr::kSplits, batch = cta_batch(a);
   const int col0 = blockIdx.y % Tr::kSplits * Tr::kOutCols;  // first gradient column of this CTA
@@ -54,7 +55,7 @@ __global__ void __launch_bounds__(128, 1) backward_dkdv_kernel(const __grid_cons
   const T* k = head_rows<T>(a.k, a.k_strides, batch, kv_head, span.k_row0);
   const T* v = head_rows<T>(a.v, a.v_strides, batch, kv_head, span.k_row0);
   const KeyBand band(a, span);
-  const QuerySteps<BM> plan(a, span, band, n0, BN, blockIdx.x % splits, splits);
+  const auto plan = query_steps<SPARSE, BM>(a, span, band, batch, kv_head, n0, BN, blockIdx.x % splits, splits);
 
   const auto load_step = [&](int step, int stage) {
     const int head = plan.head(kv_head, step), m0 = plan.m0(step);

@@ -2,6 +2,7 @@
 // fp32 dQ accumulator on chip and streams the visible key blocks (two-stage ring). Per key
 // block each warp forms S = Q K^T for its 16 rows, P from the saved lse, dP = dO V^T,
 // dS = P (dP - delta) and dQ += dS K. No atomics: the result is deterministic.
+#include "common/block_sparse.cuh"
 #include "common/grid.cuh"
 #include "backward/head_rows.cuh"
 #include "backward/score_grad.cuh"
@@ -14,8 +15,9 @@
 namespace cuattn {
 
 /// \brief dQ of one (query block, query head, sequence) (common/grid.cuh, common/seq_layout.cuh),
-/// BLOCK_K keys per step. DROPOUT: dropout on the probabilities (common/dropout.cuh).
-template <typename T, int HEAD_DIM, int BLOCK_K, bool SOFTCAP, SeqLayout LAYOUT, bool DROPOUT = false>
+/// BLOCK_K keys per step. DROPOUT: dropout on the probabilities (common/dropout.cuh). SPARSE:
+/// only the blocks of a block mask (common/block_sparse.cuh; dense layout).
+template <typename T, int HEAD_DIM, int BLOCK_K, bool SOFTCAP, SeqLayout LAYOUT, bool DROPOUT = false, bool SPARSE = false>
 __global__ void __launch_bounds__(128, 1) backward_dq_kernel(const __grid_constant__ BackwardParams p) {
   using Tr = BackwardTraits<HEAD_DIM, BLOCK_K>;
   constexpr int BM = Tr::kBlockResident;  // query rows per CTA
@@ -49,6 +51,7 @@ __global__ void __launch_bounds__(128, 1) backward_dq_kernel(const __grid_consta
   const int key_first = band.first_key(m0), key_last = band.last_key(m_last);
   const int n_first = key_first / BN;
   const int n_last = key_last < key_first ? n_first - 1 : key_last / BN;
+  const KeyTiles<SPARSE, BN> tiles(a, batch, head, m0, n_first, n_last);
 
   const int warp_first_row = m0 + warp * 16;
   const int warp_last_row = min(warp_first_row + 16, span.seqlen_q) - 1;
@@ -62,10 +65,10 @@ __global__ void __launch_bounds__(128, 1) backward_dq_kernel(const __grid_consta
     load_tile<Tr, BN>(sK_ring + stage * Tr::kSmemStream, k, a.k_strides[1], n_block * BN, span.seqlen_k, a.head_dim);
     load_tile<Tr, BN>(sV_ring + stage * Tr::kSmemStream, v, a.v_strides[1], n_block * BN, span.seqlen_k, a.head_dim);
   };
-  if (n_last >= n_first) {
+  if (tiles.count > 0) {
     load_tile<Tr, BM>(sQ, q, a.q_strides[1], m0, span.seqlen_q, a.head_dim);
     load_tile<Tr, BM>(sdO, dout, p.dout_strides[1], m0, span.seqlen_q, a.head_dim);
-    load_kv(n_last, 0);
+    load_kv(tiles.tile(0), 0);
     cp_async_commit();
   }
 
@@ -76,12 +79,12 @@ __global__ void __launch_bounds__(128, 1) backward_dq_kernel(const __grid_consta
     for (int e = 0; e < 4; ++e) dq[dt][e] = 0.f;
   const float sc = a.exp2_scale;
 
-  for (int n_block = n_last, stage = 0; n_block >= n_first; --n_block, stage ^= 1) {
-    const int n0 = n_block * BN;
+  for (int i = 0, stage = 0; i < tiles.count; ++i, stage ^= 1) {
+    const int n0 = tiles.tile(i) * BN;
     cp_async_wait<0>();
     __syncthreads();  // this stage (and Q, dO) landed; every warp finished with the other one
-    if (n_block > n_first) {
-      load_kv(n_block - 1, stage ^ 1);
+    if (i + 1 < tiles.count) {
+      load_kv(tiles.tile(i + 1), stage ^ 1);
       cp_async_commit();
     }
     if (warp_last_row < warp_first_row || n0 > warp_last_key || n0 + BN <= warp_first_key) continue;

@@ -4,6 +4,7 @@
 // keys; a lane takes one query of every tile, then dV row += sum_i P[i] dO[i] and
 // dK row += sum_i dS[i] Q[i] with lanes over head-dim columns.
 #include "common/dropout.cuh"
+#include "common/block_sparse.cuh"
 #include "common/grid.cuh"
 #include "backward/fp32_tiles.cuh"
 #include "backward/head_rows.cuh"
@@ -13,8 +14,9 @@
 
 namespace cuattn {
 
-// DROPOUT: dropout on the probabilities (common/dropout.cuh), one draw per element.
-template <int HEAD_DIM, bool SOFTCAP, SeqLayout LAYOUT, bool DROPOUT = false>
+// DROPOUT: dropout on the probabilities (common/dropout.cuh), one draw per element. SPARSE:
+// only the blocks of a block mask (common/block_sparse.cuh; dense layout).
+template <int HEAD_DIM, bool SOFTCAP, SeqLayout LAYOUT, bool DROPOUT = false, bool SPARSE = false>
 __global__ void __launch_bounds__(kF32BwdWarps * 32, 1) backward_fp32_dkdv_kernel(const __grid_constant__ BackwardParams p) {
   constexpr int kCols = HEAD_DIM / 32;
   constexpr int RS = HEAD_DIM + 1;
@@ -51,7 +53,16 @@ __global__ void __launch_bounds__(kF32BwdWarps * 32, 1) backward_fp32_dkdv_kerne
     const float* lse = stats.lse;
     const float* delta = stats.delta;
     const DropoutDraws draws(a, batch, head);
-    for (int m0 = row_last < row_first ? row_last + 1 : row_first / kF32BwdTile * kF32BwdTile; m0 <= row_last; m0 += kF32BwdTile) {
+    const int m_first = row_first / kF32BwdTile, m_last = row_last < row_first ? m_first - 1 : row_last / kF32BwdTile;
+    const auto tiles = [&] {
+      if constexpr (SPARSE) {
+        return ListTiles<kF32BwdTile>(kept_query_blocks(a, batch, head, n0 / kSparseBlock), m_first, m_last);
+      } else {
+        return KeyTiles<false, kF32BwdTile>(a, batch, head, n0, m_first, m_last);  // every tile in the band
+      }
+    }();
+    for (int i = 0; i < tiles.count; ++i) {  // first query first
+      const int m0 = tiles.tile(tiles.count - 1 - i) * kF32BwdTile;
       __syncthreads();  // previous tiles fully consumed
       load_f32_tile<HEAD_DIM>(sQ, q, a.q_strides[1], m0, span.seqlen_q, a.head_dim);
       load_f32_tile<HEAD_DIM>(sdO, dout, p.dout_strides[1], m0, span.seqlen_q, a.head_dim);

@@ -2,6 +2,7 @@
 // one CTA per 16 query rows of a (head, sequence); each warp owns 4 rows and a lane scores one key
 // of every 32-key tile, then dQ row r += sum_j dS[r, j] K[j] with lanes over head-dim columns.
 #include "common/dropout.cuh"
+#include "common/block_sparse.cuh"
 #include "common/grid.cuh"
 #include "backward/fp32_tiles.cuh"
 #include "backward/head_rows.cuh"
@@ -11,8 +12,9 @@
 
 namespace cuattn {
 
-// DROPOUT: dropout on the probabilities (common/dropout.cuh), one draw per element.
-template <int HEAD_DIM, bool SOFTCAP, SeqLayout LAYOUT, bool DROPOUT = false>
+// DROPOUT: dropout on the probabilities (common/dropout.cuh), one draw per element. SPARSE:
+// only the blocks of a block mask (common/block_sparse.cuh; dense layout).
+template <int HEAD_DIM, bool SOFTCAP, SeqLayout LAYOUT, bool DROPOUT = false, bool SPARSE = false>
 __global__ void __launch_bounds__(kF32BwdWarps * 32, 1) backward_fp32_dq_kernel(const __grid_constant__ BackwardParams p) {
   constexpr int kCols = HEAD_DIM / 32;
   constexpr int RS = HEAD_DIM + 1;
@@ -54,7 +56,10 @@ __global__ void __launch_bounds__(kF32BwdWarps * 32, 1) backward_fp32_dq_kernel(
   const float sc = a.exp2_scale;
   const DropoutDraws draws(a, batch, head);  // used with DROPOUT only
 
-  for (int n0 = key_last < key_first ? key_last + 1 : key_first / kF32BwdTile * kF32BwdTile; n0 <= key_last; n0 += kF32BwdTile) {
+  const KeyTiles<SPARSE, kF32BwdTile> tiles(a, batch, head, m0, key_first / kF32BwdTile,
+                                            key_last < key_first ? key_first / kF32BwdTile - 1 : key_last / kF32BwdTile);
+  for (int i = 0; i < tiles.count; ++i) {  // first key first
+    const int n0 = tiles.tile(tiles.count - 1 - i) * kF32BwdTile;
     __syncthreads();  // previous tiles fully consumed
     load_f32_tile<HEAD_DIM>(sK, k, a.k_strides[1], n0, span.seqlen_k, a.head_dim);
     load_f32_tile<HEAD_DIM>(sV, v, a.v_strides[1], n0, span.seqlen_k, a.head_dim);

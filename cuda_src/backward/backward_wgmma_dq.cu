@@ -3,6 +3,7 @@
 // the fp32 dQ accumulator on chip and streams the visible key blocks. Per key block each
 // warpgroup forms S = Q K^T and dP = dO V^T for its 64 rows (shared-memory operands), P from the
 // saved lse, dS = P (dP - delta) and dQ += dS K (dS from registers). No atomics: deterministic.
+#include "common/block_sparse.cuh"
 #include "common/grid.cuh"
 #include "backward/head_rows.cuh"
 #include "backward/score_grad.cuh"
@@ -15,7 +16,10 @@
 
 namespace cuattn {
 
-template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int CTAS_PER_SM, bool SOFTCAP, SeqLayout LAYOUT, bool DROPOUT = false>
+// DROPOUT: dropout on the probabilities (common/dropout.cuh). SPARSE: only the blocks of a
+// block mask (common/block_sparse.cuh; dense layout).
+template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int CTAS_PER_SM, bool SOFTCAP, SeqLayout LAYOUT, bool DROPOUT = false,
+          bool SPARSE = false>
 __global__ void __launch_bounds__(WARPGROUPS * 128, CTAS_PER_SM) backward_wgmma_dq_kernel(const __grid_constant__ BackwardParams p) {
   using Tr = WgmmaBackwardTraits<HEAD_DIM, BLOCK_N, WARPGROUPS>;
   constexpr int BM = Tr::kBlockResident;  // query rows per CTA
@@ -47,6 +51,7 @@ __global__ void __launch_bounds__(WARPGROUPS * 128, CTAS_PER_SM) backward_wgmma_
   const int key_first = band.first_key(m0), key_last = band.last_key(m_last);
   const int n_first = key_first / BLOCK_N;
   const int n_last = key_last < key_first ? n_first - 1 : key_last / BLOCK_N;
+  const KeyTiles<SPARSE, BLOCK_N> tiles(a, batch, head, m0, n_first, n_last);
 
   const int wg_first_row = m0 + wg * 64;
   const int wg_last_row = min(wg_first_row + 64, span.seqlen_q) - 1;
@@ -62,10 +67,10 @@ __global__ void __launch_bounds__(WARPGROUPS * 128, CTAS_PER_SM) backward_wgmma_
     load_tile_sw128<Tr, BLOCK_N>(sK_ring + stage * Tr::kStreamBytes, k, a.k_strides[1], n_block * BLOCK_N, span.seqlen_k, a.head_dim);
     load_tile_sw128<Tr, BLOCK_N>(sV_ring + stage * Tr::kStreamBytes, v, a.v_strides[1], n_block * BLOCK_N, span.seqlen_k, a.head_dim);
   };
-  if (n_last >= n_first) {
+  if (tiles.count > 0) {
     load_tile_sw128<Tr, BM>(sQ, q, a.q_strides[1], m0, span.seqlen_q, a.head_dim);
     load_tile_sw128<Tr, BM>(sdO, dout, p.dout_strides[1], m0, span.seqlen_q, a.head_dim);
-    load_kv(n_last, 0);
+    load_kv(tiles.tile(0), 0);
     cp_async_commit();
   }
 
@@ -76,13 +81,13 @@ __global__ void __launch_bounds__(WARPGROUPS * 128, CTAS_PER_SM) backward_wgmma_
     for (int e = 0; e < 4; ++e) dq[dt][e] = 0.f;
   const u32 q_addr = smem_addr(sQ), do_addr = smem_addr(sdO);
 
-  for (int n_block = n_last, stage = 0; n_block >= n_first; --n_block, stage ^= 1) {
-    const int n0 = n_block * BLOCK_N;
+  for (int i = 0, stage = 0; i < tiles.count; ++i, stage ^= 1) {
+    const int n0 = tiles.tile(i) * BLOCK_N;
     cp_async_wait<0>();
     fence_proxy_async();
     __syncthreads();  // this stage (and Q, dO) landed; every warpgroup finished with the other one
-    if (n_block > n_first) {
-      load_kv(n_block - 1, stage ^ 1);
+    if (i + 1 < tiles.count) {
+      load_kv(tiles.tile(i + 1), stage ^ 1);
       cp_async_commit();
     }
     if (wg_last_row < wg_first_row || n0 > wg_last_key || n0 + BLOCK_N <= wg_first_key) continue;

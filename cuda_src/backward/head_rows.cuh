@@ -2,6 +2,7 @@
 // tensor, the saved per-row statistics, and the (query head, query block) steps that a key
 // block streams.
 #pragma once
+#include "../common/block_sparse.cuh"
 #include "../common/mask.cuh"
 #include "../common/mma.cuh"
 #include "../common/params.cuh"
@@ -115,5 +116,17 @@ struct QuerySteps {
   __device__ __forceinline__ int head(int kv_head, int step) const { return kv_head * group + (first + step) / m_count; }
   __device__ __forceinline__ int m0(int step) const { return (m_first + (first + step) % m_count) * BLOCK_M; }
 };
+
+// The steps of key block [n0, n0 + keys) of (batch, kv_head): QuerySteps, or under a block mask
+// (SPARSE, one split) SparseQuerySteps (common/block_sparse.cuh).
+template <bool SPARSE, int BLOCK_M>
+__device__ __forceinline__ auto query_steps(const AttnParams& a, const SeqSpan& span, const KeyBand& band, int batch, int kv_head, int n0, int keys,
+                                            int split, int splits) {
+  if constexpr (SPARSE) {
+    return SparseQuerySteps<BLOCK_M>(a, batch, kv_head, n0);
+  } else {
+    return QuerySteps<BLOCK_M>(a, span, band, n0, keys, split, splits);
+  }
+}
 
 }  // namespace cuattn

@@ -41,8 +41,10 @@ __device__ __forceinline__ void store_ds_transposed(unsigned char* sdS, const u3
 }
 
 // DROPOUT: dropout on the probabilities (common/dropout.cuh): dV from the kept P^T, dS^T from the
-// kept dP^T.
-template <typename T, int HEAD_DIM, int BLOCK_M, int WARPGROUPS, int CTAS_PER_SM, bool SOFTCAP, bool FUSE_DQ, SeqLayout LAYOUT, bool DROPOUT>
+// kept dP^T. SPARSE: only the blocks of a block mask (common/block_sparse.cuh; dense layout, one
+// split).
+template <typename T, int HEAD_DIM, int BLOCK_M, int WARPGROUPS, int CTAS_PER_SM, bool SOFTCAP, bool FUSE_DQ, SeqLayout LAYOUT, bool DROPOUT,
+          bool SPARSE>
 __device__ __forceinline__ void backward_wgmma_dkdv_body(const BackwardParams& p) {
   using Tr = WgmmaFusedTraits<HEAD_DIM, BLOCK_M, WARPGROUPS>;
   constexpr int BN = Tr::kBlockResident;  // keys per CTA
@@ -60,7 +62,7 @@ __device__ __forceinline__ void backward_wgmma_dkdv_body(const BackwardParams& p
   float* sDelta_ring = sLse_ring + Tr::kStages * BLOCK_M;
 
   const AttnParams& a = p.attn;
-  const int splits = LAYOUT == SeqLayout::kDense && !FUSE_DQ ? p.query_splits : 1;  // BackwardParams::query_splits
+  const int splits = LAYOUT == SeqLayout::kDense && !FUSE_DQ && !SPARSE ? p.query_splits : 1;  // BackwardParams::query_splits
   const int n_block = blockIdx.x / splits;
   const int kv_head = blockIdx.y, batch = cta_batch(a);
   const int n0 = n_block * BN;
@@ -74,7 +76,7 @@ __device__ __forceinline__ void backward_wgmma_dkdv_body(const BackwardParams& p
   const T* k = head_rows<T>(a.k, a.k_strides, batch, kv_head, span.k_row0);
   const T* v = head_rows<T>(a.v, a.v_strides, batch, kv_head, span.k_row0);
   const KeyBand band(a, span);
-  const QuerySteps<BLOCK_M> plan(a, span, band, n0, BN, blockIdx.x % splits, splits);
+  const auto plan = query_steps<SPARSE, BLOCK_M>(a, span, band, batch, kv_head, n0, BN, blockIdx.x % splits, splits);
 
   const auto load_step = [&](int step, int stage) {
     const int head = plan.head(kv_head, step), m0 = plan.m0(step);

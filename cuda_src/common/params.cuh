@@ -103,6 +103,15 @@ struct AttnParams {
   u64 dropout_seed;
   u32 dropout_threshold;                    // 0..255, compared with 8-bit draws
   float dropout_scale;                      // 256 / (256 - dropout_threshold)
+  // Block-sparse attention (common/block_sparse.cuh; kernels compiled with it): the kept blocks
+  // of kSparseBlock queries x kSparseBlock keys, listed both ways, ascending, the first count
+  // entries of each row valid.
+  const int* kv_block_counts;               // (mask batch, mask heads, query blocks)
+  const int* kv_block_indices;              // (mask batch, mask heads, query blocks, key blocks)
+  const int* q_block_counts;                // (mask batch, mask heads, key blocks)
+  const int* q_block_indices;               // (mask batch, mask heads, key blocks, query blocks)
+  i64 kv_block_strides[2];                  // batch, head, in rows of kv_block_counts (0: shared)
+  i64 q_block_strides[2];                   // batch, head, in rows of q_block_counts (0: shared)
 };
 
 // Backward of AttnParams' attention: dout, gradients, and delta = rowsum(dout * out) - dlse per

@@ -1,6 +1,7 @@
 // Tensor-core attention forward (FlashAttention-2 scheme): one CTA per (query block, head,
 // sequence), K/V blocks streamed through shared memory with cp.async, S = Q K^T and O += P V on
 // mma.sync, online softmax in registers, lse written per row.
+#include "common/block_sparse.cuh"
 #include "common/grid.cuh"
 #include "common/dropout.cuh"
 #include "common/head_view.cuh"
@@ -16,7 +17,7 @@
 namespace cuattn {
 
 /// \brief One block of query rows of one (sequence, head): writes its rows of out and lse.
-template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, bool SOFTCAP, SeqLayout LAYOUT, bool FOLD, bool DROPOUT>
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, bool SOFTCAP, SeqLayout LAYOUT, bool FOLD, bool DROPOUT, bool SPARSE>
 __device__ __forceinline__ void forward_block(const AttnParams& p, int seq, const SeqSpan& span, const HeadView<T>& head_view, int m_block,
                                               unsigned char* smem_raw) {
   using Tr = ForwardTraits<HEAD_DIM, BLOCK_M, BLOCK_N, WARPS>;
@@ -36,6 +37,7 @@ __device__ __forceinline__ void forward_block(const AttnParams& p, int seq, cons
   const int key_first = band.first_key(m0), key_last = band.last_key(m_last);
   const int n_first = key_first / BLOCK_N;
   const int n_last = key_last < key_first ? n_first - 1 : key_last / BLOCK_N;
+  const KeyTiles<SPARSE, BLOCK_N> tiles(p, seq, blockIdx.y, m0, n_first, n_last);
 
   float acc[Tr::kMTiles][Tr::kDTiles][4];
   float row_max[Tr::kMTiles][2], row_sum[Tr::kMTiles][2];
@@ -64,14 +66,14 @@ __device__ __forceinline__ void forward_block(const AttnParams& p, int seq, cons
     }
   };
   int page_ahead = 0;  // paged: the page of this thread's key in the block after next
-  if (n_last >= n_first) {
+  if (tiles.count > 0) {
     if constexpr (PAGED) {
       store_key_offsets<BLOCK_N>(s_offsets, p, cache, n_last, page_of_key<BLOCK_N>(cache, n_last, n_first, span.seqlen_k));
       page_ahead = page_of_key<BLOCK_N>(cache, n_last - 1, n_first, span.seqlen_k);
       __syncthreads();
     }
     load_tile<Tr, BLOCK_M>(sQ, q, p.q_strides[1], m0, span.seqlen_q, p.head_dim);
-    load_kv(n_last, 0);
+    load_kv(tiles.tile(0), 0);
     cp_async_commit();
   }
   const int warp_row0 = warp * Tr::kWarpRows;
@@ -82,14 +84,16 @@ __device__ __forceinline__ void forward_block(const AttnParams& p, int seq, cons
   const int warp_first_key = band.first_key(warp_first_row), warp_last_key = band.last_key(warp_last_row);
 
   // Key blocks from last to first, so that the partially masked diagonal block comes first. A
-  // two-stage ring: block n - 1 is copied in while block n is computed, one barrier per block.
-  for (int n_block = n_last, stage = 0; n_block >= n_first; --n_block, stage ^= 1) {
+  // two-stage ring: the next block is copied in while this one is computed, one barrier per
+  // block. (Block-sparse: the kept blocks, common/block_sparse.cuh; paged: consecutive blocks.)
+  for (int i = 0, stage = 0; i < tiles.count; ++i, stage ^= 1) {
+    const int n_block = tiles.tile(i);
     const int n0 = n_block * BLOCK_N;
     cp_async_wait<0>();
     if constexpr (PAGED) store_key_offsets<BLOCK_N>(s_offsets, p, cache, n_block - 1, page_ahead);  // read after the barrier
     __syncthreads();  // K/V[n_block] (and Q) landed; every warp finished with the other stage
-    if (n_block > n_first) {
-      load_kv(n_block - 1, stage ^ 1);
+    if (i + 1 < tiles.count) {
+      load_kv(tiles.tile(i + 1), stage ^ 1);
       cp_async_commit();
     }
     if constexpr (PAGED) page_ahead = page_of_key<BLOCK_N>(cache, n_block - 2, n_first, span.seqlen_k);  // stored next iteration
@@ -214,8 +218,10 @@ __device__ __forceinline__ void forward_block(const AttnParams& p, int seq, cons
 /// \brief Attention forward: one CTA per (block of query rows, head, sequence)
 /// (common/grid.cuh, common/seq_layout.cuh); query blocks run heaviest-first.
 /// FOLD: fold the result into the fp32 accumulator AttnParams::accum (forward/accumulate.cuh).
-/// DROPOUT: dropout on the probabilities (common/dropout.cuh).
-template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, bool SOFTCAP, SeqLayout LAYOUT, bool FOLD = false, bool DROPOUT = false>
+/// DROPOUT: dropout on the probabilities (common/dropout.cuh). SPARSE: only the blocks of a
+/// block mask (common/block_sparse.cuh; dense layout).
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, bool SOFTCAP, SeqLayout LAYOUT, bool FOLD = false, bool DROPOUT = false,
+          bool SPARSE = false>
 __global__ void __launch_bounds__(WARPS * 32) forward_kernel(const __grid_constant__ AttnParams p) {
   using Tr = ForwardTraits<HEAD_DIM, BLOCK_M, BLOCK_N, WARPS>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -224,7 +230,7 @@ __global__ void __launch_bounds__(WARPS * 32) forward_kernel(const __grid_consta
   const SeqSpan span = seq_span<LAYOUT>(p, seq);
   const HeadView<T> head_view(p, seq, head, span);
   const bool covered = for_each_row_block<LAYOUT, BLOCK_M>(span.seqlen_q, [&](int m_block) {
-    forward_block<T, HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, SOFTCAP, LAYOUT, FOLD, DROPOUT>(p, seq, span, head_view, m_block, smem_raw);
+    forward_block<T, HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, SOFTCAP, LAYOUT, FOLD, DROPOUT, SPARSE>(p, seq, span, head_view, m_block, smem_raw);
   });
   if (!covered && blockIdx.x == 0)
     mark_uncovered_rows<T>(head_view.out, p.out_strides[1], head_view.lse, p.head_dim, int(gridDim.x) * BLOCK_M, span.seqlen_q);

@@ -1,5 +1,6 @@
 // Float32 attention forward on the CUDA cores: fp32 products and sums throughout (no tf32).
 // The slower exact path for float32 inputs.
+#include "common/block_sparse.cuh"
 #include "common/grid.cuh"
 #include "common/dropout.cuh"
 #include "common/dtypes.cuh"
@@ -21,7 +22,7 @@ constexpr int kF32BlockN = 32;
 /// rows, a lane scores one key of each 32-key tile and owns head-dim columns lane, lane + 32,
 /// ... of the output. K tiles go through shared memory; Q (read by all lanes of a warp at once)
 /// and V (read across lanes, contiguous) come through L1.
-template <int HEAD_DIM, bool SOFTCAP, bool DROPOUT>
+template <int HEAD_DIM, bool SOFTCAP, bool DROPOUT, bool SPARSE>
 __device__ __forceinline__ void forward_fp32_block(const AttnParams& p, int seq, const SeqSpan& span, const HeadView<float>& head_view, int m_block,
                                                    float (&sK)[kF32BlockN][HEAD_DIM + 1]) {
   constexpr int kCols = HEAD_DIM / 32;
@@ -32,6 +33,8 @@ __device__ __forceinline__ void forward_fp32_block(const AttnParams& p, int seq,
 
   const KeyBand band(p, span);
   const int key_first = band.first_key(m0), key_last = band.last_key(m_last);
+  const KeyTiles<SPARSE, kF32BlockN> tiles(p, seq, blockIdx.y, m0, key_first / kF32BlockN,
+                                           key_last < key_first ? key_first / kF32BlockN - 1 : key_last / kF32BlockN);
   // The output and the denominator accumulate in fp64: over tens of thousands of keys an fp32
   // running sum loses more than the inputs' precision.
   double acc[kF32RowsPerWarp][kCols], row_sum[kF32RowsPerWarp];
@@ -46,7 +49,8 @@ __device__ __forceinline__ void forward_fp32_block(const AttnParams& p, int seq,
   const float sc = p.exp2_scale;
   const DropoutDraws draws(p, seq, blockIdx.y);  // used with DROPOUT only
 
-  for (int n0 = key_last < key_first ? key_last + 1 : key_first / kF32BlockN * kF32BlockN; n0 <= key_last; n0 += kF32BlockN) {
+  for (int i = 0; i < tiles.count; ++i) {  // first key first
+    const int n0 = tiles.tile(tiles.count - 1 - i) * kF32BlockN;
     __syncthreads();  // previous tile fully consumed
     for (int i = threadIdx.x; i < kF32BlockN * HEAD_DIM; i += blockDim.x) {
       const int r = i / HEAD_DIM, c = i % HEAD_DIM;
@@ -123,14 +127,14 @@ __device__ __forceinline__ void forward_fp32_block(const AttnParams& p, int seq,
 
 /// \brief fp32 attention forward: one CTA per (16 query rows, head, sequence)
 /// (common/grid.cuh, common/seq_layout.cuh).
-template <int HEAD_DIM, bool SOFTCAP, SeqLayout LAYOUT, bool DROPOUT = false>
+template <int HEAD_DIM, bool SOFTCAP, SeqLayout LAYOUT, bool DROPOUT = false, bool SPARSE = false>
 __global__ void __launch_bounds__(kF32Warps * 32, 1) forward_fp32_kernel(const __grid_constant__ AttnParams p) {
   __shared__ float sK[kF32BlockN][HEAD_DIM + 1];  // +1: lanes reading different keys hit different banks
   const int head = blockIdx.y, seq = cta_batch(p);
   const SeqSpan span = seq_span<LAYOUT>(p, seq);
   const HeadView<float> head_view(p, seq, head, span);
   const bool covered = for_each_row_block<LAYOUT, kF32BlockM>(span.seqlen_q, [&](int m_block) {
-    forward_fp32_block<HEAD_DIM, SOFTCAP, DROPOUT>(p, seq, span, head_view, m_block, sK);
+    forward_fp32_block<HEAD_DIM, SOFTCAP, DROPOUT, SPARSE>(p, seq, span, head_view, m_block, sK);
   });
   if (!covered && blockIdx.x == 0)
     mark_uncovered_rows<float>(head_view.out, p.out_strides[1], head_view.lse, p.head_dim, int(gridDim.x) * kF32BlockM, span.seqlen_q);

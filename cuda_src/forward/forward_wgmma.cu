@@ -3,6 +3,7 @@
 // 128-byte-swizzled shared memory, O += P V takes P from registers and V from shared memory.
 // K/V blocks stream through a two-stage cp.async ring shared by the CTA; the warpgroups'
 // matmuls and softmax interleave on the SM's tensor cores and ALUs.
+#include "common/block_sparse.cuh"
 #include "common/grid.cuh"
 #include "common/dropout.cuh"
 #include "common/head_view.cuh"
@@ -18,7 +19,7 @@
 namespace cuattn {
 
 /// \brief One block of query rows of one (sequence, head): writes its rows of out and lse.
-template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, bool SOFTCAP, SeqLayout LAYOUT, bool FOLD, bool DROPOUT>
+template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, bool SOFTCAP, SeqLayout LAYOUT, bool FOLD, bool DROPOUT, bool SPARSE>
 __device__ __forceinline__ void forward_wgmma_block(const AttnParams& p, int seq, const SeqSpan& span, const HeadView<T>& head_view, int m_block,
                                                     unsigned char* smem_raw) {
   using Tr = WgmmaForwardTraits<HEAD_DIM, BLOCK_N, WARPGROUPS>;
@@ -35,6 +36,7 @@ __device__ __forceinline__ void forward_wgmma_block(const AttnParams& p, int seq
   const int key_first = band.first_key(m0), key_last = band.last_key(m_last);
   const int n_first = key_first / BLOCK_N;
   const int n_last = key_last < key_first ? n_first - 1 : key_last / BLOCK_N;
+  const KeyTiles<SPARSE, BLOCK_N> tiles(p, seq, blockIdx.y, m0, n_first, n_last);
 
   float acc[1][Tr::kDTiles][4];
   float row_max[1][2] = {{neg_inf(), neg_inf()}}, row_sum[1][2] = {{0.f, 0.f}};
@@ -58,14 +60,14 @@ __device__ __forceinline__ void forward_wgmma_block(const AttnParams& p, int seq
     }
   };
   int page_ahead = 0;  // paged: the page of this thread's key in the block after next
-  if (n_last >= n_first) {
+  if (tiles.count > 0) {
     if constexpr (PAGED) {
       store_key_offsets<BLOCK_N>(s_offsets, p, cache, n_last, page_of_key<BLOCK_N>(cache, n_last, n_first, span.seqlen_k));
       page_ahead = page_of_key<BLOCK_N>(cache, n_last - 1, n_first, span.seqlen_k);
       __syncthreads();
     }
     load_tile_sw128<Tr, Tr::kBlockM>(sQ, head_view.q, p.q_strides[1], m0, span.seqlen_q, p.head_dim);
-    load_kv(n_last, 0);
+    load_kv(tiles.tile(0), 0);
     cp_async_commit();
   }
   // This warpgroup's rows and the keys they see (a warpgroup skips the key blocks none of its
@@ -77,15 +79,17 @@ __device__ __forceinline__ void forward_wgmma_block(const AttnParams& p, int seq
   const int warp_last_row = min(warp_first_row + 16, span.seqlen_q) - 1;
   const u32 q_addr = smem_addr(sQ);
 
-  // Key blocks from last to first, so that the partially masked diagonal block comes first.
-  for (int n_block = n_last, stage = 0; n_block >= n_first; --n_block, stage ^= 1) {
+  // Key blocks from last to first, so that the partially masked diagonal block comes first
+  // (block-sparse: the kept blocks, common/block_sparse.cuh; paged: consecutive blocks).
+  for (int i = 0, stage = 0; i < tiles.count; ++i, stage ^= 1) {
+    const int n_block = tiles.tile(i);
     const int n0 = n_block * BLOCK_N;
     cp_async_wait<0>();
     if constexpr (PAGED) store_key_offsets<BLOCK_N>(s_offsets, p, cache, n_block - 1, page_ahead);  // read after the barrier
     fence_proxy_async();  // this thread's copies, visible to the tensor cores' async proxy
     __syncthreads();      // K/V[n_block] (and Q) landed; every warpgroup finished with the other stage
-    if (n_block > n_first) {
-      load_kv(n_block - 1, stage ^ 1);
+    if (i + 1 < tiles.count) {
+      load_kv(tiles.tile(i + 1), stage ^ 1);
       cp_async_commit();
     }
     if constexpr (PAGED) page_ahead = page_of_key<BLOCK_N>(cache, n_block - 2, n_first, span.seqlen_k);  // stored next iteration
@@ -171,9 +175,10 @@ __device__ __forceinline__ void forward_wgmma_block(const AttnParams& p, int seq
 /// (common/grid.cuh, common/seq_layout.cuh); query blocks run heaviest-first. CTAS_PER_SM
 /// bounds the registers (65536 / (threads * CTAS_PER_SM)).
 /// FOLD: fold the result into the fp32 accumulator AttnParams::accum (forward/accumulate.cuh).
-/// DROPOUT: dropout on the probabilities (common/dropout.cuh).
+/// DROPOUT: dropout on the probabilities (common/dropout.cuh). SPARSE: only the blocks of a
+/// block mask (common/block_sparse.cuh; dense layout).
 template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int CTAS_PER_SM, bool SOFTCAP, SeqLayout LAYOUT, bool FOLD = false,
-          bool DROPOUT = false>
+          bool DROPOUT = false, bool SPARSE = false>
 __global__ void __launch_bounds__(WARPGROUPS * 128, CTAS_PER_SM) forward_wgmma_kernel(const __grid_constant__ AttnParams p) {
   using Tr = WgmmaForwardTraits<HEAD_DIM, BLOCK_N, WARPGROUPS>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -182,7 +187,7 @@ __global__ void __launch_bounds__(WARPGROUPS * 128, CTAS_PER_SM) forward_wgmma_k
   const SeqSpan span = seq_span<LAYOUT>(p, seq);
   const HeadView<T> head_view(p, seq, head, span);
   const bool covered = for_each_row_block<LAYOUT, Tr::kBlockM>(span.seqlen_q, [&](int m_block) {
-    forward_wgmma_block<T, HEAD_DIM, BLOCK_N, WARPGROUPS, SOFTCAP, LAYOUT, FOLD, DROPOUT>(p, seq, span, head_view, m_block, smem_raw);
+    forward_wgmma_block<T, HEAD_DIM, BLOCK_N, WARPGROUPS, SOFTCAP, LAYOUT, FOLD, DROPOUT, SPARSE>(p, seq, span, head_view, m_block, smem_raw);
   });
   if (!covered && blockIdx.x == 0)
     mark_uncovered_rows<T>(head_view.out, p.out_strides[1], head_view.lse, p.head_dim, int(gridDim.x) * Tr::kBlockM, span.seqlen_q);

@@ -1,0 +1,122 @@
+// Block-sparse attention (kernels compiled with SPARSE; dense layout): the score matrix of each
+// (batch, head) is cut into kSparseBlock x kSparseBlock blocks and only the blocks its mask keeps
+// are visited, the others cost nothing. The mask lists, per query block, its kept key blocks in
+// ascending order (kv_block_counts / kv_block_indices, which the forward and dQ kernels follow)
+// and, per key block, its kept query blocks (q_block_counts / q_block_indices, for dK / dV): the
+// same mask twice, as FlexAttention's BlockMask. Kept blocks are masked per element by the
+// causal / window band as usual. Counts are clamped to the blocks that exist and indices into
+// them, so a malformed mask changes results but moves no access outside the tensors.
+#pragma once
+#include "params.cuh"
+
+namespace cuattn {
+
+constexpr int kSparseBlock = 128;
+
+__device__ __forceinline__ int sparse_blocks(int rows) { return (rows + kSparseBlock - 1) / kSparseBlock; }
+
+// One row of a block list: the kept blocks of one query block (or key block), ascending.
+struct BlockList {
+  const int* indices;
+  int count;
+  int last_block;  // the highest block index that exists
+
+  __device__ __forceinline__ BlockList(const int* counts, const int* all_indices, const i64 (&strides)[2], int batch, int head, int row,
+                                       int blocks) {
+    const i64 entry = batch * strides[0] + head * strides[1] + row;
+    indices = all_indices + entry * blocks;
+    count = min(max(counts[entry], 0), blocks);
+    last_block = blocks - 1;
+  }
+  __device__ __forceinline__ int block(int i) const { return min(max(indices[i], 0), last_block); }
+};
+
+// The key blocks query block `q_block` of (batch, head) keeps.
+__device__ __forceinline__ BlockList kept_key_blocks(const AttnParams& p, int batch, int head, int q_block) {
+  return BlockList(p.kv_block_counts, p.kv_block_indices, p.kv_block_strides, batch, head, q_block, sparse_blocks(p.seqlen_k));
+}
+// The query blocks key block `k_block` keeps for query head `head` of (batch).
+__device__ __forceinline__ BlockList kept_query_blocks(const AttnParams& p, int batch, int head, int k_block) {
+  return BlockList(p.q_block_counts, p.q_block_indices, p.q_block_strides, batch, head, k_block, sparse_blocks(p.seqlen_q));
+}
+
+// The tiles of TILE rows inside the blocks of a list that lie in tiles [first, last], in order
+// from the last: tile(0) is the highest.
+template <int TILE>
+struct ListTiles {
+  static_assert(kSparseBlock % TILE == 0, "tiles nest in mask blocks");
+  static constexpr int kSub = kSparseBlock / TILE;
+  BlockList list;
+  int count, top, skip;  // tile(i) is the (i + skip)-th tile from the top of list entry `top` down
+
+  __device__ __forceinline__ ListTiles(const BlockList& blocks, int n_first, int n_last) : list(blocks), count(0), top(-1), skip(0) {
+    if (n_last < n_first) return;
+    int lo = 0, hi = list.count - 1;
+    while (lo <= hi && list.block(lo) < n_first / kSub) ++lo;
+    while (hi >= lo && list.block(hi) > n_last / kSub) --hi;
+    if (lo > hi) return;
+    top = hi;
+    skip = max(0, list.block(hi) * kSub + kSub - 1 - n_last);
+    count = (hi - lo + 1) * kSub - skip - max(0, n_first - list.block(lo) * kSub);
+  }
+  __device__ __forceinline__ int tile(int i) const {
+    const int j = i + skip;
+    return list.block(top - j / kSub) * kSub + (kSub - 1 - j % kSub);
+  }
+};
+
+// The key tiles of TILE keys that a block of query rows visits, in order: tile(0) is the last
+// (the partially masked diagonal comes first). Dense: every tile of [n_first, n_last]. SPARSE:
+// the tiles of the kept key blocks of the rows' query block (rows m0 .. within one block) that
+// lie in [n_first, n_last].
+template <bool SPARSE, int TILE>
+struct KeyTiles;
+
+template <int TILE>
+struct KeyTiles<false, TILE> {
+  int count, last;
+  __device__ __forceinline__ KeyTiles(const AttnParams&, int, int, int, int n_first, int n_last)
+      : count(n_last - n_first + 1), last(n_last) {}
+  __device__ __forceinline__ int tile(int i) const { return last - i; }
+};
+
+template <int TILE>
+struct KeyTiles<true, TILE> : ListTiles<TILE> {
+  __device__ __forceinline__ KeyTiles(const AttnParams& p, int batch, int head, int m0, int n_first, int n_last)
+      : ListTiles<TILE>(kept_key_blocks(p, batch, head, m0 / kSparseBlock), n_first, n_last) {}
+};
+
+// The (query head, query block) steps of BLOCK_M rows that a key block streams under a block
+// mask: for each query head of the KV head's group, the tiles of its kept query blocks. The
+// interface of QuerySteps (backward/head_rows.cuh) without its split and band trimming: tiles
+// the causal / window band hides are loaded, and their scores masked, like any other.
+template <int BLOCK_M>
+struct SparseQuerySteps {
+  static_assert(kSparseBlock % BLOCK_M == 0, "query tiles nest in mask blocks");
+  static constexpr int kSub = kSparseBlock / BLOCK_M;
+  const AttnParams& a;
+  int batch, kv_head, k_block, group, steps;
+
+  __device__ __forceinline__ SparseQuerySteps(const AttnParams& attn, int batch_, int kv_head_, int n0)
+      : a(attn), batch(batch_), kv_head(kv_head_), k_block(n0 / kSparseBlock), group(attn.heads_q / attn.heads_kv), steps(0) {
+    for (int h = 0; h < group; ++h) steps += list(kv_head * group + h).count * kSub;
+  }
+  __device__ __forceinline__ BlockList list(int head) const { return kept_query_blocks(a, batch, head, k_block); }
+  // The query head of `step` and the step's index within that head's tiles.
+  __device__ __forceinline__ int head(int, int step, int* index = nullptr) const {
+    int head = kv_head * group;
+    for (int tiles = list(head).count * kSub; step >= tiles && head + 1 < (kv_head + 1) * group; tiles = list(head).count * kSub) {
+      step -= tiles;
+      ++head;
+    }
+    if (index != nullptr) *index = step;
+    return head;
+  }
+  __device__ __forceinline__ int m0(int step) const {
+    int index;
+    const BlockList blocks = list(head(kv_head, step, &index));
+    return blocks.block(index / kSub) * kSparseBlock + index % kSub * BLOCK_M;
+  }
+};
+
+}  // namespace cuattn

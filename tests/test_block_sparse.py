@@ -1,0 +1,311 @@
+"""Block-sparse attention (``block_mask=``): the mask builders, their checks and the reference
+(no GPU needed); the kernels against float64 on both kernel paths and both backward modes,
+skipped blocks never read, and the adapters (GPU)."""
+
+import numpy as np
+import pytest
+
+import cuattn
+from cuattn import block_mask as bm, reference
+from helpers import (
+    KERNEL_PATHS, assert_attention_accuracy, assert_every_kernel_path_has_form, kernel_path, max_err, naive_attention, naive_attention_backward, poison_cupy_pool, randn,
+    to_host,
+)
+
+gpu = pytest.mark.gpu
+B = bm.BLOCK_SIZE
+
+
+def _random_mask(rng, sq, sk, batch=1, heads=1, density=0.4, empty_row=True):
+    keep = rng.random((batch, heads, bm.blocks(sq), bm.blocks(sk))) < density
+    if empty_row and keep.shape[2] > 1:
+        keep[0, 0, 1] = False  # a query block that keeps nothing
+    return bm.from_dense(keep, sq, sk)
+
+
+def _elements(mask, sq, sk):
+    """The element mask (B, H, sq, sk) of a block mask."""
+    keep = mask.to_dense()
+    return keep[:, :, np.arange(sq) // B][..., np.arange(sk) // B]
+
+
+# --- builders and checks (host) ------------------------------------------------------------------
+
+
+def test_from_dense_lists_both_ways_ascending():
+    keep = np.array([[True, False, True], [False, False, False], [True, True, True]])
+    m = bm.from_dense(keep, 300, 257)
+    np.testing.assert_array_equal(m.kv_counts[0, 0], [2, 0, 3])
+    np.testing.assert_array_equal(m.kv_indices[0, 0, 0, :2], [0, 2])
+    np.testing.assert_array_equal(m.q_counts[0, 0], [2, 1, 2])
+    np.testing.assert_array_equal(m.q_indices[0, 0, 2, :2], [0, 2])
+    np.testing.assert_array_equal(m.to_dense()[0, 0], keep)
+    assert m.kv_counts.dtype == np.int32 and m.kv_indices.dtype == np.int32
+    assert m.density() == pytest.approx(5 / 9)
+    m.check()
+
+
+def test_from_callable_vectorized_scalar_and_per_entry():
+    vectorized = bm.from_callable(lambda i, j: (i >= j) & (i - j < 2), 1000, 1000)
+    scalar = bm.from_callable(lambda i, j: i >= j and i - j < 2, 1000, 1000)
+    np.testing.assert_array_equal(vectorized.to_dense(), scalar.to_dense())
+    assert vectorized.to_dense()[0, 0].sum() == 8 + 7
+    per_entry = bm.from_callable(lambda b, h, i, j: (i + j + h + b) % 2 == 0, 256, 384, batch=2, heads=3)
+    assert per_entry.shape == (2, 3, 2, 3)
+    assert per_entry.to_dense()[1, 2, 0, 1] and not per_entry.to_dense()[1, 1, 0, 1]
+    per_entry.check()
+
+
+def test_pattern_builders():
+    lg = bm.local_global(1024, 1024, window_blocks=1, global_blocks=1).to_dense()[0, 0]
+    assert lg[0].all() and lg[:, 0].all() and lg[5, 4:7].all() and not lg[5, 2] and not lg[5, 7]
+    causal = bm.local_global(1024, 1024, window_blocks=1, global_blocks=1, causal=True).to_dense()[0, 0]
+    assert not np.triu(causal, 1).any() and causal[5, 4] and not causal[5, 3] and causal[5, 0]
+    st = bm.strided(2048, 2048, local_blocks=2, stride=4).to_dense()[0, 0]
+    assert st[8, 7] and st[8, 9] and st[8, 4] and st[8, 0] and st[8, 12] and not st[8, 6] and not st[8, 10]
+    ids = np.repeat(np.arange(4), [100, 300, 56, 200])  # documents at 0, 100, 400, 456
+    doc = bm.document(ids).to_dense()[0, 0]
+    expected = np.array([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1], [0, 0, 0, 1, 1, 1],
+                         [0, 0, 0, 1, 1, 1]], dtype=bool)
+    np.testing.assert_array_equal(doc, expected)
+    aligned = bm.document(np.repeat([3, 1], 256), causal=True).to_dense()[0, 0]
+    np.testing.assert_array_equal(aligned, np.array([[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]], dtype=bool))
+
+
+def test_check_finds_malformed_masks():
+    good = bm.from_dense(np.tril(np.ones((3, 3), bool)), 384, 384)
+    good.check()
+    for field, change, match in (
+        ("kv_counts", lambda a: a.__setitem__((0, 0, 0), 4), "kv_counts"),
+        ("kv_indices", lambda a: a.__setitem__((0, 0, 2, slice(0, 3)), [0, 2, 1]), "ascending"),
+        ("kv_indices", lambda a: a.__setitem__((0, 0, 2, 2), 3), "kv_indices"),
+        ("q_indices", lambda a: a.__setitem__((0, 0, 2, 0), 1), "transposed"),
+    ):
+        bad = good.to({"kv_counts": np.copy, "kv_indices": np.copy, "q_counts": np.copy, "q_indices": np.copy}[field])
+        change(getattr(bad, field))
+        with pytest.raises(ValueError, match=match):
+            bad.check()
+    with pytest.raises(ValueError, match="shape"):
+        bm.from_dense(np.ones((2, 2), bool), 384, 384)
+    with pytest.raises(TypeError, match="bool"):
+        bm.from_dense(np.ones((3, 3), np.int32), 384, 384)
+
+
+def test_reference_masks_whole_blocks():
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal((2, n, 4, 16)) for n in (300, 260, 260))
+    mask = _random_mask(rng, 300, 260, batch=2, heads=4)
+    out, lse = reference.attention(q, k, v, block_mask=mask, causal=True, return_lse=True)
+    keep = _elements(mask, 300, 260) & reference.visible(np.arange(300), np.arange(260), -40, -1, 0)[None, None]
+    s = np.einsum("bmhd,bnhd->bhmn", q, k) / 4.0
+    s = np.where(keep, s, -np.inf)
+    m = np.where(np.isfinite(s.max(-1, keepdims=True)), s.max(-1, keepdims=True), 0)
+    p = np.exp(s - m)
+    den = p.sum(-1, keepdims=True)
+    expected = np.einsum("bhmn,bnhd->bmhd", p / np.where(den > 0, den, 1), v)
+    np.testing.assert_allclose(out, expected, atol=1e-12)
+    assert np.isneginf(lse[0, 0, 128:256]).all() and (out[0, 128:256, 0] == 0).all()  # the empty query block
+
+
+def test_reference_backward_matches_finite_differences():
+    rng = np.random.default_rng(2)
+    q, k, v = (rng.standard_normal((1, n, 2, 8)) for n in (150, 200, 200))
+    mask = bm.from_dense(np.array([[True, False], [True, True]]), 150, 200)
+    w = rng.standard_normal((1, 150, 2, 8))
+    out, lse = reference.attention(q, k, v, block_mask=mask, return_lse=True)
+    grads = reference.attention_backward(w, q, k, v, out, lse, block_mask=mask)
+    eps = 1e-6
+    for x, g in zip((q, k, v), grads):
+        for idx in [(0, 3, 1, 2), (0, 140, 0, 5), (0, 199 if x.shape[1] == 200 else 149, 1, 7)]:
+            xp, xm = x.copy(), x.copy()
+            xp[idx] += eps
+            xm[idx] -= eps
+            args = lambda y: [y if a is x else a for a in (q, k, v)]  # noqa: E731
+            numeric = ((reference.attention(*args(xp), block_mask=mask) - reference.attention(*args(xm), block_mask=mask)) * w).sum() / (2 * eps)
+            assert abs(numeric - g[idx]) < 1e-6
+
+
+# --- argument checks (before any launch) ---------------------------------------------------------
+
+
+def _call_both(mask, exc, match, q=None, **kw):
+    q = np.ones((2, 300, 4, 64), np.float16) if q is None else q
+    k = np.ones((2, 260, 2, 64), np.float16)
+    with pytest.raises(exc, match=match):
+        cuattn.attention(q, k, k, block_mask=mask, **kw)
+    with pytest.raises(exc, match=match):
+        cuattn.attention_backward(q, q, k, k, q, np.zeros((2, 4, 300), np.float32), block_mask=mask, **kw)
+
+
+def test_bad_block_masks_are_refused_before_any_launch():
+    good = bm.from_dense(np.ones((3, 3), bool), 300, 260)
+    _call_both(np.ones((3, 3), bool), TypeError, "block_mask must be")
+    _call_both(bm.from_dense(np.ones((3, 3), bool), 300, 300), ValueError, "seqlen_k 300")
+    _call_both(bm.from_dense(np.ones((1, 3, 3, 3), bool), 300, 260), ValueError, "heads_q")
+    _call_both(bm.from_dense(np.ones((3, 1, 3, 3), bool), 300, 260), ValueError, "batch")
+    _call_both(good.to(lambda a: a.astype(np.int64)), TypeError, "int32")
+    _call_both(good.to(lambda a: np.asfortranarray(np.broadcast_to(a, (2, 4) + a.shape[2:]))), ValueError, "contiguous")
+    _call_both(good, ValueError, "dropout", dropout_p=0.1, dropout_seed=1)
+    _call_both(good, ValueError, "sink_tokens", window=(8, 0), sink_tokens=4)
+
+
+def test_every_kernel_path_has_a_block_sparse_form():
+    assert_every_kernel_path_has_form("/sparse", ", false, true>", sparse=True)
+
+
+# --- kernels (GPU) -------------------------------------------------------------------------------
+
+CASES = [  # dtype, batch, sq, sk, hq, hk, d, kw, mask
+    ("bfloat16", 2, 1023, 1023, 4, 2, 128, {"causal": True}, "random per head"),
+    ("float16", 1, 113, 700, 4, 4, 64, {"window": (64, 64), "softcap": 30.0}, "random"),
+    ("float32", 2, 300, 260, 4, 2, 64, {"causal": True, "align": "top_left"}, "random per batch"),
+    ("bfloat16", 1, 1, 300, 8, 1, 256, {}, "random"),
+    ("bfloat16", 1, 640, 640, 6, 2, 96, {}, "local_global"),
+    ("float16", 1, 1000, 1000, 2, 1, 64, {"causal": True}, "strided"),
+]
+
+
+def _case_mask(rng, kind, batch, sq, sk, hq):
+    if kind == "local_global":
+        return bm.local_global(sq, sk, window_blocks=1, global_blocks=1)
+    if kind == "strided":
+        return bm.strided(sq, sk, local_blocks=2, stride=3, causal=True)
+    return _random_mask(rng, sq, sk, batch=batch if "batch" in kind else 1, heads=hq if "head" in kind else 1)
+
+
+@gpu
+@pytest.mark.parametrize("dtype, batch, sq, sk, hq, hk, d, kw, kind", CASES)
+def test_forward_and_backward_match_the_reference(dtype, batch, sq, sk, hq, hk, d, kw, kind):
+    """Both kernel paths and both backward modes against float64, within 2x (forward) / 3x
+    (gradients) the error of naive attention in the input precision with the same mask."""
+    import cupy
+
+    rng = np.random.default_rng(sq * 7 + sk + d)
+    q, k, v = randn(rng, (batch, sq, hq, d), dtype), randn(rng, (batch, sk, hk, d), dtype), randn(rng, (batch, sk, hk, d), dtype)
+    dout = randn(rng, (batch, sq, hq, d), dtype)
+    mask = _case_mask(rng, kind, batch, sq, sk, hq)
+    keep = _elements(mask, sq, sk)
+    ref_out, ref_lse = reference.attention(q, k, v, block_mask=mask, return_lse=True, **kw)
+    naive_out = naive_attention(q, k, v, dtype, keep=keep, **kw)
+    ref = reference.attention_backward(dout, q, k, v, ref_out, ref_lse, block_mask=mask, **kw)
+    naive = naive_attention_backward(dout, q, k, v, dtype, keep=keep, **kw)
+    device_mask = mask.to(cupy.asarray)
+    for path in KERNEL_PATHS:
+        with kernel_path(path):
+            poison_cupy_pool()
+            dev = [cupy.asarray(x) for x in (q, k, v, dout)]
+            out, lse = cuattn.attention(*dev[:3], block_mask=device_mask, return_lse=True, **kw)
+            assert_attention_accuracy(to_host(out), ref_out, naive_out)
+            np.testing.assert_allclose(to_host(lse), ref_lse, rtol=1e-5, atol=1e-5)
+            for deterministic in (False, True):
+                poison_cupy_pool()
+                grads = cuattn.attention_backward(dev[3], *dev[:3], out, lse, block_mask=device_mask, deterministic=deterministic, **kw)
+                for name, g, r, nv in zip(("dq", "dk", "dv"), grads, ref, naive):
+                    g = to_host(g)
+                    assert not np.isnan(g).any(), f"{path} {name}"
+                    bound = 3.0 * max_err(nv, r) + 1e-5 * max(1.0, float(np.abs(r).max()))
+                    assert max_err(g, r) <= bound, f"{path} {name}: {max_err(g, r):.3e} > {bound:.3e}"
+
+
+@gpu
+@pytest.mark.parametrize("dtype, d", [("bfloat16", 128), ("float16", 64), ("float32", 32)])
+def test_skipped_blocks_are_never_read(dtype, d):
+    """K / V rows of a key block no query block keeps hold NaN: outputs and gradients stay finite
+    and equal those without them (the dense kernels would spread the NaN), dK / dV of those rows
+    are zero; a mask keeping every block gives the dense kernels' results bit for bit."""
+    import cupy
+
+    rng = np.random.default_rng(d)
+    sq, sk, hq, hk = 384, 512, 4, 2
+    q, k, v, dout = (randn(rng, (1, n, h, d), dtype) for n, h in ((sq, hq), (sk, hk), (sk, hk), (sq, hq)))
+    keep = rng.random((1, hq, 3, 4)) < 0.7
+    keep[..., 2] = False
+    keep[..., 0] = True
+    mask = bm.from_dense(keep, sq, sk).to(cupy.asarray)
+    full = bm.from_dense(np.ones((3, 4), bool), sq, sk).to(cupy.asarray)
+    poisoned_k, poisoned_v = k.copy(), v.copy()
+    poisoned_k[:, 2 * B:3 * B] = np.nan
+    poisoned_v[:, 2 * B:3 * B] = np.nan
+    for path in KERNEL_PATHS:
+        with kernel_path(path):
+            dq_, dout_ = cupy.asarray(q), cupy.asarray(dout)
+            clean = [cupy.asarray(x) for x in (k, v)]
+            poisoned = [cupy.asarray(x) for x in (poisoned_k, poisoned_v)]
+            out, lse = cuattn.attention(dq_, *clean, block_mask=mask, return_lse=True)
+            out_p, lse_p = cuattn.attention(dq_, *poisoned, block_mask=mask, return_lse=True)
+            np.testing.assert_array_equal(to_host(out_p), to_host(out))
+            for deterministic in (False, True):
+                grads = cuattn.attention_backward(dout_, dq_, *clean, out, lse, block_mask=mask, deterministic=deterministic)
+                grads_p = cuattn.attention_backward(dout_, dq_, *poisoned, out_p, lse_p, block_mask=mask, deterministic=deterministic)
+                for g, g_p in zip(grads, grads_p):
+                    if deterministic:
+                        np.testing.assert_array_equal(to_host(g_p), to_host(g))
+                    assert not np.isnan(to_host(g_p)).any()
+                assert not to_host(grads_p[1])[:, 2 * B:3 * B].any() and not to_host(grads_p[2])[:, 2 * B:3 * B].any()
+            dense_out, dense_lse = cuattn.attention(dq_, *clean, return_lse=True, causal=True)
+            sparse_out, sparse_lse = cuattn.attention(dq_, *clean, block_mask=full, return_lse=True, causal=True)
+            np.testing.assert_array_equal(to_host(sparse_out), to_host(dense_out))
+            np.testing.assert_array_equal(to_host(sparse_lse), to_host(dense_lse))
+            dense = cuattn.attention_backward(dout_, dq_, *clean, dense_out, dense_lse, causal=True, deterministic=True)
+            sparse = cuattn.attention_backward(dout_, dq_, *clean, dense_out, dense_lse, causal=True, deterministic=True, block_mask=full)
+            for g, g_s in zip(dense, sparse):
+                np.testing.assert_array_equal(to_host(g_s), to_host(g))
+
+
+@gpu
+def test_torch_gradients_match_the_reference():
+    """Eager autograd, torch.compile(fullgraph=True) and opcheck of the block-sparse ops."""
+    torch = pytest.importorskip("torch")
+    import cuattn.torch as ct
+    from helpers import naive_attention as naive_fwd, torch_attention_grads
+
+    rng = np.random.default_rng(6)
+    sq, sk = 300, 400
+    q, k, v = randn(rng, (2, sq, 8, 64), "bfloat16"), randn(rng, (2, sk, 2, 64), "bfloat16"), randn(rng, (2, sk, 2, 64), "bfloat16")
+    w = randn(rng, (2, sq, 8, 64), "bfloat16").astype(np.float32)
+    mask = _random_mask(rng, sq, sk, heads=8)
+    keep = _elements(mask, sq, sk)
+    ref_out, ref_lse = reference.attention(q, k, v, causal=True, block_mask=mask, return_lse=True)
+    ref = reference.attention_backward(w, q, k, v, ref_out, ref_lse, causal=True, block_mask=mask)
+    naive_out = naive_fwd(q, k, v, "bfloat16", causal=True, keep=keep)
+    naive = naive_attention_backward(w, q, k, v, "bfloat16", causal=True, keep=keep)
+    device_mask = mask.to(lambda a: torch.as_tensor(a, device="cuda"))
+    eager = lambda q, k, v: ct.attention(q, k, v, causal=True, block_mask=device_mask)  # noqa: E731
+    for fn in (eager, torch.compile(eager, fullgraph=True)):
+        out, grads = torch_attention_grads(fn, q, k, v, w)
+        assert_attention_accuracy(out, ref_out, naive_out)
+        for g, r, nv in zip(grads, ref, naive):
+            assert max_err(g, r) <= 3.0 * max_err(nv, r) + 1e-5 * max(1.0, float(np.abs(r).max()))
+
+    small = [torch.from_numpy(x[:1, :200].astype(np.float32)).cuda().bfloat16() for x in (q, k, v)]
+    small_mask = bm.from_dense(np.array([[True, False], [True, True]]), 200, 200).to(lambda a: torch.as_tensor(a, device="cuda"))
+    options = dict(causal=False, window_left=-1, window_right=-1, align="bottom_right", scale=0.125, softcap=0.0, sink_tokens=0)
+    torch.library.opcheck(ct.op("attention_block_sparse"), (*small, *small_mask.arrays), options)
+    out, lse = ct.op("attention_block_sparse")(*small, *small_mask.arrays, **options)
+    torch.library.opcheck(ct.op("attention_block_sparse_backward"), (torch.randn_like(out), *small, out, lse, None, *small_mask.arrays),
+                          {**options, "deterministic": True})
+
+
+@gpu
+def test_jax_gradients_match_the_reference():
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    import cuattn.jax as cj
+
+    rng = np.random.default_rng(3)
+    sq, sk = 150, 400
+    q, k, v = randn(rng, (2, sq, 4, 64), "bfloat16"), randn(rng, (2, sk, 2, 64), "bfloat16"), randn(rng, (2, sk, 2, 64), "bfloat16")
+    w = randn(rng, (2, sq, 4, 64), "bfloat16").astype(np.float32)
+    mask = _random_mask(rng, sq, sk, batch=2, empty_row=False)
+    device_mask = mask.to(jnp.asarray)
+
+    def loss(q, k, v, mask):
+        return (cj.attention(q, k, v, block_mask=mask, window=(200, None)).astype(jnp.float32) * w).sum()
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*map(jnp.asarray, (q, k, v)), device_mask)
+    ref_out, ref_lse = reference.attention(q, k, v, return_lse=True, block_mask=mask, window=(200, None))
+    ref = reference.attention_backward(w, q, k, v, ref_out, ref_lse, block_mask=mask, window=(200, None))
+    naive = naive_attention_backward(w, q, k, v, "bfloat16", window=(200, None), keep=_elements(mask, sq, sk))
+    for g, r, nv in zip(grads, ref, naive):
+        assert max_err(np.asarray(g).astype(np.float32), r) <= 3.0 * max_err(nv, r) + 1e-5 * max(1.0, float(np.abs(r).max()))
