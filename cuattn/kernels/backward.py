@@ -46,8 +46,10 @@ WGMMA_DROPOUT_CTAS = {
 # (kernel, bucket, softcap, layout) whose Hopper form with dropout needs more than 255 registers:
 # the portable kernel serves them.
 WGMMA_DROPOUT_PORTABLE = {("backward_dkdv", 128, True, "packed")}
-# Likewise (kernel, bucket, softcap) of the block-sparse forms.
+# Likewise (kernel, bucket, softcap) of the block-sparse forms, and CTAs per SM of those that
+# need more registers.
 WGMMA_SPARSE_PORTABLE = {("backward_dkdv", 128, True)}
+WGMMA_SPARSE_CTAS = {"backward_wgmma_fused": {(64, True): 2}}
 
 
 def wgmma_serves(kernel: str, bucket: int, softcap: bool, layout: str, dropout: bool, sparse: bool = False) -> bool:
@@ -187,6 +189,8 @@ def _wgmma(
     stream, warpgroups, ctas = tiles
     if dropout:
         ctas = WGMMA_DROPOUT_CTAS.get(kernel, {}).get((bucket, softcap), ctas)
+    if sparse:
+        ctas = WGMMA_SPARSE_CTAS.get(kernel, {}).get((bucket, softcap), ctas)
     traits = f"cuattn::{traits}<{bucket}, {stream}, {warpgroups}>"
     return Variant(
         family=FAMILY, kernel=kernel,
