@@ -160,7 +160,7 @@ CASES = [  # dtype, batch, sq, sk, hq, hk, d, kw, mask
     ("float16", 1, 113, 700, 4, 4, 64, {"window": (64, 64), "softcap": 30.0}, "random"),
     ("float32", 2, 300, 260, 4, 2, 64, {"causal": True, "align": "top_left"}, "random per batch"),
     ("bfloat16", 1, 1, 300, 8, 1, 256, {}, "random"),
-    ("bfloat16", 1, 640, 640, 6, 2, 96, {}, "local_global"),
+    ("bfloat16", 1, 640, 640, 6, 2, 96, {"sink": True}, "local_global"),
     ("float16", 1, 1000, 1000, 2, 1, 64, {"causal": True}, "strided"),
 ]
 
@@ -183,6 +183,8 @@ def test_forward_and_backward_match_the_reference(dtype, batch, sq, sk, hq, hk, 
     rng = np.random.default_rng(sq * 7 + sk + d)
     q, k, v = randn(rng, (batch, sq, hq, d), dtype), randn(rng, (batch, sk, hk, d), dtype), randn(rng, (batch, sk, hk, d), dtype)
     dout = randn(rng, (batch, sq, hq, d), dtype)
+    if kw.get("sink"):  # attention sinks: a per-head logit in every row's denominator
+        kw = {**kw, "sink": rng.standard_normal(hq).astype(np.float32)}
     mask = _case_mask(rng, kind, batch, sq, sk, hq)
     keep = _elements(mask, sq, sk)
     ref_out, ref_lse = reference.attention(q, k, v, block_mask=mask, return_lse=True, **kw)
@@ -190,17 +192,18 @@ def test_forward_and_backward_match_the_reference(dtype, batch, sq, sk, hq, hk, 
     ref = reference.attention_backward(dout, q, k, v, ref_out, ref_lse, block_mask=mask, **kw)
     naive = naive_attention_backward(dout, q, k, v, dtype, keep=keep, **kw)
     device_mask = mask.to(cupy.asarray)
+    device_kw = {**kw, "sink": cupy.asarray(kw["sink"])} if "sink" in kw else kw
     for path in KERNEL_PATHS:
         with kernel_path(path):
             poison_cupy_pool()
             dev = [cupy.asarray(x) for x in (q, k, v, dout)]
-            out, lse = cuattn.attention(*dev[:3], block_mask=device_mask, return_lse=True, **kw)
+            out, lse = cuattn.attention(*dev[:3], block_mask=device_mask, return_lse=True, **device_kw)
             assert_attention_accuracy(to_host(out), ref_out, naive_out)
             np.testing.assert_allclose(to_host(lse), ref_lse, rtol=1e-5, atol=1e-5)
             for deterministic in (False, True):
                 poison_cupy_pool()
-                grads = cuattn.attention_backward(dev[3], *dev[:3], out, lse, block_mask=device_mask, deterministic=deterministic, **kw)
-                for name, g, r, nv in zip(("dq", "dk", "dv"), grads, ref, naive):
+                grads = cuattn.attention_backward(dev[3], *dev[:3], out, lse, block_mask=device_mask, deterministic=deterministic, **device_kw)
+                for name, g, r, nv in zip(("dq", "dk", "dv", "dsink"), grads, ref, naive):
                     g = to_host(g)
                     assert not np.isnan(g).any(), f"{path} {name}"
                     bound = 3.0 * max_err(nv, r) + 1e-5 * max(1.0, float(np.abs(r).max()))

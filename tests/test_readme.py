@@ -101,6 +101,11 @@ def _qkv(b=1, sq=4, sk=5, hq=4, hk=2, d=64, dtype=np.float16):
     return np.ones((b, sq, hq, d), dtype), np.ones((b, sk, hk, d), dtype), np.ones((b, sk, hk, d), dtype)
 
 
+def _mask():
+    """A block mask of _attention's lengths (4 queries, 5 keys)."""
+    return cuattn.block_mask.from_dense(np.ones((1, 1), bool), 4, 5)
+
+
 def _attention(*change, **options):
     """cuattn.attention on the default NumPy inputs, ``change(q, k, v)`` applied first."""
     q, k, v = _qkv()
@@ -180,6 +185,12 @@ CPU_TRIGGERS = [
     (ValueError, "an int seed outside [0, 2**64)", "dropout_seed", lambda: _attention(dropout_p=0.1, dropout_seed=2**64)),
     (ValueError, "not 8 bytes", "dropout_seed", lambda: _attention(dropout_p=0.1, dropout_seed=np.zeros(3, np.uint32))),
     (ValueError, "dropout with `sink_tokens`", "sink_tokens", lambda: _attention(window=(1, 0), sink_tokens=1, dropout_p=0.1, dropout_seed=1)),
+    (TypeError, "not a `BlockMask`", "block_mask must be", lambda: _attention(block_mask=np.ones((1, 1), bool))),
+    (TypeError, "not int32", "block_mask.kv_counts must be int32", lambda: _attention(block_mask=_mask().to(lambda a: a.astype(np.int64)))),
+    (ValueError, "built for other lengths", "block_mask was built", lambda: _attention(block_mask=cuattn.block_mask.from_dense(np.ones((1, 1), bool), 4, 4))),
+    (ValueError, "neither 1 nor the call's", "heads_q", lambda: _attention(block_mask=cuattn.block_mask.from_dense(np.ones((1, 3, 1, 1), bool), 4, 5))),
+    (ValueError, "not C-contiguous", "contiguous", lambda: _attention(block_mask=_mask().to(lambda a: np.repeat(a, 8, axis=1)[:, ::2]))),
+    (ValueError, "a block mask with dropout", "dropout", lambda: _attention(block_mask=_mask(), dropout_p=0.1, dropout_seed=1)),
 ]
 
 
