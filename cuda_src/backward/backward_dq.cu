@@ -65,10 +65,10 @@ __global__ void __launch_bounds__(128, 1) backward_dq_kernel(const __grid_consta
     load_tile<Tr, BN>(sK_ring + stage * Tr::kSmemStream, k, a.k_strides[1], n_block * BN, span.seqlen_k, a.head_dim);
     load_tile<Tr, BN>(sV_ring + stage * Tr::kSmemStream, v, a.v_strides[1], n_block * BN, span.seqlen_k, a.head_dim);
   };
-  if (tiles.count > 0) {
+  if (tiles.any()) {
     load_tile<Tr, BM>(sQ, q, a.q_strides[1], m0, span.seqlen_q, a.head_dim);
     load_tile<Tr, BM>(sdO, dout, p.dout_strides[1], m0, span.seqlen_q, a.head_dim);
-    load_kv(tiles.tile(0), 0);
+    load_kv(tiles.start(), 0);
     cp_async_commit();
   }
 
@@ -79,12 +79,12 @@ __global__ void __launch_bounds__(128, 1) backward_dq_kernel(const __grid_consta
     for (int e = 0; e < 4; ++e) dq[dt][e] = 0.f;
   const float sc = a.exp2_scale;
 
-  for (int i = 0, stage = 0; i < tiles.count; ++i, stage ^= 1) {
-    const int n0 = tiles.tile(i) * BN;
+  for (int i = 0, n_block = tiles.start(), stage = 0; tiles.more(i, n_block); n_block = tiles.next(i, n_block), ++i, stage ^= 1) {
+    const int n0 = n_block * BN;
     cp_async_wait<0>();
     __syncthreads();  // this stage (and Q, dO) landed; every warp finished with the other one
-    if (i + 1 < tiles.count) {
-      load_kv(tiles.tile(i + 1), stage ^ 1);
+    if (tiles.has_next(i, n_block)) {
+      load_kv(tiles.next(i, n_block), stage ^ 1);
       cp_async_commit();
     }
     if (warp_last_row < warp_first_row || n0 > warp_last_key || n0 + BN <= warp_first_key) continue;

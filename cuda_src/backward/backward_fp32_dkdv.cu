@@ -54,15 +54,9 @@ __global__ void __launch_bounds__(kF32BwdWarps * 32, 1) backward_fp32_dkdv_kerne
     const float* delta = stats.delta;
     const DropoutDraws draws(a, batch, head);
     const int m_first = row_first / kF32BwdTile, m_last = row_last < row_first ? m_first - 1 : row_last / kF32BwdTile;
-    const auto tiles = [&] {
-      if constexpr (SPARSE) {
-        return ListTiles<kF32BwdTile>(kept_query_blocks(a, batch, head, n0 / kSparseBlock), m_first, m_last);
-      } else {
-        return KeyTiles<false, kF32BwdTile>(a, batch, head, n0, m_first, m_last);  // every tile in the band
-      }
-    }();
+    const auto tiles = ascending_tiles<SPARSE, kF32BwdTile>([&] { return kept_query_blocks(a, batch, head, n0 / kSparseBlock); }, m_first, m_last);
     for (int i = 0; i < tiles.count; ++i) {  // first query first
-      const int m0 = tiles.tile(tiles.count - 1 - i) * kF32BwdTile;
+      const int m0 = tiles.tile(i) * kF32BwdTile;
       __syncthreads();  // previous tiles fully consumed
       load_f32_tile<HEAD_DIM>(sQ, q, a.q_strides[1], m0, span.seqlen_q, a.head_dim);
       load_f32_tile<HEAD_DIM>(sdO, dout, p.dout_strides[1], m0, span.seqlen_q, a.head_dim);

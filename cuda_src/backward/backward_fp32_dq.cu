@@ -56,10 +56,11 @@ __global__ void __launch_bounds__(kF32BwdWarps * 32, 1) backward_fp32_dq_kernel(
   const float sc = a.exp2_scale;
   const DropoutDraws draws(a, batch, head);  // used with DROPOUT only
 
-  const KeyTiles<SPARSE, kF32BwdTile> tiles(a, batch, head, m0, key_first / kF32BwdTile,
-                                            key_last < key_first ? key_first / kF32BwdTile - 1 : key_last / kF32BwdTile);
+  const auto tiles = ascending_tiles<SPARSE, kF32BwdTile>([&] { return kept_key_blocks(a, batch, head, m0 / kSparseBlock); },
+                                                         key_first / kF32BwdTile,
+                                                         key_last < key_first ? key_first / kF32BwdTile - 1 : key_last / kF32BwdTile);
   for (int i = 0; i < tiles.count; ++i) {  // first key first
-    const int n0 = tiles.tile(tiles.count - 1 - i) * kF32BwdTile;
+    const int n0 = tiles.tile(i) * kF32BwdTile;
     __syncthreads();  // previous tiles fully consumed
     load_f32_tile<HEAD_DIM>(sK, k, a.k_strides[1], n0, span.seqlen_k, a.head_dim);
     load_f32_tile<HEAD_DIM>(sV, v, a.v_strides[1], n0, span.seqlen_k, a.head_dim);

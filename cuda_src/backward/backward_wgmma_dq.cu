@@ -67,10 +67,10 @@ __global__ void __launch_bounds__(WARPGROUPS * 128, CTAS_PER_SM) backward_wgmma_
     load_tile_sw128<Tr, BLOCK_N>(sK_ring + stage * Tr::kStreamBytes, k, a.k_strides[1], n_block * BLOCK_N, span.seqlen_k, a.head_dim);
     load_tile_sw128<Tr, BLOCK_N>(sV_ring + stage * Tr::kStreamBytes, v, a.v_strides[1], n_block * BLOCK_N, span.seqlen_k, a.head_dim);
   };
-  if (tiles.count > 0) {
+  if (tiles.any()) {
     load_tile_sw128<Tr, BM>(sQ, q, a.q_strides[1], m0, span.seqlen_q, a.head_dim);
     load_tile_sw128<Tr, BM>(sdO, dout, p.dout_strides[1], m0, span.seqlen_q, a.head_dim);
-    load_kv(tiles.tile(0), 0);
+    load_kv(tiles.start(), 0);
     cp_async_commit();
   }
 
@@ -81,13 +81,13 @@ __global__ void __launch_bounds__(WARPGROUPS * 128, CTAS_PER_SM) backward_wgmma_
     for (int e = 0; e < 4; ++e) dq[dt][e] = 0.f;
   const u32 q_addr = smem_addr(sQ), do_addr = smem_addr(sdO);
 
-  for (int i = 0, stage = 0; i < tiles.count; ++i, stage ^= 1) {
-    const int n0 = tiles.tile(i) * BLOCK_N;
+  for (int i = 0, n_block = tiles.start(), stage = 0; tiles.more(i, n_block); n_block = tiles.next(i, n_block), ++i, stage ^= 1) {
+    const int n0 = n_block * BLOCK_N;
     cp_async_wait<0>();
     fence_proxy_async();
     __syncthreads();  // this stage (and Q, dO) landed; every warpgroup finished with the other one
-    if (i + 1 < tiles.count) {
-      load_kv(tiles.tile(i + 1), stage ^ 1);
+    if (tiles.has_next(i, n_block)) {
+      load_kv(tiles.next(i, n_block), stage ^ 1);
       cp_async_commit();
     }
     if (wg_last_row < wg_first_row || n0 > wg_last_key || n0 + BLOCK_N <= wg_first_key) continue;

@@ -65,26 +65,57 @@ struct ListTiles {
   }
 };
 
-// The key tiles of TILE keys that a block of query rows visits, in order: tile(0) is the last
-// (the partially masked diagonal comes first). Dense: every tile of [n_first, n_last]. SPARSE:
-// the tiles of the kept key blocks of the rows' query block (rows m0 .. within one block) that
-// lie in [n_first, n_last].
+// The key tiles of TILE keys that a block of query rows visits, last first (the partially
+// masked diagonal comes first), as a cursor: the i-th visited tile n, from start(), while
+// more(i, n), then next(i, n). Dense: every tile of [n_first, n_last] (the cursor is the tile
+// itself: the dense loops compile as a plain countdown). SPARSE: the tiles of the kept key
+// blocks of the rows' query block (rows m0 .. within one block) that lie in [n_first, n_last].
 template <bool SPARSE, int TILE>
 struct KeyTiles;
 
 template <int TILE>
 struct KeyTiles<false, TILE> {
-  int count, last;
-  __device__ __forceinline__ KeyTiles(const AttnParams&, int, int, int, int n_first, int n_last)
-      : count(n_last - n_first + 1), last(n_last) {}
-  __device__ __forceinline__ int tile(int i) const { return last - i; }
+  int first, last;
+  __device__ __forceinline__ KeyTiles(const AttnParams&, int, int, int, int n_first, int n_last) : first(n_first), last(n_last) {}
+  __device__ __forceinline__ bool any() const { return last >= first; }
+  __device__ __forceinline__ int start() const { return last; }
+  __device__ __forceinline__ bool more(int, int n) const { return n >= first; }
+  __device__ __forceinline__ bool has_next(int, int n) const { return n > first; }
+  __device__ __forceinline__ int next(int, int n) const { return n - 1; }
 };
 
 template <int TILE>
 struct KeyTiles<true, TILE> : ListTiles<TILE> {
+  using ListTiles<TILE>::count;
+  using ListTiles<TILE>::tile;
   __device__ __forceinline__ KeyTiles(const AttnParams& p, int batch, int head, int m0, int n_first, int n_last)
       : ListTiles<TILE>(kept_key_blocks(p, batch, head, m0 / kSparseBlock), n_first, n_last) {}
+  __device__ __forceinline__ bool any() const { return count > 0; }
+  __device__ __forceinline__ int start() const { return tile(0); }
+  __device__ __forceinline__ bool more(int i, int) const { return i < count; }
+  __device__ __forceinline__ bool has_next(int i, int) const { return i + 1 < count; }
+  __device__ __forceinline__ int next(int i, int) const { return tile(i + 1); }
 };
+
+// Tiles in ascending order, tile(i) for i < count (the float32 kernels): every tile of
+// [first, last], or (SPARSE) those of the block list `list()` returns that lie there.
+struct AscendingRange {
+  int first, count;
+  __device__ __forceinline__ int tile(int i) const { return first + i; }
+};
+template <int TILE>
+struct AscendingList : ListTiles<TILE> {
+  using ListTiles<TILE>::ListTiles;
+  __device__ __forceinline__ int tile(int i) const { return ListTiles<TILE>::tile(this->count - 1 - i); }
+};
+template <bool SPARSE, int TILE, typename ListFn>
+__device__ __forceinline__ auto ascending_tiles(const ListFn& list, int first, int last) {
+  if constexpr (SPARSE) {
+    return AscendingList<TILE>(list(), first, last);
+  } else {
+    return AscendingRange{first, max(0, last - first + 1)};
+  }
+}
 
 // The (query head, query block) steps of BLOCK_M rows that a key block streams under a block
 // mask: for each query head of the KV head's group, the tiles of its kept query blocks. The

@@ -66,14 +66,14 @@ __device__ __forceinline__ void forward_block(const AttnParams& p, int seq, cons
     }
   };
   int page_ahead = 0;  // paged: the page of this thread's key in the block after next
-  if (tiles.count > 0) {
+  if (tiles.any()) {
     if constexpr (PAGED) {
       store_key_offsets<BLOCK_N>(s_offsets, p, cache, n_last, page_of_key<BLOCK_N>(cache, n_last, n_first, span.seqlen_k));
       page_ahead = page_of_key<BLOCK_N>(cache, n_last - 1, n_first, span.seqlen_k);
       __syncthreads();
     }
     load_tile<Tr, BLOCK_M>(sQ, q, p.q_strides[1], m0, span.seqlen_q, p.head_dim);
-    load_kv(tiles.tile(0), 0);
+    load_kv(tiles.start(), 0);
     cp_async_commit();
   }
   const int warp_row0 = warp * Tr::kWarpRows;
@@ -86,14 +86,13 @@ __device__ __forceinline__ void forward_block(const AttnParams& p, int seq, cons
   // Key blocks from last to first, so that the partially masked diagonal block comes first. A
   // two-stage ring: the next block is copied in while this one is computed, one barrier per
   // block. (Block-sparse: the kept blocks, common/block_sparse.cuh; paged: consecutive blocks.)
-  for (int i = 0, stage = 0; i < tiles.count; ++i, stage ^= 1) {
-    const int n_block = tiles.tile(i);
+  for (int i = 0, n_block = tiles.start(), stage = 0; tiles.more(i, n_block); n_block = tiles.next(i, n_block), ++i, stage ^= 1) {
     const int n0 = n_block * BLOCK_N;
     cp_async_wait<0>();
     if constexpr (PAGED) store_key_offsets<BLOCK_N>(s_offsets, p, cache, n_block - 1, page_ahead);  // read after the barrier
     __syncthreads();  // K/V[n_block] (and Q) landed; every warp finished with the other stage
-    if (i + 1 < tiles.count) {
-      load_kv(tiles.tile(i + 1), stage ^ 1);
+    if (tiles.has_next(i, n_block)) {
+      load_kv(tiles.next(i, n_block), stage ^ 1);
       cp_async_commit();
     }
     if constexpr (PAGED) page_ahead = page_of_key<BLOCK_N>(cache, n_block - 2, n_first, span.seqlen_k);  // stored next iteration

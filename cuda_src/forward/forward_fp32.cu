@@ -33,8 +33,9 @@ __device__ __forceinline__ void forward_fp32_block(const AttnParams& p, int seq,
 
   const KeyBand band(p, span);
   const int key_first = band.first_key(m0), key_last = band.last_key(m_last);
-  const KeyTiles<SPARSE, kF32BlockN> tiles(p, seq, blockIdx.y, m0, key_first / kF32BlockN,
-                                           key_last < key_first ? key_first / kF32BlockN - 1 : key_last / kF32BlockN);
+  const auto tiles = ascending_tiles<SPARSE, kF32BlockN>([&] { return kept_key_blocks(p, seq, blockIdx.y, m0 / kSparseBlock); },
+                                                        key_first / kF32BlockN,
+                                                        key_last < key_first ? key_first / kF32BlockN - 1 : key_last / kF32BlockN);
   // The output and the denominator accumulate in fp64: over tens of thousands of keys an fp32
   // running sum loses more than the inputs' precision.
   double acc[kF32RowsPerWarp][kCols], row_sum[kF32RowsPerWarp];
@@ -50,7 +51,7 @@ __device__ __forceinline__ void forward_fp32_block(const AttnParams& p, int seq,
   const DropoutDraws draws(p, seq, blockIdx.y);  // used with DROPOUT only
 
   for (int i = 0; i < tiles.count; ++i) {  // first key first
-    const int n0 = tiles.tile(tiles.count - 1 - i) * kF32BlockN;
+    const int n0 = tiles.tile(i) * kF32BlockN;
     __syncthreads();  // previous tile fully consumed
     for (int i = threadIdx.x; i < kF32BlockN * HEAD_DIM; i += blockDim.x) {
       const int r = i / HEAD_DIM, c = i % HEAD_DIM;
