@@ -2,11 +2,6 @@ import os
 
 import pytest
 
-# JAX shares the GPU with CuPy's and PyTorch's memory pools in one test process: it allocates on
-# demand instead of preallocating 75% of the device, which aborts the process once the other
-# pools hold more than the rest.
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-
 
 def _gpu_available() -> bool:
     try:

@@ -90,11 +90,13 @@ struct KeyTiles<true, TILE> : ListTiles<TILE> {
   using ListTiles<TILE>::tile;
   __device__ __forceinline__ KeyTiles(const AttnParams& p, int batch, int head, int m0, int n_first, int n_last)
       : ListTiles<TILE>(kept_key_blocks(p, batch, head, m0 / kSparseBlock), n_first, n_last) {}
+  // Indices are read only for tiles that exist: an empty list (no key blocks at all) has no
+  // entry to read, and the loops ask for next() before more() stops them.
   __device__ __forceinline__ bool any() const { return count > 0; }
-  __device__ __forceinline__ int start() const { return tile(0); }
+  __device__ __forceinline__ int start() const { return count > 0 ? tile(0) : 0; }
   __device__ __forceinline__ bool more(int i, int) const { return i < count; }
   __device__ __forceinline__ bool has_next(int i, int) const { return i + 1 < count; }
-  __device__ __forceinline__ int next(int i, int) const { return tile(i + 1); }
+  __device__ __forceinline__ int next(int i, int) const { return i + 1 < count ? tile(i + 1) : 0; }
 };
 
 // Tiles in ascending order, tile(i) for i < count (the float32 kernels): every tile of
