@@ -15,20 +15,22 @@ constexpr int kSparseBlock = 128;
 
 __device__ __forceinline__ int sparse_blocks(int rows) { return (rows + kSparseBlock - 1) / kSparseBlock; }
 
+// Block indices past the last block address rows past the sequence, which the loads zero-fill
+// and the masks hide (a malformed mask wastes work there); this bound keeps row numbers in int.
+constexpr int kMaxBlockIndex = (1 << 30) / kSparseBlock;
+
 // One row of a block list: the kept blocks of one query block (or key block), ascending.
 struct BlockList {
   const int* indices;
   int count;
-  int last_block;  // the highest block index that exists
 
   __device__ __forceinline__ BlockList(const int* counts, const int* all_indices, const i64 (&strides)[2], int batch, int head, int row,
                                        int blocks) {
     const i64 entry = batch * strides[0] + head * strides[1] + row;
     indices = all_indices + entry * blocks;
     count = min(max(counts[entry], 0), blocks);
-    last_block = blocks - 1;
   }
-  __device__ __forceinline__ int block(int i) const { return min(max(indices[i], 0), last_block); }
+  __device__ __forceinline__ int block(int i) const { return min(max(indices[i], 0), kMaxBlockIndex); }
 };
 
 // The key blocks query block `q_block` of (batch, head) keeps.
