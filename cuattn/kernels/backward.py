@@ -49,7 +49,7 @@ WGMMA_DROPOUT_PORTABLE = {("backward_dkdv", 128, True, "packed")}
 # Likewise (kernel, bucket, softcap) of the block-sparse forms, and CTAs per SM of those that
 # need more registers.
 WGMMA_SPARSE_PORTABLE = {("backward_dkdv", 128, True)}
-WGMMA_SPARSE_CTAS = {"backward_wgmma_fused": {(64, True): 2}}
+WGMMA_SPARSE_CTAS = {"backward_wgmma_dq": {(64, True): 1}, "backward_wgmma_fused": {(64, True): 2}}
 
 
 def wgmma_serves(kernel: str, bucket: int, softcap: bool, layout: str, dropout: bool, sparse: bool = False) -> bool:
