@@ -26,7 +26,7 @@ from cuattn.varlen import attention_varlen as core_attention_varlen
 
 requirements.require("torch", "cupy", by="cuattn.torch")  # before any torch.library API is touched
 
-__all__ = ["attention", "attention_varlen", "merge", "scaled_dot_product_attention", "op"]
+__all__ = ["attention", "attention_varlen", "merge", "ring_attention", "scaled_dot_product_attention", "op"]
 
 _LIBRARY = torch.library.Library("cuattn", "FRAGMENT")
 _TENSOR_KINDS = {"?": "Tensor?", "]": "Tensor[]"}
@@ -202,6 +202,39 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), causal=is_causal, align="top_left", scale=scale, dropout_p=dropout_p,
     )
     return out.transpose(1, 2)
+
+
+def ring_attention(q, k, v, *, comm, layout="zigzag", causal=True, window=None, scale=None, softcap=None):
+    """:func:`cuattn.dist.ring_attention` (this rank's shards, ``comm`` a process group),
+    differentiable in ``q``, ``k``, ``v``. The backward is a ring exchange too: every rank of
+    ``comm`` runs it, in the same order (as any collective). Eager only."""
+    return _RingAttention.apply(q, k, v, comm, (layout, causal, window, scale, softcap))
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, comm, options):
+        from cuattn.dist import ring_attention as core_ring_attention
+
+        layout, causal, window, scale, softcap = options
+        out, lse = core_ring_attention(q, k, v, comm=comm, layout=layout, causal=causal, window=window, scale=scale, softcap=softcap,
+                                       return_lse=True)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.comm, ctx.options = comm, options
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        from cuattn.dist import ring_attention_backward
+
+        q, k, v, out, lse = ctx.saved_tensors
+        layout, causal, window, scale, softcap = ctx.options
+        dq, dk, dv = ring_attention_backward(
+            _kernel_ready(dout), q, k, v, out, lse, comm=ctx.comm, layout=layout, causal=causal, window=window, scale=scale, softcap=softcap,
+            deterministic=torch.are_deterministic_algorithms_enabled(),
+        )
+        return dq, dk, dv, None, None
 
 
 _FLAT_OPTIONS: dict[tuple, tuple] = {}

@@ -2,6 +2,7 @@
 the layouts that deal a sequence to the ranks. See cuattn/dist/ring.py."""
 
 from cuattn.dist.layout import LAYOUTS, positions, shard, unshard
-from cuattn.dist.ring import ring_attention_backward_simulated, ring_attention_simulated
+from cuattn.dist.ring import ring_attention, ring_attention_backward, ring_attention_backward_simulated, ring_attention_simulated
 
-__all__ = ["LAYOUTS", "positions", "shard", "unshard", "ring_attention_simulated", "ring_attention_backward_simulated"]
+__all__ = ["LAYOUTS", "positions", "shard", "unshard", "ring_attention", "ring_attention_backward", "ring_attention_simulated",
+           "ring_attention_backward_simulated"]

@@ -15,8 +15,9 @@ those fp32 sums (BackwardParams::sum_grads), and each gradient is rounded once, 
 A rank's work is a generator of exchanges: it yields ``("send", channel, send_arrays,
 recv_arrays)`` and ``("wait", channel)``, and a driver carries them out. The driver here runs
 every rank in one process on one GPU (:func:`ring_attention_simulated`), each exchange a set
-of device copies on a separate stream; a NCCL driver would run one rank per process with the
-same generators.
+of device copies on a separate stream; :func:`ring_attention` runs one rank per process with
+the same generators, its exchanges over a ``torch.distributed`` process group
+(cuattn/dist/process_group.py).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from cuattn.attention import _LAYOUT, attn_params, check_qkv, launch_forward
 from cuattn.backward import SUM_DKDV, SUM_DQ, backward_params, check_dout, launch_backward
 from cuattn.chunked import check_row_stats
 from cuattn.dist import layout as layouts
+from cuattn.dist import process_group
 from cuattn.kernels.backward import BackwardGrid
 from cuattn.merge import sum_rows
 from cuattn.options import AttnOptions
@@ -197,17 +199,30 @@ def _import_shards(named: dict):
 
 
 def _check_common(q, k, v, world: int, layout: str):
-    c_type = check_qkv(q[0], k[0], v[0], None)
+    """Every rank's shards (lists) checked against rank 0's."""
     for name, xs in (("q", q), ("k", k), ("v", v)):
         for r, x in enumerate(xs):
             validation.check_shape(f"{name}[{r}]", x, xs[0].shape, f"(the shape of {name}[0])")
             validation.check_same_dtype(f"{name}[{r}]", x, "q[0]", q[0])
-            if not _contiguous(x):
-                raise ValueError(f"{name}[{r}] must be contiguous: shards travel around the ring as whole buffers")
-    if q[0].shape[1] != k[0].shape[1]:
-        raise ValueError(f"ring attention is self-attention: q and k shards must hold as many rows ({q[0].shape[1]} and {k[0].shape[1]})")
-    layouts.check_layout(layout, q[0].shape[1] * world, world)
+            _check_contiguous(f"{name}[{r}]", x)
+    return _check_rank(q[0], k[0], v[0], world, layout)
+
+
+def _check_rank(q, k, v, world: int, layout: str):
+    """One rank's shards: their dtype, k and v whole buffers (they travel), and the layout of
+    the whole sequence."""
+    c_type = check_qkv(q, k, v, None)
+    _check_contiguous("k", k)
+    _check_contiguous("v", v)
+    if q.shape[1] != k.shape[1]:
+        raise ValueError(f"ring attention is self-attention: q and k shards must hold as many rows ({q.shape[1]} and {k.shape[1]})")
+    layouts.check_layout(layout, q.shape[1] * world, world)
     return c_type
+
+
+def _check_contiguous(name: str, x) -> None:
+    if not _contiguous(x):
+        raise ValueError(f"{name} must be contiguous: shards travel around the ring as whole buffers")
 
 
 def _contiguous(x) -> bool:
@@ -279,3 +294,59 @@ def ring_attention_backward_simulated(
             generators.append(backward_steps(ctx, c_type, a, grads[r], options, plan(local * world, world, r, layout, left, right), deterministic))
         _simulate(ctx, generators)
     return tuple([ctx.export(g[i]) for g in grads] for i in range(3))
+
+
+def ring_attention(q, k, v, *, comm, layout="zigzag", causal=True, window=None, scale=None, softcap=None, return_lse=False):
+    """Ring attention, one rank per process: this rank's part of attention over a sequence
+    whose rows are dealt to the ranks of ``comm`` (a ``torch.distributed`` process group).
+
+    ``q``, ``k``, ``v``: this rank's shards ``(batch, seqlen / W, heads, head_dim)``
+    (:func:`cuattn.dist.shard` of the full sequence under ``layout``), contiguous; every rank
+    must pass shards of one shape, dtype and layout, and call in the same order. Masks as
+    :func:`cuattn.attention` on token positions (:func:`cuattn.dist.positions`). Returns this
+    rank's rows of single-device attention over the whole sequence (and their ``lse``,
+    ``(batch, heads, seqlen / W)`` fp32). K/V travel on NCCL's stream while the previous
+    shard is computed; with a non-NCCL group (gloo) each exchange is staged through host
+    memory, without overlap. Only the KV heads travel.
+    """
+    return_lse = check_bool("return_lse", return_lse)
+    comm = process_group.check_comm(comm)
+    ctx, a = boundary.import_arrays(q=q, k=k, v=v)
+    exchange = process_group.ProcessGroupExchange(comm)
+    c_type = _check_rank(a["q"], a["k"], a["v"], exchange.world, layout)
+    batch, local, heads_q, head_dim = a["q"].shape
+    options = AttnOptions.from_user(causal, window, "bottom_right", scale, softcap, head_dim=head_dim)
+    left, right = _mask(options)
+    ctx.stage(a["q"], a["k"], a["v"])
+    out, lse = ctx.empty(a["q"].shape, a["q"].dtype), ctx.empty((batch, heads_q, local), np.float32)
+    if batch * local * heads_q:
+        work = plan(local * exchange.world, exchange.world, exchange.rank, layout, left, right)
+        exchange.drive(ctx, forward_steps(ctx, c_type, a["q"], a["k"], a["v"], out, lse, options, work))
+    return (ctx.export(out), ctx.export(lse)) if return_lse else ctx.export(out)
+
+
+def ring_attention_backward(
+    dout, q, k, v, out, lse, *, comm, layout="zigzag", causal=True, window=None, scale=None, softcap=None, dlse=None, deterministic=False,
+):
+    """Gradients ``(dq, dk, dv)`` of this rank's shards under :func:`ring_attention`, whose
+    ``out`` and ``lse`` (this rank's) it takes; ``dlse`` optional, like ``lse``. dK / dV
+    accumulate in fp32 as they travel around the ring (twice the bytes of K / V per step),
+    each gradient is rounded once."""
+    deterministic = check_bool("deterministic", deterministic)
+    comm = process_group.check_comm(comm)
+    ctx, a = boundary.import_arrays(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dlse=dlse)
+    exchange = process_group.ProcessGroupExchange(comm)
+    c_type = _check_rank(a["q"], a["k"], a["v"], exchange.world, layout)
+    batch, local, heads_q, head_dim = a["q"].shape
+    check_dout(a["dout"], a["q"], c_type, _LAYOUT)
+    validation.check_shape("out", a["out"], a["q"].shape, "(the shape of q)")
+    validation.check_same_dtype("out", a["out"], "q", a["q"])
+    check_row_stats({"lse": a["lse"], "dlse": a["dlse"]}, ("lse", "dlse"), (batch, heads_q, local))
+    options = AttnOptions.from_user(causal, window, "bottom_right", scale, softcap, head_dim=head_dim)
+    left, right = _mask(options)
+    ctx.stage(*(x for x in a.values() if x is not None))
+    grads = tuple(ctx.empty(a[n].shape, a[n].dtype) for n in ("q", "k", "v"))
+    if batch * local * heads_q:
+        work = plan(local * exchange.world, exchange.world, exchange.rank, layout, left, right)
+        exchange.drive(ctx, backward_steps(ctx, c_type, a, grads, options, work, deterministic))
+    return tuple(ctx.export(g) for g in grads)

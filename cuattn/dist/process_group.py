@@ -1,0 +1,112 @@
+"""The ring's exchanges between processes, over a ``torch.distributed`` process group.
+
+One process per rank runs its rank's generator (cuattn/dist/ring.py) and carries out what it
+yields: ``("send", channel, sent, into)`` posts a send of ``sent`` to the next rank and a
+receive into ``into`` from the previous one, ``("wait", channel)`` makes the compute stream
+wait for them. Both channels ("kv", and "acc" in the backward) may be in flight at once; each
+has its own tag and every rank posts them in the same order.
+
+With NCCL the transfers run on the process group's stream, ordered after the work the compute
+stream had queued when they were posted (NCCL's own stream semantics) and awaited by the
+compute stream without blocking the host, so the exchange of step i + 1 overlaps step i.
+Other backends (gloo) move host memory only: each send is staged through host memory and each
+wait blocks the host until the data is back on the device. That serves tests and debugging on
+machines without NCCL peers (several processes on one GPU); it does not overlap anything.
+"""
+
+from __future__ import annotations
+
+from cuattn import boundary
+
+_CHANNELS = ("kv", "acc")
+
+
+def check_comm(comm):
+    """The process group ``comm`` (a ``torch.distributed.ProcessGroup``, which an initialized
+    default group must exist for); raises before any launch."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    dist = getattr(torch, "distributed", None) if torch is not None else None
+    group_type = getattr(getattr(dist, "distributed_c10d", None), "ProcessGroup", None) if dist is not None else None
+    if group_type is None or not isinstance(comm, group_type):
+        raise TypeError(f"comm must be a torch.distributed ProcessGroup (e.g. torch.distributed.group.WORLD), got {type(comm).__name__}")
+    if not dist.is_initialized():
+        raise ValueError("comm: torch.distributed is not initialized (call torch.distributed.init_process_group first)")
+    return comm
+
+
+class ProcessGroupExchange:
+    """This process's rank of the ring ``group``: its neighbours and how data reaches them."""
+
+    def __init__(self, group):
+        import torch.distributed as dist
+
+        self._dist = dist
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.next = dist.get_global_rank(group, (self.rank + 1) % self.world)
+        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.world)
+        self.staged = dist.get_backend(group) != "nccl"
+
+    def drive(self, ctx, generator) -> None:
+        """Runs ``generator`` with torch's current stream set to the call's (``ctx.stream``):
+        tensors the exchange allocates and NCCL's stream order follow it. ``ctx`` None: the
+        arrays are host tensors (tests of the transport)."""
+        if ctx is None:
+            return self._run(generator)
+        import contextlib
+
+        import torch
+
+        with ctx.device:
+            device = torch.device("cuda", ctx.device.id)
+            same = torch.cuda.current_stream(device).cuda_stream == ctx.stream.ptr
+            with contextlib.nullcontext() if same else torch.cuda.stream(torch.cuda.ExternalStream(ctx.stream.ptr, device=device)):
+                self._run(generator)
+
+    def _run(self, generator) -> None:
+        in_flight = {}
+        for op in generator:
+            kind, channel = op[:2]
+            if kind == "send":
+                in_flight[channel] = self._post(channel, [_tensor(a) for a in op[2]], [_tensor(a) for a in op[3]])
+            else:
+                self._finish(*in_flight.pop(channel))
+        if in_flight:
+            raise AssertionError(f"exchanges never awaited: {sorted(in_flight)}")
+
+    def _post(self, channel: str, sent: list, into: list) -> tuple:
+        if self.world == 1:  # the rank sends to itself
+            for src, dst in zip(sent, into):
+                dst.copy_(src)
+            return (), (), (), ()
+        tag = _CHANNELS.index(channel)
+        if self.staged:
+            host_sent = [t.cpu() for t in sent]  # waits for the compute stream's writes
+            host_into = [t.new_empty(t.shape, device="cpu") for t in into]
+            requests = self._exchange(host_sent, host_into, tag)
+            return requests, host_into, into, host_sent
+        return self._exchange(sent, into, tag), (), (), (sent, into)
+
+    def _exchange(self, sent: list, into: list, tag: int) -> list:
+        dist = self._dist
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group, tag) for t in sent]
+        ops += [dist.P2POp(dist.irecv, t, self.prev, self.group, tag) for t in into]
+        return dist.batch_isend_irecv(ops)
+
+    @staticmethod
+    def _finish(requests, host_into, into, keep) -> None:
+        for request in requests:
+            request.wait()  # NCCL: the current (compute) stream waits; gloo: the host waits
+        for src, dst in zip(host_into, into):
+            dst.copy_(src)
+
+
+def _tensor(a):
+    """A torch tensor over the memory of ``a`` (a DeviceArray of this call, or a tensor)."""
+    import torch
+
+    native = a.native if isinstance(a, boundary.DeviceArray) else a
+    return native if isinstance(native, torch.Tensor) else torch.from_dlpack(native)
