@@ -1,0 +1,118 @@
+"""Ring attention's efficiency over a process group, forward + backward, one process per rank:
+
+    torchrun --nproc_per_node W benchmarks/bench_ring.py [--csv docs/bench/ring/ring_nccl.csv]
+
+For T tokens per rank (W T in all), rank 0 first times single-GPU attention forward + backward
+over the whole W T tokens; then every rank times its part of the ring (``cuattn.dist``, with the
+ranks started together by a barrier, the slowest rank's time kept). Efficiency = (single-GPU
+time / W) / ring time: 1.0 when the ring's work splits evenly and its exchange hides under
+compute. TFLOP/s by the FlashAttention convention (causal halved, backward x2.5).
+``--backend gloo`` stages each exchange through host memory (for a smoke test on one GPU;
+its times say nothing about the ring over NCCL).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+
+import cuattn
+import cuattn.dist
+
+
+def _ms(fn, repeat: int) -> float:
+    """Median wall time of ``fn()`` over the ranks' slowest, each call started by a barrier."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        torch.cuda.synchronize()
+        dist.barrier()
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        t = torch.tensor([start.elapsed_time(stop)], device="cuda")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        times.append(t.item())
+    return sorted(times)[len(times) // 2]
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens-per-rank", default="8192,16384,32768")
+    parser.add_argument("--layouts", default="zigzag,contiguous")
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--backend", default="nccl", choices=["nccl", "gloo"])
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--csv", default="results/ring.csv")
+    args = parser.parse_args(argv)
+    dist.init_process_group(args.backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+    group, dtype = dist.group.WORLD, torch.bfloat16
+    rows = []
+    for tokens in map(int, args.tokens_per_rank.split(",")):
+        total = tokens * world
+        gen = torch.Generator(device="cuda").manual_seed(tokens)
+        full = [torch.randn(1, total, h, args.head_dim, device="cuda", generator=gen, dtype=dtype)
+                for h in (args.heads, args.kv_heads, args.kv_heads)]
+        dout_full = torch.randn(1, total, args.heads, args.head_dim, device="cuda", generator=gen, dtype=dtype)
+        single_ms = float("nan")
+        if rank == 0:
+            def single():
+                out, lse = cuattn.attention(*full, causal=args.causal, return_lse=True)
+                cuattn.attention_backward(dout_full, *full, out, lse, causal=args.causal)
+
+            single_ms = _single_ms(single, args.repeat)
+        dist.barrier()
+        for layout in args.layouts.split(","):
+            q, k, v, dout = (cuattn.dist.shard(x, world, rank, layout).contiguous() for x in (*full, dout_full))
+
+            def ring():
+                out, lse = cuattn.dist.ring_attention(q, k, v, comm=group, layout=layout, causal=args.causal, return_lse=True)
+                cuattn.dist.ring_attention_backward(dout, q, k, v, out, lse, comm=group, layout=layout, causal=args.causal)
+
+            ring_ms = _ms(ring, args.repeat)
+            t = torch.tensor([single_ms], device="cuda")
+            dist.broadcast(t, 0)
+            single_ms_all = t.item()
+            flops = 4 * total * total * args.heads * args.head_dim * (0.5 if args.causal else 1.0) * 3.5
+            row = {
+                "world": world, "backend": args.backend, "layout": layout, "tokens_per_rank": tokens, "heads": args.heads,
+                "kv_heads": args.kv_heads, "head_dim": args.head_dim, "causal": args.causal, "ring_ms": round(ring_ms, 3),
+                "single_gpu_ms": round(single_ms_all, 3), "efficiency": round(single_ms_all / world / ring_ms, 3),
+                "ring_tflops_per_gpu": round(flops / world / ring_ms / 1e9, 1), "gpu": torch.cuda.get_device_name(),
+            }
+            rows.append(row)
+            if rank == 0:
+                print(", ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+        full = dout_full = q = k = v = dout = None  # freed before the next size is allocated
+    if rank == 0:
+        from benchmarks.timing import write_csv
+
+        write_csv(args.csv, rows)
+    dist.destroy_process_group()
+
+
+def _single_ms(fn, repeat: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    return sorted(times)[len(times) // 2]
+
+
+if __name__ == "__main__":
+    main()
