@@ -113,6 +113,10 @@ def block_mask_arrays(block_mask) -> tuple:
     """The four tensors of a BlockMask (TypeError for anything else)."""
     if not isinstance(block_mask, BlockMask):
         raise TypeError(f"block_mask must be a cuattn.block_mask.BlockMask, got {type(block_mask).__name__}")
+    for name, a in zip(BLOCK_MASK_FIELDS, block_mask.arrays):
+        if not isinstance(a, torch.Tensor):
+            raise TypeError(f"block_mask.{name} must be a torch tensor like q, got {type(a).__name__} "
+                            "(convert the mask with mask.to(lambda a: torch.as_tensor(a, device=q.device)))")
     return block_mask.arrays
 
 

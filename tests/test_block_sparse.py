@@ -149,6 +149,18 @@ def test_bad_block_masks_are_refused_before_any_launch():
     _call_both(good, ValueError, "sink_tokens", window=(8, 0), sink_tokens=4)
 
 
+def test_torch_adapter_refuses_a_mask_of_other_arrays():
+    """A NumPy mask with torch tensors is named before the dispatcher sees it."""
+    torch = pytest.importorskip("torch")
+    import cuattn.torch
+
+    q = torch.ones((2, 300, 4, 64), dtype=torch.float16)
+    mask = bm.from_dense(np.ones((3, 3), bool), 300, 300)
+    for grad in (False, True):
+        with pytest.raises(TypeError, match="block_mask.kv_counts must be a torch tensor"):
+            cuattn.torch.attention(q.clone().requires_grad_(grad), q, q, block_mask=mask)
+
+
 def test_every_kernel_path_has_a_block_sparse_form():
     assert_every_kernel_path_has_form("/sparse", ", false, true>", sparse=True)
 
