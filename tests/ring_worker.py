@@ -2,8 +2,9 @@
 rank): ``python ring_worker.py MODE WORLD RANK STORE_FILE``. Exits non-zero on a failed check.
 
 - ``transport``: host tensors over gloo through ProcessGroupExchange, both channels in flight.
-- ``attention``: the same, then ring attention and its gradients on CUDA (every rank on device 0, gloo staging),
-  against float64 attention over the whole sequence.
+- ``attention``: the same, then ring attention and its gradients on CUDA against float64 attention
+  over the whole sequence: over NCCL with a GPU per rank where the machine has enough, else
+  every rank on GPU 0 over gloo (staged through host memory).
 """
 
 import sys
@@ -34,11 +35,20 @@ def toy_steps(rank: int, world: int):
 
 
 def transport(rank: int, world: int) -> None:
+    """The toy exchanges over a gloo group of every rank, then (W >= 3) over the sub-group of
+    ranks 0 and 2, whose neighbours are global ranks other than its own ranks."""
     from cuattn.dist.process_group import ProcessGroupExchange, check_comm
 
-    exchange = ProcessGroupExchange(check_comm(dist.group.WORLD))
+    group = dist.group.WORLD if dist.get_backend(dist.group.WORLD) == "gloo" else dist.new_group(backend="gloo")
+    exchange = ProcessGroupExchange(check_comm(group))
     assert (exchange.rank, exchange.world, exchange.staged) == (rank, world, True)
     exchange.drive(None, toy_steps(rank, world))
+    if world >= 3:
+        sub = dist.new_group([0, 2], backend="gloo")  # every rank takes part in making it
+        if rank in (0, 2):
+            exchange = ProcessGroupExchange(sub)
+            assert (exchange.rank, exchange.world, exchange.next, exchange.prev) == (rank // 2, 2, 2 - rank, 2 - rank)
+            exchange.drive(None, toy_steps(rank // 2, 2))
 
 
 def reference(q, k, v, causal: bool, window, scale: float):
@@ -66,9 +76,12 @@ def reference(q, k, v, causal: bool, window, scale: float):
 def attention(rank: int, world: int) -> None:
     import cuattn.torch
     from cuattn import dist as cdist
+    from cuattn.dist.process_group import ProcessGroupExchange
 
     transport(rank, world)
-    torch.cuda.set_device(0)
+    torch.cuda.set_device(_device(rank, world))
+    staged = ProcessGroupExchange(dist.group.WORLD).staged
+    assert staged == (dist.get_backend(dist.group.WORLD) != "nccl"), staged
     cases = [  # layout, causal, window, dtype, heads_q, heads_kv, head_dim, seqlen
         ("zigzag", True, None, torch.bfloat16, 4, 2, 64, 256 * world),
         ("contiguous", False, (48, 0), torch.float16, 2, 2, 128, 96 * world),
@@ -107,12 +120,20 @@ def attention(rank: int, world: int) -> None:
             err = (got.double() - exact).abs().max().item()
             bar = (same.double() - exact).abs().max().item()
             assert torch.isfinite(got).all() and err <= 2 * bar + 1e-5, (layout, name, err, bar)
-        print(f"rank {rank}/{world} {layout} causal={causal} window={window} {dtype}: ok", flush=True)
+        print(f"rank {rank}/{world} {dist.get_backend(dist.group.WORLD)} {layout} causal={causal} window={window} {dtype}: ok", flush=True)
+
+
+def _device(rank: int, world: int) -> int:
+    """A GPU per rank where there are enough (NCCL), else every rank on GPU 0 (gloo)."""
+    return rank if torch.cuda.device_count() >= world else 0
 
 
 def main() -> None:
     mode, world, rank, store = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-    dist.init_process_group("gloo", init_method=f"file://{store}", world_size=world, rank=rank)
+    nccl = mode == "attention" and world > 1 and torch.cuda.device_count() >= world
+    if nccl:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if nccl else "gloo", init_method=f"file://{store}", world_size=world, rank=rank)
     try:
         {"transport": transport, "attention": attention}[mode](rank, world)
         dist.barrier()

@@ -8,7 +8,9 @@ has its own tag and every rank posts them in the same order.
 
 With NCCL the transfers run on the process group's stream, ordered after the work the compute
 stream had queued when they were posted (NCCL's own stream semantics) and awaited by the
-compute stream without blocking the host, so the exchange of step i + 1 overlaps step i.
+compute stream without blocking the host: what is posted before a step's kernels (the K/V of
+step i + 1) overlaps them; the backward's accumulators ("acc") are awaited by the very next
+step's kernels, which add into them, so they do not overlap.
 Other backends (gloo) move host memory only: each send is staged through host memory and each
 wait blocks the host until the data is back on the device. That serves tests and debugging on
 machines without NCCL peers (several processes on one GPU); it does not overlap anything.
@@ -36,6 +38,17 @@ def check_comm(comm):
     return comm
 
 
+def nccl_moves_cuda(config: str) -> bool:
+    """Whether a process group of backend config ``config`` (``get_backend_config``: "nccl",
+    "cuda:nccl", or "cpu:gloo,cuda:nccl", the default where none was named) sends CUDA
+    tensors over NCCL."""
+    for part in config.lower().split(","):
+        device, _, backend = part.strip().rpartition(":")
+        if backend == "nccl" and device in ("", "cuda"):
+            return True
+    return False
+
+
 class ProcessGroupExchange:
     """This process's rank of the ring ``group``: its neighbours and how data reaches them."""
 
@@ -48,7 +61,7 @@ class ProcessGroupExchange:
         self.rank = dist.get_rank(group)
         self.next = dist.get_global_rank(group, (self.rank + 1) % self.world)
         self.prev = dist.get_global_rank(group, (self.rank - 1) % self.world)
-        self.staged = dist.get_backend(group) != "nccl"
+        self.staged = not nccl_moves_cuda(dist.get_backend_config(group))
 
     def drive(self, ctx, generator) -> None:
         """Runs ``generator`` with torch's current stream set to the call's (``ctx.stream``):
@@ -71,6 +84,8 @@ class ProcessGroupExchange:
         for op in generator:
             kind, channel = op[:2]
             if kind == "send":
+                if channel in in_flight:
+                    raise AssertionError(f"exchange {channel!r} posted again before it was awaited")
                 in_flight[channel] = self._post(channel, [_tensor(a) for a in op[2]], [_tensor(a) for a in op[3]])
             else:
                 self._finish(*in_flight.pop(channel))

@@ -208,10 +208,10 @@ def _check_common(q, k, v, world: int, layout: str):
     return _check_rank(q[0], k[0], v[0], world, layout)
 
 
-def _check_rank(q, k, v, world: int, layout: str):
-    """One rank's shards: their dtype, k and v whole buffers (they travel), and the layout of
-    the whole sequence."""
-    c_type = check_qkv(q, k, v, None)
+def _check_rank(q, k, v, world: int, layout: str, out=None):
+    """One rank's shards (and the forward's ``out``, in the backward): their dtype, strides,
+    k and v whole buffers (they travel), and the layout of the whole sequence."""
+    c_type = check_qkv(q, k, v, out)
     _check_contiguous("k", k)
     _check_contiguous("v", v)
     if q.shape[1] != k.shape[1]:
@@ -277,10 +277,10 @@ def ring_attention_backward_simulated(
     c_type = _check_common(s["q"], s["k"], s["v"], world, layout)
     batch, local, heads_q, head_dim = s["q"][0].shape
     for r in range(world):
+        validation.check_shape(f"out[{r}]", s["out"][r], s["q"][r].shape, "(the shape of q)")
+        validation.check_same_dtype(f"out[{r}]", s["out"][r], "q[0]", s["q"][0])
+        check_qkv(s["q"][r], s["k"][r], s["v"][r], s["out"][r])  # strides and alignment
         check_dout(s["dout"][r], s["q"][r], c_type, _LAYOUT)
-        for name in ("out",):
-            validation.check_shape(f"{name}[{r}]", s[name][r], s["q"][r].shape, "(the shape of q)")
-            validation.check_same_dtype(f"{name}[{r}]", s[name][r], "q[0]", s["q"][0])
         check_row_stats({"lse": s["lse"][r], "dlse": None if dlse is None else s["dlse"][r]}, ("lse", "dlse"), (batch, heads_q, local))
     options = AttnOptions.from_user(causal, window, "bottom_right", scale, softcap, head_dim=head_dim)
     left, right = _mask(options)
@@ -331,16 +331,16 @@ def ring_attention_backward(
     """Gradients ``(dq, dk, dv)`` of this rank's shards under :func:`ring_attention`, whose
     ``out`` and ``lse`` (this rank's) it takes; ``dlse`` optional, like ``lse``. dK / dV
     accumulate in fp32 as they travel around the ring (twice the bytes of K / V per step),
-    each gradient is rounded once."""
+    each gradient is rounded once; that exchange is not overlapped (each step's kernels add
+    into the accumulator just received), the K/V exchange is. Every rank of ``comm`` must call
+    it, in the same order as the forwards."""
     deterministic = check_bool("deterministic", deterministic)
     comm = process_group.check_comm(comm)
     ctx, a = boundary.import_arrays(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dlse=dlse)
     exchange = process_group.ProcessGroupExchange(comm)
-    c_type = _check_rank(a["q"], a["k"], a["v"], exchange.world, layout)
+    c_type = _check_rank(a["q"], a["k"], a["v"], exchange.world, layout, a["out"])
     batch, local, heads_q, head_dim = a["q"].shape
     check_dout(a["dout"], a["q"], c_type, _LAYOUT)
-    validation.check_shape("out", a["out"], a["q"].shape, "(the shape of q)")
-    validation.check_same_dtype("out", a["out"], "q", a["q"])
     check_row_stats({"lse": a["lse"], "dlse": a["dlse"]}, ("lse", "dlse"), (batch, heads_q, local))
     options = AttnOptions.from_user(causal, window, "bottom_right", scale, softcap, head_dim=head_dim)
     left, right = _mask(options)
