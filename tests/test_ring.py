@@ -1,13 +1,14 @@
 """Ring attention (cuattn.dist), simulated on one GPU: every layout, causal and not, window,
 GQA, W = 2, 4, 8, forward and backward against single-device attention and float64, and the
 error's growth with W (GPU); the layouts' masks against positions, sharding and the plan's
-coverage, argument checks (no GPU needed)."""
+coverage, the backward's routing of gradient pieces through its exchanges, argument checks (no
+GPU needed)."""
 
 import numpy as np
 import pytest
 
 import cuattn
-from cuattn import reference
+from cuattn import boundary, reference
 from cuattn.dist import layout as layouts
 from cuattn.dist import ring
 from helpers import assert_attention_accuracy, max_err, naive_attention, naive_attention_backward, randn
@@ -154,3 +155,114 @@ def test_error_does_not_grow_with_the_ring(lay):
         assert errors[world][0] <= 1.1 * errors[1][0], (world, errors)
         for i in (1, 2, 3):
             assert errors[world][i] <= 1.5 * errors[1][i], (world, i, errors)
+
+
+class _HeapCtx:
+    """A call context whose "device" is one host byte array: ``ptr`` is an offset into it, so the
+    ring's generators run on the CPU with stand-in kernels that read their parameter structs."""
+
+    def __init__(self, nbytes: int = 1 << 22):
+        self.heap = np.zeros(nbytes, np.uint8)
+        self.top = 256  # 0 is the null pointer
+
+    def empty(self, shape, dtype):
+        dtype = np.dtype(dtype)
+        strides, step = [], 1
+        for n in reversed(shape):
+            strides.insert(0, step)
+            step *= n
+        ptr, self.top = self.top, self.top + -(-step * dtype.itemsize // 256) * 256
+        assert self.top <= self.heap.size
+        self.heap[ptr:self.top] = 0xFF  # poison
+        return boundary.DeviceArray(ptr, tuple(shape), tuple(strides), dtype, None)
+
+    def zero(self, *arrays):
+        for a in arrays:
+            self.heap[a.ptr:a.ptr + a.size * a.dtype.itemsize] = 0
+
+    def view(self, ptr: int, shape, strides, dtype=np.float32):
+        item = np.dtype(dtype).itemsize
+        return np.lib.stride_tricks.as_strided(self.heap[ptr:].view(dtype), shape, [s * item for s in strides])
+
+
+@pytest.mark.parametrize("lay", layouts.LAYOUTS)
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("causal", [True, False])
+def test_backward_schedule_routes_every_gradient_piece_to_its_shard(lay, world, causal):
+    """The backward's exchanges on the CPU, with a stand-in kernel that adds 1 to the dQ, dK and
+    dV rows of each (query run, key run) pair: every rank's gradients count each pair that
+    touched its rows exactly once, wherever the pair ran (dK / dV through the scratch and the
+    accumulators travelling the ring, received in the same step they are added to)."""
+    local, batch, heads, d = 8 * (2 if lay == "zigzag" else 1), 1, 1, 8
+    ctx = _HeapCtx()
+    options = ring.AttnOptions.from_user(causal, None, "bottom_right", None, None, head_dim=d)
+    plans = [ring.plan(local * world, world, r, lay, *ring._mask(options)) for r in range(world)]
+
+    in_flight = {}  # channel: byte ranges of what it sends and receives, untouchable until its wait
+
+    def writable(ptr: int) -> None:
+        for channel, spans in in_flight.items():
+            assert not any(lo <= ptr < hi for lo, hi in spans), f"a launch writes into the {channel} exchange in flight"
+
+    def launch(ctx_, c_type, p, grid, deterministic):
+        for name in ("dq", "dk", "dv"):
+            writable(int(p[name]))
+        a = p["attn"]
+        rows_q, rows_k = (batch, int(a["seqlen_q"]), heads, d), (batch, int(a["seqlen_k"]), heads, d)
+        ctx.view(int(p["dq"]), rows_q, tuple(p["dq_strides"]) + (1,))[...] += 1
+        for name in ("dk", "dv"):
+            ctx.view(int(p[name]), rows_k, tuple(p[f"{name}_strides"]) + (1,))[...] += 1
+
+    def sum_rows(ctx_, piece, total, out=None):
+        writable(total.ptr)
+        t = ctx.view(total.ptr, total.shape, total.strides)
+        if piece is not None:
+            t += ctx.view(piece.ptr, piece.shape, piece.strides)
+        if out is not None:
+            ctx.view(out.ptr, out.shape, out.strides)[...] = t
+
+    shape = (batch, local, heads, d)
+    arrays = [{n: ctx.empty(shape if n != "lse" else (batch, heads, local), np.float32) for n in ("dout", "q", "k", "v", "out", "lse")}
+              for _ in range(world)]
+    for a in arrays:
+        a["dlse"] = None
+    grads = [tuple(ctx.empty(shape, np.float32) for _ in range(3)) for _ in range(world)]
+    mp = pytest.MonkeyPatch()
+    mp.setattr(ring, "launch_backward", launch)
+    mp.setattr(ring, "sum_rows", sum_rows)
+    try:
+        gens = [ring.backward_steps(ctx, "float", arrays[r], grads[r], options, plans[r], False) for r in range(world)]
+        while True:
+            ops = [next(g, None) for g in gens]
+            if all(op is None for op in ops):
+                break
+            assert len({op[:2] for op in ops}) == 1, ops
+            kind, channel = ops[0][:2]
+            if kind == "send":
+                assert channel not in in_flight, f"{channel} posted twice"
+                in_flight[channel] = [(a.ptr, a.ptr + a.size * a.dtype.itemsize) for op in ops for a in (*op[2], *op[3])]
+                for r in range(world):
+                    sent, into = ops[(r - 1) % world][2], ops[r][3]
+                    for src, dst in zip(sent, into):
+                        n = src.size * src.dtype.itemsize
+                        ctx.heap[dst.ptr:dst.ptr + n] = ctx.heap[src.ptr:src.ptr + n]
+            else:
+                in_flight.pop(channel)
+    finally:
+        mp.undo()
+    assert not in_flight
+    for owner in range(world):
+        runs = plans[owner].runs
+        want_q, want_kv = np.zeros(local), np.zeros(local)
+        for r in range(world):
+            for s, pairs in enumerate(plans[r].steps):
+                for qr, kr, _ in pairs:
+                    if r == owner:
+                        want_q[qr.local_start:qr.local_start + qr.length] += 1
+                    if (r - s) % world == owner:
+                        want_kv[kr.local_start:kr.local_start + kr.length] += 1
+        assert runs and want_kv.min() >= 1
+        got = [ctx.view(g.ptr, g.shape, g.strides)[0, :, 0, 0] for g in grads[owner]]
+        np.testing.assert_array_equal(got[0], want_q)
+        np.testing.assert_array_equal(got[1], want_kv)
+        np.testing.assert_array_equal(got[2], want_kv)

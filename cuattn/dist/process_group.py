@@ -8,9 +8,8 @@ has its own tag and every rank posts them in the same order.
 
 With NCCL the transfers run on the process group's stream, ordered after the work the compute
 stream had queued when they were posted (NCCL's own stream semantics) and awaited by the
-compute stream without blocking the host: what is posted before a step's kernels (the K/V of
-step i + 1) overlaps them; the backward's accumulators ("acc") are awaited by the very next
-step's kernels, which add into them, so they do not overlap.
+compute stream without blocking the host: what is in flight while a step's kernels run (the
+K/V of the next step, the backward's accumulators of the shard held) overlaps them.
 Other backends (gloo) move host memory only: each send is staged through host memory and each
 wait blocks the host until the data is back on the device. That serves tests and debugging on
 machines without NCCL peers (several processes on one GPU); it does not overlap anything.

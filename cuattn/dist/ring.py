@@ -104,13 +104,19 @@ def forward_steps(ctx, c_type: str, q, k, v, out, lse, options: AttnOptions, wor
 
 def backward_steps(ctx, c_type: str, a: dict, grads: tuple, options: AttnOptions, work: Plan, deterministic: bool):
     """One rank's backward: writes ``grads`` (dq, dk, dv), yielding its exchanges. ``a``: the
-    rank's dout, q, k, v, out, lse, dlse."""
+    rank's dout, q, k, v, out, lse, dlse.
+
+    At step s > 0 the kernels add this rank's dK / dV for the shard it holds into a zeroed
+    scratch pair while that shard's accumulators are still on their way from the previous
+    rank; the scratch is then added into them and they travel on. Both exchanges overlap the
+    kernels."""
     q, k, v = a["q"], a["k"], a["v"]
     batch, _, heads_q, head_dim = q.shape
     dq_acc = ctx.empty(q.shape, np.float32)
     ctx.zero(dq_acc)
     accs = (ctx.empty(k.shape, np.float32), ctx.empty(v.shape, np.float32))
     ctx.zero(*accs)
+    scratch = (ctx.empty(k.shape, np.float32), ctx.empty(v.shape, np.float32)) if len(work.steps) > 1 else None
     delta = ctx.empty((batch, heads_q, q.shape[1]), np.float32)
     cur = (k, v)
     for s, pairs in enumerate(work.steps):
@@ -118,20 +124,24 @@ def backward_steps(ctx, c_type: str, a: dict, grads: tuple, options: AttnOptions
         if more:
             nxt = (ctx.empty(k.shape, k.dtype), ctx.empty(v.shape, v.dtype))
             yield ("send", "kv", cur, nxt)
+        sums = accs if s == 0 else scratch  # step 0: this rank's own shard, its accumulators here
         if s > 0:
-            yield ("wait", "acc")  # the accumulators of the shard now held
+            ctx.zero(*scratch)
         for qr, kr, fields in pairs:
             attn = attn_params(_rows(q, qr), _rows(cur[0], kr), _rows(cur[1], kr), _rows(a["out"], qr), _stat_rows(a["lse"], qr), options)
             for name, value in fields.items():
                 attn[name] = value
             rows = {"dout": _rows(a["dout"], qr), "dlse": None if a["dlse"] is None else _stat_rows(a["dlse"], qr)}
-            sums = [_rows(dq_acc, qr), _rows(accs[0], kr), _rows(accs[1], kr)]  # the kernels add into them
-            p = backward_params(rows, sums, _stat_rows(delta, qr), attn)
-            p["sum_grads"] = SUM_DQ | SUM_DKDV
+            p = backward_params(rows, [_rows(dq_acc, qr), _rows(sums[0], kr), _rows(sums[1], kr)], _stat_rows(delta, qr), attn)
+            p["sum_grads"] = SUM_DQ | SUM_DKDV  # the kernels add into the three sums
             grid = BackwardGrid("dense", batch, qr.length, kr.length, heads_q, k.shape[2], head_dim, batch * qr.length, batch * kr.length)
             launch_backward(ctx, c_type, p, grid, deterministic)
+        if s > 0:
+            yield ("wait", "acc")  # the accumulators of the shard held, from the previous rank
+            for piece, total in zip(scratch, accs):
+                sum_rows(ctx, piece, total)
         received = (ctx.empty(k.shape, np.float32), ctx.empty(v.shape, np.float32))
-        yield ("send", "acc", accs, received)  # after this step's sums: the next rank adds to them
+        yield ("send", "acc", accs, received)  # the next rank adds its share to them
         accs = received
         if more:
             yield ("wait", "kv")
@@ -331,9 +341,8 @@ def ring_attention_backward(
     """Gradients ``(dq, dk, dv)`` of this rank's shards under :func:`ring_attention`, whose
     ``out`` and ``lse`` (this rank's) it takes; ``dlse`` optional, like ``lse``. dK / dV
     accumulate in fp32 as they travel around the ring (twice the bytes of K / V per step),
-    each gradient is rounded once; that exchange is not overlapped (each step's kernels add
-    into the accumulator just received), the K/V exchange is. Every rank of ``comm`` must call
-    it, in the same order as the forwards."""
+    each gradient is rounded once; both exchanges overlap the kernels. Every rank of ``comm``
+    must call it, in the same order as the forwards."""
     deterministic = check_bool("deterministic", deterministic)
     comm = process_group.check_comm(comm)
     ctx, a = boundary.import_arrays(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dlse=dlse)
