@@ -1,4 +1,8 @@
 import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -15,8 +19,46 @@ def _gpu_available() -> bool:
 HAS_GPU = _gpu_available()
 
 
+_warmup: subprocess.Popen | None = None
+
+
+def pytest_configure(config):
+    """With a GPU, a background process compiles every kernel variant into CuPy's disk cache
+    (``python -m cuattn warmup --all``, NVRTC on all but two cores) while the tests run: they
+    compile what they launch first, one at a time, and then mostly find it compiled.
+    ``CUATTN_TEST_WARMUP=0`` turns it off."""
+    global _warmup
+    if not HAS_GPU or os.environ.get("CUATTN_TEST_WARMUP", "1") == "0" or hasattr(config, "workerinput"):
+        return
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    jobs = max(1, (os.cpu_count() or 1) - 2)
+    _warmup = subprocess.Popen([sys.executable, "-m", "cuattn", "warmup", "--all", "--jobs", str(jobs)], env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+_START = time.monotonic()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """``CUATTN_TEST_DEADLINE_S``: start no test after that many seconds, so that a run under a
+    hard time limit still ends with pytest's summary (marked interrupted) instead of none."""
+    yield
+    deadline = os.environ.get("CUATTN_TEST_DEADLINE_S")
+    if deadline and nextitem is not None and time.monotonic() - _START > float(deadline):
+        item.session.shouldstop = f"CUATTN_TEST_DEADLINE_S={deadline} reached: the tests after {item.nodeid} did not run"
+
+
+def pytest_unconfigure(config):
+    if _warmup is not None:
+        _warmup.kill()
+        _warmup.wait()
+
+
 def pytest_report_header(config):
-    return f"cuattn: GPU {'present' if HAS_GPU else 'absent'}; CUPY_CACHE_DIR={os.environ.get('CUPY_CACHE_DIR', '(default)')}"
+    warmup = f"; kernels compiling in a background process ({_warmup.pid})" if _warmup is not None else ""
+    return f"cuattn: GPU {'present' if HAS_GPU else 'absent'}; CUPY_CACHE_DIR={os.environ.get('CUPY_CACHE_DIR', '(default)')}{warmup}"
 
 
 def pytest_collection_modifyitems(config, items):
