@@ -20,6 +20,7 @@ import numpy as np
 from cuattn import boundary, ops, replay, requirements
 from cuattn.block_mask import ARRAY_FIELDS, BlockMask
 from cuattn.decode import check_num_splits
+from cuattn.dist.jax_ring import ring_attention
 from cuattn.dropout import check_dropout_p
 from cuattn.options import WINDOW_SCHEMA, AttnOptions, flat_seqlen_bounds
 from cuattn.validation import check_bool
@@ -31,7 +32,7 @@ from jax.experimental.buffer_callback import buffer_callback  # noqa: E402
 # A block mask is a pytree of its four arrays (traced under jit), its lengths static.
 jax.tree_util.register_dataclass(BlockMask, data_fields=list(ARRAY_FIELDS), meta_fields=["seqlen_q", "seqlen_k"])
 
-__all__ = ["attention", "attention_varlen", "attention_with_kvcache", "append_kv", "merge", "call"]
+__all__ = ["attention", "attention_varlen", "attention_with_kvcache", "append_kv", "merge", "call", "ring_attention"]
 
 
 def attention(
