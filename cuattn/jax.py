@@ -133,7 +133,31 @@ def call(name: str, *arrays, **options):
             run()
 
     outputs = buffer_callback(callback, results, input_output_aliases=aliases or None)(*arrays)
+    outputs = varying_like(outputs, jax.tree_util.tree_leaves(arrays))
     return tuple(outputs[: len(entry.returns)]) + tuple(outputs[allocated:])
+
+
+def _varying_axes(x) -> frozenset:
+    """The mesh axes over which ``x`` may differ between devices (inside ``shard_map``)."""
+    typeof = getattr(jax, "typeof", None)
+    if typeof is None:  # a JAX before per-device types
+        return frozenset()
+    aval = typeof(x)
+    axes = getattr(aval, "vma", None)
+    if axes is None:
+        axes = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
+    return frozenset(axes or ())
+
+
+def varying_like(outputs, inputs) -> list:
+    """``outputs`` typed as varying over every mesh axis an input varies over. A
+    ``buffer_callback``'s results carry no such type: inside ``shard_map`` they would pass for
+    equal on every device, and mismatch per-device values (in ``lax.switch`` branches, in the
+    cotangents of a ``custom_vjp``)."""
+    axes = frozenset().union(*(_varying_axes(x) for x in inputs))
+    if not axes:
+        return list(outputs)
+    return [o if axes <= _varying_axes(o) else jax.lax.pcast(o, tuple(sorted(axes - _varying_axes(o))), to="varying") for o in outputs]
 
 
 def attention_with_kvcache(

@@ -24,19 +24,54 @@ _warmup: subprocess.Popen | None = None
 
 def pytest_configure(config):
     """With a GPU, a background process compiles every kernel variant into CuPy's disk cache
-    (``python -m cuattn warmup --all``, NVRTC on all but two cores) while the tests run: they
-    compile what they launch first, one at a time, and then mostly find it compiled.
-    ``CUATTN_TEST_WARMUP=0`` turns it off."""
-    global _warmup
+    (``python -m cuattn warmup --all``, NVRTC on three quarters of the cores) while the tests
+    run: they compile what they launch first, one at a time, and then mostly find it compiled.
+    ``CUATTN_TEST_WARMUP=0`` turns it off. It dies with the test process, however that ends."""
+    global _warmup, _DEADLINE
+    _DEADLINE = _deadline()
     if not HAS_GPU or os.environ.get("CUATTN_TEST_WARMUP", "1") == "0" or hasattr(config, "workerinput"):
+        return
+    if config.option.collectonly or config.option.help or not _shared_gpu():
         return
     root = str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
-    jobs = max(1, (os.cpu_count() or 1) - 2)
+    jobs = max(1, (os.cpu_count() or 1) * 3 // 4)
     _warmup = subprocess.Popen([sys.executable, "-m", "cuattn", "warmup", "--all", "--jobs", str(jobs)], env=env,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)
 
 
+def _shared_gpu() -> bool:
+    """Whether another process may use GPU 0 beside the tests (not an exclusive compute mode)."""
+    import cupy
+
+    try:
+        return cupy.cuda.runtime.getDeviceProperties(0).get("computeMode", 0) == 0
+    except Exception:  # a property CuPy does not report: assume the default mode
+        return True
+
+
+def _die_with_parent() -> None:
+    """In the warmup process before it runs: SIGKILL when the test process ends (Linux)."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _deadline() -> float | None:
+    text = os.environ.get("CUATTN_TEST_DEADLINE_S")
+    if not text:
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise pytest.UsageError(f"CUATTN_TEST_DEADLINE_S must be a number of seconds, got {text!r}") from None
+
+
+_DEADLINE: float | None = None
 _START = time.monotonic()
 
 
@@ -45,9 +80,8 @@ def pytest_runtest_protocol(item, nextitem):
     """``CUATTN_TEST_DEADLINE_S``: start no test after that many seconds, so that a run under a
     hard time limit still ends with pytest's summary (marked interrupted) instead of none."""
     yield
-    deadline = os.environ.get("CUATTN_TEST_DEADLINE_S")
-    if deadline and nextitem is not None and time.monotonic() - _START > float(deadline):
-        item.session.shouldstop = f"CUATTN_TEST_DEADLINE_S={deadline} reached: the tests after {item.nodeid} did not run"
+    if _DEADLINE is not None and nextitem is not None and time.monotonic() - _START > _DEADLINE:
+        item.session.shouldstop = f"CUATTN_TEST_DEADLINE_S={_DEADLINE:g} reached: the tests after {item.nodeid} did not run"
 
 
 def pytest_unconfigure(config):

@@ -3,7 +3,8 @@ attention: ``python jax_ring_cpu.py`` with ``XLA_FLAGS=--xla_force_host_platform
 (tests/test_jax_ring.py starts it). Checks, for every layout, causal and not, W = 1, 2, 4, fp32
 and bf16 with GQA: out, lse and the gradients of q, k, v against float64 attention over the
 whole sequence; fp32 to 2e-5, bf16 within 2x the error of the same jnp attention in one piece.
-Exits non-zero on a failed check."""
+Then again (W = 1 and 4, fp32) with the jnp kernels run as cuattn's are, inside a
+``buffer_callback``. Exits non-zero on a failed check."""
 
 import itertools
 
@@ -130,12 +131,36 @@ def run(world, layout, causal, dtype, softcap):
     print(f"W={world} {layout} causal={causal} {dtype.__name__} softcap={softcap}: ok", flush=True)
 
 
+def through_buffer_callback(fn):
+    """``fn`` run the way cuattn.jax.call runs its kernels: in a ``buffer_callback`` (whose
+    results carry no per-device type under shard_map), then ``cuattn.jax.varying_like``."""
+    from jax.experimental.buffer_callback import buffer_callback
+
+    from cuattn.jax import varying_like
+
+    def wrapped(*arrays):
+        def callback(ctx, outs, *buffers):
+            for out, value in zip(outs, fn(*(jnp.asarray(np.asarray(b)) for b in buffers))):
+                np.asarray(out)[...] = np.asarray(value)
+
+        results = buffer_callback(callback, list(jax.eval_shape(fn, *arrays)))(*arrays)
+        return tuple(varying_like(results, arrays))
+
+    return wrapped
+
+
 def main():
     assert len(jax.devices()) >= 4, jax.devices()
     jax_ring.kernels.update(forward=jnp_forward, backward=jnp_backward)
     for world, layout, causal, dtype in itertools.product((1, 2, 4), dist.LAYOUTS, (True, False), (jnp.float32, jnp.bfloat16)):
         run(world, layout, causal, dtype, None)
     run(4, "zigzag", True, jnp.bfloat16, 5.0)
+    jax_ring.kernels.update(
+        forward=lambda q, k, v, *o: through_buffer_callback(lambda *a: jnp_forward(*a, *o))(q, k, v),
+        backward=lambda *a: through_buffer_callback(lambda *b: jnp_backward(*b, *a[7:]))(*a[:7]),
+    )
+    for world, layout, causal in itertools.product((1, 4), dist.LAYOUTS, (True, False)):
+        run(world, layout, causal, jnp.float32, None)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """Ring attention in JAX (cuattn.jax.ring_attention, cuattn/dist/jax_ring.py).
 
 - No GPU: the whole ring under ``shard_map`` on 4 CPU devices with jnp attention in place of the
-  kernels (tests/jax_ring_cpu.py, in a subprocess: the device count is fixed at JAX's start),
-  every layout, causal and not, W = 1, 2, 4, against float64; argument checks.
+  kernels, also run inside a ``buffer_callback`` as cuattn's are (tests/jax_ring_cpu.py, in a
+  subprocess: the device count is fixed at JAX's start), every layout, causal and not,
+  W = 1, 2, 4, against float64; argument checks.
 - GPU: cuattn's kernels in each layout's pieces, the branch picked by a traced rank, every rank
   of a W = 4 ring run on one GPU (the exchange left out) against float64 within 2x the
   single-device error, forward and backward; and the ring under ``shard_map`` over one GPU.
@@ -35,7 +36,7 @@ def test_ring_on_cpu_devices_matches_float64():
     result = subprocess.run([sys.executable, str(Path(__file__).with_name("jax_ring_cpu.py"))], env=env, capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert result.stdout.count(": ok") == 37, result.stdout
+    assert result.stdout.count(": ok") == 37 + 12, result.stdout
 
 
 def _one_device_ring(fn):

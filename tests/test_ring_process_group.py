@@ -34,7 +34,7 @@ def _run_ranks(mode: str, worlds: list[int], tmp_path, timeout: int = 240) -> li
                 procs.append((world, r, log, subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT)))
     deadline, failed_at = time.monotonic() + timeout, None
     try:
-        while any(p.poll() is None for *_, p in procs):
+        while any([p.poll() is None for *_, p in procs]):  # a list: every process polled
             now = time.monotonic()
             if failed_at is None and any(p.returncode for *_, p in procs):
                 failed_at = now
@@ -46,7 +46,8 @@ def _run_ranks(mode: str, worlds: list[int], tmp_path, timeout: int = 240) -> li
             p.kill()
             p.wait()
     logs = [log.read_text() for _, _, log, _ in procs]
-    failed = [f"W={w} rank {r} (exit {p.returncode}):\n{text}" for (w, r, _, p), text in zip(procs, logs) if p.returncode]
+    failed = [f"W={w} rank {r} ({'ended by the test' if p.returncode < 0 else f'exit {p.returncode}'}):\n{text}"
+              for (w, r, _, p), text in zip(procs, logs) if p.returncode]
     assert not failed, "\n".join(failed)
     return logs
 

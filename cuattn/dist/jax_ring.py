@@ -85,7 +85,7 @@ def cases(layout: str, causal: bool, s: int, rows: int) -> tuple:
     return {
         "contiguous": (None, Piece(_ALL, _ALL, False)),
         "zigzag": (Piece(slice(half, None), _ALL, False), Piece(_ALL, slice(None, half), False)),
-        "stripe": (Piece(slice(1, None), slice(None, rows - 1), True), Piece(_ALL, _ALL, True)),
+        "stripe": (Piece(slice(1, None), slice(None, rows - 1), True) if rows > 1 else None, Piece(_ALL, _ALL, True)),
     }[layout]
 
 
@@ -98,6 +98,9 @@ def ring_attention(q, k, v, *, axis_name, layout="zigzag", causal=True, scale=No
     or no mask. Returns ``out`` (and ``lse``, ``(batch, heads, seqlen / W)`` fp32), equal to
     :func:`cuattn.jax.attention` over the whole sequence, sharded the same way; differentiable
     in ``q``, ``k``, ``v`` (and through ``lse``)."""
+    missing = [name for name, owner in (("shard_map", jax), ("axis_size", jax.lax), ("pcast", jax.lax)) if not hasattr(owner, name)]
+    if missing:
+        raise RuntimeError(f"cuattn.jax.ring_attention needs a JAX with {', '.join(missing)} (this is {jax.__version__})")
     causal = check_bool("causal", causal)
     return_lse = check_bool("return_lse", return_lse)
     world = jax.lax.axis_size(axis_name)
