@@ -20,7 +20,6 @@ import numpy as np
 from cuattn import boundary, ops, replay, requirements
 from cuattn.block_mask import ARRAY_FIELDS, BlockMask
 from cuattn.decode import check_num_splits
-from cuattn.dist.jax_ring import ring_attention
 from cuattn.dropout import check_dropout_p
 from cuattn.options import WINDOW_SCHEMA, AttnOptions, flat_seqlen_bounds
 from cuattn.validation import check_bool
@@ -28,6 +27,8 @@ from cuattn.validation import check_bool
 requirements.require("jax", "cupy", by="cuattn.jax")  # before importing what older releases lack
 
 from jax.experimental.buffer_callback import buffer_callback  # noqa: E402
+
+from cuattn.dist.jax_ring import ring_attention  # noqa: E402  (after the version check too)
 
 # A block mask is a pytree of its four arrays (traced under jit), its lengths static.
 jax.tree_util.register_dataclass(BlockMask, data_fields=list(ARRAY_FIELDS), meta_fields=["seqlen_q", "seqlen_k"])
