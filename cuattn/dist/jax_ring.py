@@ -39,12 +39,16 @@ from cuattn.options import AttnOptions
 from cuattn.validation import check_bool
 
 
+def _options(causal: bool, scale, softcap, head_dim: int) -> dict:
+    """The op table's options of a piece: top-left causal or no mask."""
+    return AttnOptions.from_user(causal, None, "top_left", scale, softcap, head_dim=head_dim).flat()
+
+
 def _cuattn_forward(q, k, v, causal: bool, scale, softcap):
-    """``(out, lse)`` of q against k, v (top-left causal mask): cuattn's forward kernels."""
+    """``(out, lse)`` of q against k, v: cuattn's forward kernels."""
     import cuattn.jax
 
-    options = AttnOptions.from_user(causal, None, "top_left", scale, softcap, head_dim=q.shape[-1]).flat()
-    return cuattn.jax.call("attention", q, k, v, **options)
+    return cuattn.jax.call("attention", q, k, v, **_options(causal, scale, softcap, q.shape[-1]))
 
 
 def _cuattn_backward(dout, q, k, v, out, lse, dlse, causal: bool, scale, softcap):
@@ -52,9 +56,8 @@ def _cuattn_backward(dout, q, k, v, out, lse, dlse, causal: bool, scale, softcap
     these query rows: cuattn's backward kernels."""
     import cuattn.jax
 
-    options = AttnOptions.from_user(causal, None, "top_left", scale, softcap, head_dim=q.shape[-1]).flat()
-    deterministic = cuattn.jax.xla_deterministic_ops()
-    return cuattn.jax.call("attention_backward", dout, q, k, v, out, lse, dlse, deterministic=deterministic, **options)
+    return cuattn.jax.call("attention_backward", dout, q, k, v, out, lse, dlse, deterministic=cuattn.jax.xla_deterministic_ops(),
+                           **_options(causal, scale, softcap, q.shape[-1]))
 
 
 # The kernels of a step; tests on the CPU put jnp attention here.
@@ -105,7 +108,7 @@ def ring_attention(q, k, v, *, axis_name, layout="zigzag", causal=True, scale=No
     return_lse = check_bool("return_lse", return_lse)
     world = jax.lax.axis_size(axis_name)
     layouts.check_layout(layout, q.shape[1] * world, world)
-    AttnOptions.from_user(causal, None, "top_left", scale, softcap, head_dim=q.shape[-1])  # checked before tracing
+    _options(causal, scale, softcap, q.shape[-1])  # checked before tracing
     if q.shape[1] != k.shape[1]:
         raise ValueError(f"ring attention is self-attention: q and k shards must hold as many rows ({q.shape[1]} and {k.shape[1]})")
     out, lse = _ring(axis_name, layout, causal, scale, softcap, q, k, v)

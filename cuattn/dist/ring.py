@@ -125,7 +125,7 @@ def backward_steps(ctx, c_type: str, a: dict, grads: tuple, options: AttnOptions
             nxt = (ctx.empty(k.shape, k.dtype), ctx.empty(v.shape, v.dtype))
             yield ("send", "kv", cur, nxt)
         sums = accs if s == 0 else scratch  # step 0: this rank's own shard, its accumulators here
-        if s > 0:
+        if s > 0 and pairs:
             ctx.zero(*scratch)
         for qr, kr, fields in pairs:
             attn = attn_params(_rows(q, qr), _rows(cur[0], kr), _rows(cur[1], kr), _rows(a["out"], qr), _stat_rows(a["lse"], qr), options)
@@ -138,7 +138,7 @@ def backward_steps(ctx, c_type: str, a: dict, grads: tuple, options: AttnOptions
             launch_backward(ctx, c_type, p, grid, deterministic)
         if s > 0:
             yield ("wait", "acc")  # the accumulators of the shard held, from the previous rank
-            for piece, total in zip(scratch, accs):
+            for piece, total in zip(scratch, accs) if pairs else ():  # no pairs: nothing to add
                 sum_rows(ctx, piece, total)
         received = (ctx.empty(k.shape, np.float32), ctx.empty(v.shape, np.float32))
         yield ("send", "acc", accs, received)  # the next rank adds its share to them
