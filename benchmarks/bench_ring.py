@@ -6,7 +6,9 @@ For T tokens per rank (W T in all), rank 0 first times single-GPU attention forw
 over the whole W T tokens; then every rank times its part of the ring (``cuattn.dist``, with the
 ranks started together by a barrier, the slowest rank's time kept). Efficiency = (single-GPU
 time / W) / ring time: 1.0 when the ring's work splits evenly and its exchange hides under
-compute. TFLOP/s by the FlashAttention convention (causal halved, backward x2.5).
+compute. ``exchange_ms``: the same transfers alone (the forward's K/V for W - 1 steps, the
+backward's K/V again and its fp32 dK / dV accumulators for W steps), for judging how much of
+the ring's time they could account for. TFLOP/s by the FlashAttention convention (causal halved, backward x2.5).
 ``--backend gloo`` stages each exchange through host memory (for a smoke test on one GPU;
 its times say nothing about the ring over NCCL).
 """
@@ -80,6 +82,7 @@ def main(argv=None) -> None:
                 cuattn.dist.ring_attention_backward(dout, q, k, v, out, lse, comm=group, layout=layout, causal=args.causal)
 
             ring_ms = _ms(ring, args.repeat)
+            exchange_ms = _ms(lambda: _exchanges(k, v, group), args.repeat)
             t = torch.tensor([single_ms], device="cuda")
             dist.broadcast(t, 0)
             single_ms_all = t.item()
@@ -87,6 +90,7 @@ def main(argv=None) -> None:
             row = {
                 "world": world, "backend": args.backend, "layout": layout, "tokens_per_rank": tokens, "heads": args.heads,
                 "kv_heads": args.kv_heads, "head_dim": args.head_dim, "causal": args.causal, "ring_ms": round(ring_ms, 3),
+                "exchange_ms": round(exchange_ms, 3),
                 "single_gpu_ms": round(single_ms_all, 3), "efficiency": round(single_ms_all / world / ring_ms, 3),
                 "ring_tflops_per_gpu": round(flops / world / ring_ms / 1e9, 1), "gpu": torch.cuda.get_device_name(),
             }
@@ -99,6 +103,25 @@ def main(argv=None) -> None:
 
         write_csv(args.csv, rows)
     dist.destroy_process_group()
+
+
+def _exchanges(k, v, group) -> None:
+    """The ring's transfers of one forward + backward, without its kernels."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    nxt, prev = (rank + 1) % world, (rank - 1) % world
+
+    def step(sent):
+        into = [torch.empty_like(t) for t in sent]
+        ops = [dist.P2POp(dist.isend, t, nxt, group) for t in sent] + [dist.P2POp(dist.irecv, t, prev, group) for t in into]
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
+        return into
+
+    kv, accs = (k, v), (k.float(), v.float())
+    for _ in range(2 * (world - 1)):
+        kv = step(kv)
+    for _ in range(world):
+        accs = step(accs)
 
 
 def _single_ms(fn, repeat: int) -> float:

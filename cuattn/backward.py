@@ -203,11 +203,15 @@ def backward_params(a, grads, delta, attn: np.void) -> np.void:
     )
 
 
-def plan_backward(ctx, c_type: str, p: np.void, g: BackwardGrid, deterministic: bool, query_splits: int = 1) -> bool:
+def plan_backward(
+    ctx, c_type: str, p: np.void, g: BackwardGrid, deterministic: bool, query_splits: int = 1, keep: list | None = None,
+) -> bool:
     """Whether the fused kernel runs; allocates its dQ accumulator and points ``p`` at it. A
     schedule of several backward calls plans them all before its first fill or launch (a
     traced JAX call records allocations up to there). ``query_splits`` > 1 (p's query_splits
-    and split_stride set, dK / dV summed into fp32 partials) takes the unfused kernels."""
+    and split_stride set, dK / dV summed into fp32 partials) takes the unfused kernels.
+    ``keep``: a list that holds the accumulator for a caller whose launches come later (the
+    memory is the pool's again once the accumulator is dropped)."""
     bucket, softcap, layout = head_dim_bucket(g.head_dim), bool(p["attn"]["softcap"] > 0), g.layout
     # Whether dQ goes through an fp32 accumulator is decided once: a traced JAX call replays
     # the decision that sized its buffers, whatever CUATTN_WGMMA says by then; a device that
@@ -222,15 +226,27 @@ def plan_backward(ctx, c_type: str, p: np.void, g: BackwardGrid, deterministic: 
     if use_accum and g.rows * g.heads_q:
         shape, tile_strides = g.dq_accumulator(bucket)
         accum = ctx.empty(shape, np.float32)
+        if keep is not None:
+            keep.append(accum)
         if fused:
             p["dq_accum"], p["dq_accum_tile_strides"], p["dq_accum_cols"] = accum.ptr, tile_strides, bucket
     return fused
 
 
+_STAGES = ("all", "prep", "main", "finish")
+_STAGE_OF_KERNEL = {"backward_prep": "prep", "backward_dq_finish": "finish"}  # the rest: "main"
+
+
 def launch_backward(
     ctx, c_type: str, p: np.void, g: BackwardGrid, deterministic: bool, query_splits: int = 1, fused: bool | None = None,
+    stage: str = "all",
 ) -> None:
-    """The backward's launches, planned here unless :func:`plan_backward` gave ``fused``."""
+    """The backward's launches, planned here unless :func:`plan_backward` gave ``fused``.
+    ``stage``: "all", or one part of them for a schedule that shares the fused kernel's dQ
+    accumulator between several calls: "prep" (delta, and zeros in the accumulator), "main"
+    (the gradient kernels), "finish" (dQ from the accumulator)."""
+    if stage not in _STAGES:
+        raise ValueError(f"stage must be one of {', '.join(_STAGES)}, got {stage!r}")
     if query_splits > 1 and not (p["sum_grads"] & SUM_DKDV and p["query_splits"] == query_splits):
         raise ValueError("query splits add dK / dV into fp32 partials: set sum_grads' SUM_DKDV bit and query_splits")
     if fused is None:
@@ -243,6 +259,8 @@ def launch_backward(
             g, c_type, softcap, arch, wgmma_enabled(), device_smem_limit(ctx.device.id), fused, sink, query_splits, dropout, sparse,
         )
         for variant, variant_launches in plan:
+            if stage != "all" and _STAGE_OF_KERNEL.get(variant.kernel, "main") != stage:
+                continue
             for grid, block, batch_offset in variant_launches:
                 if batch_offset is not None:
                     p["attn"]["batch_offset"] = batch_offset

@@ -10,6 +10,7 @@ import pytest
 import cuattn
 from cuattn import boundary, reference
 from cuattn.dist import layout as layouts
+from cuattn.dist import pieces as pieces_module
 from cuattn.dist import ring
 from helpers import assert_attention_accuracy, max_err, naive_attention, naive_attention_backward, randn
 
@@ -66,6 +67,57 @@ def test_zigzag_balances_causal_work():
     assert len({work("zigzag", r) for r in range(4)}) == 1
     assert len({work("contiguous", r) for r in range(4)}) == 4
     assert sum(work("stripe", r) for r in range(4)) == 64 * 65 // 2
+
+
+MASKS = [(-1, -1), (-1, 0), (5, 0), (7, 3), (-1, 4), (0, 0), (3, -1), (1, 1), (20, 0)]
+
+
+@pytest.mark.parametrize("lay", layouts.LAYOUTS)
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("left, right", MASKS)
+def test_pieces_cover_the_position_mask_once(lay, world, left, right):
+    """At every step the union of a rank's pieces (each its own band on its local indices) is
+    the position mask between its rows and the shard it holds, with no cell in two pieces, and
+    no piece holds a query or key run that sees nothing in it."""
+    seqlen = 48
+    if seqlen % (2 * world if lay == "zigzag" else world):
+        pytest.skip("not a layout of this length")
+    for r in range(world):
+        work = ring.plan(seqlen, world, r, lay, left, right)
+        mine = layouts.positions(seqlen, world, r, lay)
+        for s, pieces in enumerate(work.steps):
+            theirs = layouts.positions(seqlen, world, (r - s) % world, lay)
+            want = np.ones((mine.size, theirs.size), bool)
+            if left >= 0:
+                want &= theirs[None, :] >= mine[:, None] - left
+            if right >= 0:
+                want &= theirs[None, :] <= mine[:, None] + right
+            got = np.zeros(want.shape, int)
+            for qs, ks, f in pieces:
+                seen = reference.visible(np.arange(qs.length), np.arange(ks.length), f["diagonal_offset"], f["window_left"], f["window_right"])
+                got[qs.local_start:qs.local_start + qs.length, ks.local_start:ks.local_start + ks.length] += seen
+                for run in pieces_module.covered_runs(work.runs, qs):
+                    assert seen[run.local_start - qs.local_start:][:run.length].any(), (r, s, qs, ks)
+            np.testing.assert_array_equal(got, want.astype(int), err_msg=f"rank {r} step {s}")
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+def test_causal_zigzag_is_one_launch_per_step(world):
+    """Causal zigzag: the own shard is one causal launch over all rows, every later step one
+    unmasked launch (all queries against the first key chunk, or the second query chunk against
+    all keys)."""
+    local = 16
+    for r in range(world):
+        work = ring.plan(local * world, world, r, "zigzag", -1, 0)
+        assert [len(p) for p in work.steps] == [1] * world
+        qs, ks, f = work.steps[0][0]
+        assert (qs.local_start, qs.length, ks.local_start, ks.length) == (0, local, 0, local)
+        assert (f["diagonal_offset"], f["window_left"], f["window_right"]) == (0, -1, 0)
+        for s in range(1, world):
+            qs, ks, f = work.steps[s][0]
+            assert (f["window_left"], f["window_right"]) == (-1, -1)
+            before = (r - s) % world < r
+            assert (qs.length, ks.length) == ((local, local // 2) if before else (local // 2, local))
 
 
 def test_bad_rings_are_refused():
@@ -185,15 +237,122 @@ class _HeapCtx:
         return np.lib.stride_tricks.as_strided(self.heap[ptr:].view(dtype), shape, [s * item for s in strides])
 
 
+def _lockstep(ctx, gens, in_flight: dict) -> None:
+    """Every rank's generator in step on the heap: a send copies each rank's arrays into the next
+    rank's buffers, and ``in_flight`` holds the byte ranges of each channel until its wait."""
+    world = len(gens)
+    while True:
+        ops = [next(g, None) for g in gens]
+        if all(op is None for op in ops):
+            break
+        assert len({op[:2] for op in ops}) == 1, ops
+        kind, channel = ops[0][:2]
+        if kind == "send":
+            assert channel not in in_flight, f"{channel} posted twice"
+            in_flight[channel] = [(a.ptr, a.ptr + a.size * a.dtype.itemsize) for op in ops for a in (*op[2], *op[3])]
+            for r in range(world):
+                sent, into = ops[(r - 1) % world][2], ops[r][3]
+                for src, dst in zip(sent, into):
+                    n = src.size * src.dtype.itemsize
+                    ctx.heap[dst.ptr:dst.ptr + n] = ctx.heap[src.ptr:src.ptr + n]
+        else:
+            in_flight.pop(channel)
+
+
+@pytest.mark.parametrize("lay", layouts.LAYOUTS)
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("causal, window", [(False, None), (True, None), (False, (5, 0)), (False, (7, 3)), (True, (20, 0))])
+def test_forward_schedule_folds_every_piece_and_rounds_each_row_once(lay, world, causal, window):
+    """The forward's exchanges on the CPU with a float64 stand-in for the folding kernel (the
+    piece's softmax under its band, merged into the fp32 accumulator by lse, out written when
+    the launch names it) and for the final rounding of rows whose last piece did not: every
+    rank's out and lse equal attention over the whole sequence, every out row is written
+    exactly once, and nothing in flight is written."""
+    local, d = 8 * (2 if lay == "zigzag" else 1), 8
+    seqlen = local * world
+    rng = np.random.default_rng(world)
+    full = [rng.standard_normal((1, seqlen, 1, d)) for _ in range(3)]
+    options = ring.AttnOptions.from_user(causal, window, "bottom_right", None, None, head_dim=d)
+    left, right = ring._mask(options)
+    ctx = _HeapCtx()
+    shape = (1, local, 1, d)
+    arrays, outs, lses = [], [], []
+    for r in range(world):
+        a = [ctx.empty(shape, np.float32) for _ in range(3)]
+        for x, src in zip(a, full):
+            ctx.view(x.ptr, shape, x.strides)[...] = layouts.shard(src, world, r, lay)
+        arrays.append(a)
+        outs.append(ctx.empty(shape, np.float32))
+        lses.append(ctx.empty((1, 1, local), np.float32))
+    in_flight, writes = {}, {}
+
+    def writable(ptr: int) -> None:
+        for channel, spans in in_flight.items():
+            assert not any(lo <= ptr < hi for lo, hi in spans), f"a launch writes into the {channel} exchange in flight"
+
+    def rows(ptr, strides, m):
+        return ctx.view(ptr, (m, d), (strides[1], 1))
+
+    def launch(ctx_, c_type, p, n_rows, heads, batch):
+        m, n = int(p["seqlen_q"]), int(p["seqlen_k"])
+        for name in ("accum", "lse", "out"):
+            writable(int(p[name]))
+        q, k, v = (rows(int(p[x]), tuple(p[f"{x}_strides"]), m if x == "q" else n).astype(np.float64) for x in "qkv")
+        seen = reference.visible(np.arange(m), np.arange(n), int(p["diagonal_offset"]), int(p["window_left"]), int(p["window_right"]))
+        scores = np.where(seen, q @ k.T / np.sqrt(d), -np.inf)
+        top = scores.max(axis=1, initial=-np.inf)
+        weights = np.exp(scores - np.where(np.isfinite(top), top, 0)[:, None])
+        with np.errstate(divide="ignore"):  # a row that sees no key of the piece: lse -inf, weight 0
+            piece_lse = np.log(weights.sum(axis=1)) + top
+        piece = weights @ v / np.maximum(weights.sum(axis=1), 1e-300)[:, None]
+        acc = rows(int(p["accum"]), tuple(p["accum_strides"]), m)
+        lse = ctx.view(int(p["lse"]), (m,), (1,))
+        old = np.full(m, -np.inf) if p["accum_fresh"] else lse.astype(np.float64)
+        total = np.logaddexp(old, piece_lse)
+        seen_any = np.isfinite(total)
+        keep = np.where(np.isfinite(old), np.exp(old - np.where(seen_any, total, 0)), 0)[:, None]
+        take = np.where(np.isfinite(piece_lse), np.exp(piece_lse - np.where(seen_any, total, 0)), 0)[:, None]
+        acc[...] = (0 if p["accum_fresh"] else acc * keep) + piece * take
+        lse[...] = total
+        if int(p["out"]):
+            rows(int(p["out"]), tuple(p["out_strides"]), m)[...] = acc
+            writes[int(p["out"])] = writes.get(int(p["out"]), 0) + m
+
+    def sum_rows(ctx_, piece, total, out=None):
+        assert piece is None and out is not None
+        ctx.view(out.ptr, out.shape, out.strides)[...] = ctx.view(total.ptr, total.shape, total.strides)
+        writes[out.ptr] = writes.get(out.ptr, 0) + out.shape[1]
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(ring, "launch_forward", launch)
+    mp.setattr(ring, "sum_rows", sum_rows)
+    try:
+        gens = [ring.forward_steps(ctx, "float", *arrays[r], outs[r], lses[r], options, ring.plan(seqlen, world, r, lay, left, right))
+                for r in range(world)]
+        _lockstep(ctx, gens, in_flight)
+    finally:
+        mp.undo()
+    assert not in_flight
+    assert sum(writes.values()) == seqlen  # each row rounded once (out rows written exactly once between them)
+    ref_out, ref_lse = reference.attention(*full, causal=causal, window=window, return_lse=True)
+    got = [ctx.view(o.ptr, shape, o.strides) for o in outs]
+    got_lse = [ctx.view(x.ptr, (1, 1, local), x.strides) for x in lses]
+    np.testing.assert_allclose(layouts.unshard(got, lay), ref_out, atol=2e-6)
+    np.testing.assert_allclose(layouts.unshard(got_lse, lay, axis=2), ref_lse, atol=2e-5)
+
+
 @pytest.mark.parametrize("lay", layouts.LAYOUTS)
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize("causal", [True, False])
-def test_backward_schedule_routes_every_gradient_piece_to_its_shard(lay, world, causal):
+@pytest.mark.parametrize("shared_dq", [False, True])
+def test_backward_schedule_routes_every_gradient_piece_to_its_shard(lay, world, causal, shared_dq):
     """The backward's exchanges on the CPU, with a stand-in kernel that adds 1 to the dQ, dK and
     dV rows of each (query run, key run) pair: every rank's gradients count each pair that
     touched its rows exactly once, wherever the pair ran (dK / dV through the scratch and the
-    accumulators travelling the ring, received in the same step they are added to)."""
-    local, batch, heads, d = 8 * (2 if lay == "zigzag" else 1), 1, 1, 8
+    accumulators travelling the ring, received in the same step they are added to). dQ either
+    through an fp32 sum each launch adds into, or (``shared_dq``: rows on 64-row tiles) through
+    one accumulator the pieces share, zeroed by one prep and read by one finishing pass."""
+    local, batch, heads, d = (64 if shared_dq else 8) * (2 if lay == "zigzag" else 1), 1, 1, 8
     ctx = _HeapCtx()
     options = ring.AttnOptions.from_user(causal, None, "bottom_right", None, None, head_dim=d)
     plans = [ring.plan(local * world, world, r, lay, *ring._mask(options)) for r in range(world)]
@@ -204,22 +363,44 @@ def test_backward_schedule_routes_every_gradient_piece_to_its_shard(lay, world, 
         for channel, spans in in_flight.items():
             assert not any(lo <= ptr < hi for lo, hi in spans), f"a launch writes into the {channel} exchange in flight"
 
-    def launch(ctx_, c_type, p, grid, deterministic):
-        for name in ("dq", "dk", "dv"):
-            writable(int(p[name]))
+    def plan_backward(ctx_, c_type, p, g, deterministic, keep=None):
+        """With 64 columns the accumulator's 64 x 64 tiles are rows of 64 floats, in row order."""
+        if not shared_dq:
+            return False
+        p["dq_accum"], p["dq_accum_cols"], p["dq_accum_tile_strides"] = ctx.empty((local, 64), np.float32).ptr, 64, (0, 0)
+        return True
+
+    def accumulator(p, rows):
+        return ctx.view(int(p["dq_accum"]), (rows,), (64,))
+
+    def launch(ctx_, c_type, p, grid, deterministic, fused=None, stage="all"):
         a = p["attn"]
         rows_q, rows_k = (batch, int(a["seqlen_q"]), heads, d), (batch, int(a["seqlen_k"]), heads, d)
-        ctx.view(int(p["dq"]), rows_q, tuple(p["dq_strides"]) + (1,))[...] += 1
+        assert (stage == "all") != shared_dq, stage
+        if stage == "prep":
+            accumulator(p, rows_q[1])[...] = 0
+            return
+        dq = ctx.view(int(p["dq"]), rows_q, tuple(p["dq_strides"]) + (1,))
+        if stage == "finish":
+            dq[...] = accumulator(p, rows_q[1])[None, :, None, None]
+            return
+        if stage == "main":
+            accumulator(p, rows_q[1])[...] += 1
+        else:
+            writable(int(p["dq"]))
+            assert p["sum_grads"] & ring.SUM_DQ
+            dq[...] += 1
         for name in ("dk", "dv"):
+            writable(int(p[name]))
             ctx.view(int(p[name]), rows_k, tuple(p[f"{name}_strides"]) + (1,))[...] += 1
 
     def sum_rows(ctx_, piece, total, out=None):
-        writable(total.ptr)
-        t = ctx.view(total.ptr, total.shape, total.strides)
+        t = ctx.view(total.ptr, total.shape, total.strides).copy()
         if piece is not None:
             t += ctx.view(piece.ptr, piece.shape, piece.strides)
-        if out is not None:
-            ctx.view(out.ptr, out.shape, out.strides)[...] = t
+        dst = total if out is None else out  # with out, total is not written
+        writable(dst.ptr)
+        ctx.view(dst.ptr, dst.shape, dst.strides)[...] = t
 
     shape = (batch, local, heads, d)
     arrays = [{n: ctx.empty(shape if n != "lse" else (batch, heads, local), np.float32) for n in ("dout", "q", "k", "v", "out", "lse")}
@@ -229,25 +410,11 @@ def test_backward_schedule_routes_every_gradient_piece_to_its_shard(lay, world, 
     grads = [tuple(ctx.empty(shape, np.float32) for _ in range(3)) for _ in range(world)]
     mp = pytest.MonkeyPatch()
     mp.setattr(ring, "launch_backward", launch)
+    mp.setattr(ring, "plan_backward", plan_backward)
     mp.setattr(ring, "sum_rows", sum_rows)
     try:
         gens = [ring.backward_steps(ctx, "float", arrays[r], grads[r], options, plans[r], False) for r in range(world)]
-        while True:
-            ops = [next(g, None) for g in gens]
-            if all(op is None for op in ops):
-                break
-            assert len({op[:2] for op in ops}) == 1, ops
-            kind, channel = ops[0][:2]
-            if kind == "send":
-                assert channel not in in_flight, f"{channel} posted twice"
-                in_flight[channel] = [(a.ptr, a.ptr + a.size * a.dtype.itemsize) for op in ops for a in (*op[2], *op[3])]
-                for r in range(world):
-                    sent, into = ops[(r - 1) % world][2], ops[r][3]
-                    for src, dst in zip(sent, into):
-                        n = src.size * src.dtype.itemsize
-                        ctx.heap[dst.ptr:dst.ptr + n] = ctx.heap[src.ptr:src.ptr + n]
-            else:
-                in_flight.pop(channel)
+        _lockstep(ctx, gens, in_flight)
     finally:
         mp.undo()
     assert not in_flight

@@ -93,16 +93,26 @@ def band(q: Run, k: Run, left: int, right: int) -> dict | None:
     hi = None if right < 0 else (d + right) // w
     if lo is not None and hi is not None and hi < lo:
         return None
-    if hi is not None:
-        offset, win_right = hi, 0
-        win_left = -1 if lo is None else hi - lo
-    elif lo is not None:
-        offset, win_left, win_right = lo, 0, -1
-    else:
-        offset, win_left, win_right = 0, -1, -1
-    fields = {"diagonal_offset": offset, "window_left": win_left, "window_right": win_right}
+    fields = band_fields(lo, hi)
+    win_left, offset, win_right = fields["window_left"], fields["diagonal_offset"], fields["window_right"]
     first = 0 if win_left < 0 else max(0, offset - win_left)
     last = k.length - 1 if win_right < 0 else min(k.length - 1, q.length - 1 + offset + win_right)
     if q.length == 0 or k.length == 0 or last < first:
         return None
     return fields
+
+
+def band_fields(lo: int | None, hi: int | None) -> dict:
+    """The kernels' mask fields that show key j to query i when ``lo <= j - i <= hi`` (None:
+    unbounded)."""
+    if hi is not None:
+        return {"diagonal_offset": hi, "window_left": -1 if lo is None else hi - lo, "window_right": 0}
+    if lo is not None:
+        return {"diagonal_offset": lo, "window_left": 0, "window_right": -1}
+    return {"diagonal_offset": 0, "window_left": -1, "window_right": -1}
+
+
+def band_bounds(fields: dict) -> tuple[int | None, int | None]:
+    """The ``(lo, hi)`` of ``lo <= j - i <= hi`` that mask fields show (inverse of :func:`band_fields`)."""
+    offset, left, right = fields["diagonal_offset"], fields["window_left"], fields["window_right"]
+    return (None if left < 0 else offset - left), (None if right < 0 else offset + right)

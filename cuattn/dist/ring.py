@@ -3,8 +3,10 @@
 Each of W ranks holds a shard of the queries, keys and values (:mod:`cuattn.dist.layout`).
 At step s rank r computes its queries against the K/V shard of rank r - s, which it received
 from rank r - 1 while it computed step s - 1, and folds the result into an fp32 accumulator
-with the forward kernels' accumulating form (forward/accumulate.cuh): the output is rounded
-once, in the launch of its last piece. Only the KV heads travel.
+with the forward kernels' accumulating form (forward/accumulate.cuh): each output row is
+rounded once, by the launch of its last piece or, when that launch also covers rows with
+pieces still to come, from the accumulator after the last step. A step's pieces are as few
+launches as the masks allow (cuattn/dist/pieces.py). Only the KV heads travel.
 
 The backward passes K/V around the ring again with each shard's dK / dV accumulators (fp32):
 rank r adds its queries' contribution to the shard it holds, computed from its global ``out``
@@ -22,48 +24,28 @@ the same generators, its exchanges over a ``torch.distributed`` process group
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 
 from cuattn import boundary, validation
 from cuattn.attention import _LAYOUT, attn_params, check_qkv, launch_forward
-from cuattn.backward import SUM_DKDV, SUM_DQ, backward_params, check_dout, launch_backward
+from cuattn.backward import SUM_DKDV, SUM_DQ, backward_params, check_dout, launch_backward, plan_backward
 from cuattn.chunked import check_row_stats
 from cuattn.dist import layout as layouts
 from cuattn.dist import process_group
-from cuattn.kernels.backward import BackwardGrid
+from cuattn.dist.pieces import Plan, covered_runs, plan
+from cuattn.kernels.backward import DQ_TILE_ROWS, BackwardGrid
 from cuattn.merge import sum_rows
 from cuattn.options import AttnOptions
 from cuattn.validation import check_bool
 
 
-@dataclasses.dataclass
-class Plan:
-    """One rank's work: its runs of rows, and for each step the (query run, key run, mask
-    fields) pairs it computes against the shard it then holds (rank - step); pairs no query
-    sees are left out."""
-
-    runs: list
-    steps: list
-
-
-def plan(seqlen: int, world: int, rank: int, layout: str, left: int, right: int) -> Plan:
-    mine = layouts.runs(seqlen, world, rank, layout)
-    steps = []
-    for s in range(world):
-        theirs = layouts.runs(seqlen, world, (rank - s) % world, layout)
-        steps.append([(q, k, f) for q in mine for k in theirs if (f := layouts.band(q, k, left, right)) is not None])
-    return Plan(mine, steps)
-
-
-def _rows(a: boundary.DeviceArray, run: layouts.Run) -> boundary.DeviceArray:
-    """Rows of a run of a (batch, seqlen, heads, head_dim) array."""
+def _rows(a: boundary.DeviceArray, run) -> boundary.DeviceArray:
+    """Rows of a run or span (``local_start``, ``length``) of a (batch, seqlen, heads, head_dim) array."""
     return a.span(1, run.local_start, run.local_start + run.length)
 
 
-def _stat_rows(a: boundary.DeviceArray, run: layouts.Run) -> boundary.DeviceArray:
-    """Rows of a run of a (batch, heads, seqlen) statistic."""
+def _stat_rows(a: boundary.DeviceArray, run) -> boundary.DeviceArray:
+    """Rows of a run or span of a (batch, heads, seqlen) statistic."""
     return a.span(2, run.local_start, run.local_start + run.length)
 
 
@@ -78,28 +60,37 @@ def _mask(options: AttnOptions) -> tuple[int, int]:
 def forward_steps(ctx, c_type: str, q, k, v, out, lse, options: AttnOptions, work: Plan):
     """One rank's forward: writes ``out`` and ``lse``, yielding its exchanges."""
     acc = ctx.empty(q.shape, np.float32)
-    launches = [qr.local_start for pairs in work.steps for qr, _, _ in pairs]
-    last = {start: i for i, start in enumerate(launches)}
+    starts = [[r.local_start for r in covered_runs(work.runs, qs)] for pieces in work.steps for qs, _, _ in pieces]
+    last = {start: i for i, runs in enumerate(starts) for start in runs}
     if set(last) != {r.local_start for r in work.runs}:  # a query sees its own position, whatever the mask
         raise AssertionError("a run of queries sees no key")
+    # A piece rounds its rows into out when it is the last of every run it covers; runs whose
+    # last piece also covers a run with more to come are rounded from acc at the end.
+    rounded = {start for i, runs in enumerate(starts) if all(last[r] == i for r in runs) for start in runs}
     started, i, cur = set(), 0, (k, v)
-    for s, pairs in enumerate(work.steps):
+    for s, pieces in enumerate(work.steps):
         more = s < len(work.steps) - 1
         if more:
             nxt = (ctx.empty(k.shape, k.dtype), ctx.empty(v.shape, v.dtype))
             yield ("send", "kv", cur, nxt)
-        for qr, kr, fields in pairs:
-            dst = _rows(out, qr) if last[qr.local_start] == i else out.unwritten()
-            p = attn_params(_rows(q, qr), _rows(cur[0], kr), _rows(cur[1], kr), dst, _stat_rows(lse, qr), options)
+        for qs, ks, fields in pieces:
+            fresh = {start not in started for start in starts[i]}
+            if len(fresh) != 1:
+                raise AssertionError("a piece folds into rows both fresh and started")
+            dst = _rows(out, qs) if all(last[r] == i for r in starts[i]) else out.unwritten()
+            p = attn_params(_rows(q, qs), _rows(cur[0], ks), _rows(cur[1], ks), dst, _stat_rows(lse, qs), options)
             for name, value in fields.items():
                 p[name] = value
-            p["accum"], p["accum_strides"], p["accum_fresh"] = _rows(acc, qr).ptr, acc.strides[:3], int(qr.local_start not in started)
-            started.add(qr.local_start)
-            launch_forward(ctx, c_type, p, qr.length, q.shape[2], q.shape[0])
+            p["accum"], p["accum_strides"], p["accum_fresh"] = _rows(acc, qs).ptr, acc.strides[:3], int(fresh.pop())
+            started.update(starts[i])
+            launch_forward(ctx, c_type, p, qs.length, q.shape[2], q.shape[0])
             i += 1
         if more:
             yield ("wait", "kv")
             cur = nxt
+    for run in work.runs:
+        if run.local_start not in rounded:
+            sum_rows(ctx, None, _rows(acc, run), _rows(out, run))
 
 
 def backward_steps(ctx, c_type: str, a: dict, grads: tuple, options: AttnOptions, work: Plan, deterministic: bool):
@@ -109,15 +100,15 @@ def backward_steps(ctx, c_type: str, a: dict, grads: tuple, options: AttnOptions
     At step s > 0 the kernels add this rank's dK / dV for the shard it holds into a zeroed
     scratch pair while that shard's accumulators are still on their way from the previous
     rank; the scratch is then added into them and they travel on. Both exchanges overlap the
-    kernels."""
+    kernels. The last holder of a shard rounds its sums to the input dtype and sends them to
+    the owner as its dK / dV: the one hop that follows the last kernels carries half the bytes."""
     q, k, v = a["q"], a["k"], a["v"]
     batch, _, heads_q, head_dim = q.shape
-    dq_acc = ctx.empty(q.shape, np.float32)
-    ctx.zero(dq_acc)
+    delta = ctx.empty((batch, heads_q, q.shape[1]), np.float32)
+    dq_sum = _DqSum(ctx, c_type, a, grads, delta, options, work, deterministic)
     accs = (ctx.empty(k.shape, np.float32), ctx.empty(v.shape, np.float32))
     ctx.zero(*accs)
     scratch = (ctx.empty(k.shape, np.float32), ctx.empty(v.shape, np.float32)) if len(work.steps) > 1 else None
-    delta = ctx.empty((batch, heads_q, q.shape[1]), np.float32)
     cur = (k, v)
     for s, pairs in enumerate(work.steps):
         more = s < len(work.steps) - 1
@@ -127,28 +118,82 @@ def backward_steps(ctx, c_type: str, a: dict, grads: tuple, options: AttnOptions
         sums = accs if s == 0 else scratch  # step 0: this rank's own shard, its accumulators here
         if s > 0 and pairs:
             ctx.zero(*scratch)
-        for qr, kr, fields in pairs:
+        for qr, kr, fields in pairs:  # spans of rows
             attn = attn_params(_rows(q, qr), _rows(cur[0], kr), _rows(cur[1], kr), _rows(a["out"], qr), _stat_rows(a["lse"], qr), options)
             for name, value in fields.items():
                 attn[name] = value
             rows = {"dout": _rows(a["dout"], qr), "dlse": None if a["dlse"] is None else _stat_rows(a["dlse"], qr)}
-            p = backward_params(rows, [_rows(dq_acc, qr), _rows(sums[0], kr), _rows(sums[1], kr)], _stat_rows(delta, qr), attn)
-            p["sum_grads"] = SUM_DQ | SUM_DKDV  # the kernels add into the three sums
+            p = backward_params(rows, [dq_sum.rows(qr), _rows(sums[0], kr), _rows(sums[1], kr)], _stat_rows(delta, qr), attn)
+            p["sum_grads"] = SUM_DKDV  # the kernels add into the dK / dV sums (dQ: _DqSum)
             grid = BackwardGrid("dense", batch, qr.length, kr.length, heads_q, k.shape[2], head_dim, batch * qr.length, batch * kr.length)
-            launch_backward(ctx, c_type, p, grid, deterministic)
+            dq_sum.launch(p, qr, grid)
+        added = scratch if s > 0 and pairs else (None, None)  # no pairs: nothing to add
         if s > 0:
             yield ("wait", "acc")  # the accumulators of the shard held, from the previous rank
-            for piece, total in zip(scratch, accs) if pairs else ():  # no pairs: nothing to add
-                sum_rows(ctx, piece, total)
-        received = (ctx.empty(k.shape, np.float32), ctx.empty(v.shape, np.float32))
-        yield ("send", "acc", accs, received)  # the next rank adds its share to them
-        accs = received
         if more:
+            for piece, total in zip(added, accs) if added[0] is not None else ():
+                sum_rows(ctx, piece, total)
+            received = (ctx.empty(k.shape, np.float32), ctx.empty(v.shape, np.float32))
+            yield ("send", "acc", accs, received)  # the next rank adds its share to them
+            accs = received
             yield ("wait", "kv")
             cur = nxt
-    yield ("wait", "acc")  # this rank's own accumulators, back from the last rank that held them
-    for total, dst in zip((dq_acc, *accs), grads):
-        sum_rows(ctx, None, total, dst)
+        else:  # the last holder: the sums are whole; rounded here, they travel home as dK / dV
+            rounded = (ctx.empty(k.shape, k.dtype), ctx.empty(v.shape, v.dtype))
+            for piece, total, dst in zip(added, accs, rounded):
+                sum_rows(ctx, piece, total, dst)
+            yield ("send", "acc", rounded, grads[1:])
+    dq_sum.finish()
+    yield ("wait", "acc")  # this rank's dK / dV, from the last rank that held its shard
+
+
+class _DqSum:
+    """Where a rank's backward pieces add dQ. When every piece's query rows start (and end,
+    but for the last) on a 64-row tile and the fused kernel runs: its fp32 accumulator, shared
+    by all pieces, with one prep over all rows (delta, and the accumulator's zeros) and one
+    finishing pass into dq. Otherwise an fp32 sum the pieces' own launches add into
+    (BackwardParams::sum_grads), rounded into dq at the end."""
+
+    def __init__(self, ctx, c_type: str, a: dict, grads: tuple, delta, options: AttnOptions, work: Plan, deterministic: bool):
+        self.ctx, self.c_type, self.deterministic, self.dq = ctx, c_type, deterministic, grads[0]
+        q, k = a["q"], a["k"]
+        batch, local, heads_q, head_dim = q.shape
+        spans = [qs for pieces in work.steps for qs, _, _ in pieces]
+        aligned = all(s.local_start % DQ_TILE_ROWS == 0 and ((s.local_start + s.length) % DQ_TILE_ROWS == 0 or s.local_start + s.length == local)
+                      for s in spans)
+        self.whole = None
+        if aligned:
+            attn = attn_params(q, k, a["v"], a["out"], a["lse"], options)
+            p = backward_params({"dout": a["dout"], "dlse": a["dlse"]}, list(grads), delta, attn)
+            g = BackwardGrid("dense", batch, local, local, heads_q, k.shape[2], head_dim, batch * local, batch * local)
+            self.accumulator = []  # held until the finishing pass is queued
+            if plan_backward(ctx, c_type, p, g, deterministic, keep=self.accumulator):
+                self.whole = (p, g)
+                launch_backward(ctx, c_type, p, g, deterministic, fused=True, stage="prep")
+        if self.whole is None:
+            self.total = ctx.empty(q.shape, np.float32)
+            ctx.zero(self.total)
+
+    def rows(self, span):
+        """dq's view for a piece of rows (the accumulator's kernels do not write it)."""
+        return _rows(self.dq if self.whole is not None else self.total, span)
+
+    def launch(self, p, span, grid) -> None:
+        if self.whole is None:
+            p["sum_grads"] |= SUM_DQ
+            launch_backward(self.ctx, self.c_type, p, grid, self.deterministic)
+            return
+        whole = self.whole[0]
+        tile_bytes = (int(whole["dq_accum_cols"]) // 64) * DQ_TILE_ROWS * 64 * 4  # one 64-row block of a head's columns
+        p["dq_accum"] = int(whole["dq_accum"]) + span.local_start // DQ_TILE_ROWS * tile_bytes
+        p["dq_accum_tile_strides"], p["dq_accum_cols"] = whole["dq_accum_tile_strides"], whole["dq_accum_cols"]
+        launch_backward(self.ctx, self.c_type, p, grid, self.deterministic, fused=True, stage="main")
+
+    def finish(self) -> None:
+        if self.whole is None:
+            sum_rows(self.ctx, None, self.total, self.dq)
+        else:
+            launch_backward(self.ctx, self.c_type, *self.whole, self.deterministic, fused=True, stage="finish")
 
 
 def _world(q) -> int:
