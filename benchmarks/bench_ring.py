@@ -6,9 +6,9 @@ For T tokens per rank (W T in all), rank 0 first times single-GPU attention forw
 over the whole W T tokens; then every rank times its part of the ring (``cuattn.dist``, with the
 ranks started together by a barrier, the slowest rank's time kept). Efficiency = (single-GPU
 time / W) / ring time: 1.0 when the ring's work splits evenly and its exchange hides under
-compute. ``exchange_ms``: the same transfers alone (the forward's K/V for W - 1 steps, the
-backward's K/V again and its fp32 dK / dV accumulators for W steps), for judging how much of
-the ring's time they could account for. TFLOP/s by the FlashAttention convention (causal halved, backward x2.5).
+compute. ``exchange_ms``: the same transfers alone, one after another (the forward's K/V for
+W - 1 steps, the backward's K/V again, its fp32 dK / dV accumulators for W - 1 hops and the
+rounded sums for the last), for judging how much of the ring's time they could account for. TFLOP/s by the FlashAttention convention (causal halved, backward x2.5).
 ``--backend gloo`` stages each exchange through host memory (for a smoke test on one GPU;
 its times say nothing about the ring over NCCL).
 """
@@ -82,7 +82,8 @@ def main(argv=None) -> None:
                 cuattn.dist.ring_attention_backward(dout, q, k, v, out, lse, comm=group, layout=layout, causal=args.causal)
 
             ring_ms = _ms(ring, args.repeat)
-            exchange_ms = _ms(lambda: _exchanges(k, v, group), args.repeat)
+            accs = (k.float(), v.float())
+            exchange_ms = _ms(lambda: _exchanges((k, v), accs, group), args.repeat)
             t = torch.tensor([single_ms], device="cuda")
             dist.broadcast(t, 0)
             single_ms_all = t.item()
@@ -97,7 +98,7 @@ def main(argv=None) -> None:
             rows.append(row)
             if rank == 0:
                 print(", ".join(f"{k}={v}" for k, v in row.items()), flush=True)
-        full = dout_full = q = k = v = dout = None  # freed before the next size is allocated
+        full = dout_full = q = k = v = dout = accs = None  # freed before the next size is allocated
     if rank == 0:
         from benchmarks.timing import write_csv
 
@@ -105,8 +106,10 @@ def main(argv=None) -> None:
     dist.destroy_process_group()
 
 
-def _exchanges(k, v, group) -> None:
-    """The ring's transfers of one forward + backward, without its kernels."""
+def _exchanges(kv, accs, group) -> None:
+    """The ring's transfers of one forward + backward, without its kernels, one after another
+    (the ring overlaps the backward's K/V and accumulators): K/V for W - 1 steps in each pass,
+    the fp32 dK / dV accumulators for W - 1 hops and the last hop rounded to K/V's dtype."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     nxt, prev = (rank + 1) % world, (rank - 1) % world
 
@@ -117,11 +120,11 @@ def _exchanges(k, v, group) -> None:
             request.wait()
         return into
 
-    kv, accs = (k, v), (k.float(), v.float())
     for _ in range(2 * (world - 1)):
         kv = step(kv)
-    for _ in range(world):
+    for _ in range(world - 1):
         accs = step(accs)
+    step(kv)  # the last hop: the rounded sums, K/V's size
 
 
 def _single_ms(fn, repeat: int) -> float:

@@ -46,6 +46,23 @@ def main():
                 res[name + "_bwd"] = _single_ms(lambda: cuattn.attention_backward(d, qq, k, v, o, l, causal=causal), 7)
             print(tokens, {k_: round(t, 3) for k_, t in res.items()},
                   "pieces sum", round(sum(t for n, t in res.items() if n.startswith(("own", "later"))), 3), flush=True)
+    if os.environ.get("RING_CPROFILE") and rank == 0:  # the host's share, rank 0 (rank 1 runs the same calls unprofiled)
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(20):
+            fwd()
+            bwd()
+        prof.disable()
+        torch.cuda.synchronize()
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(45)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    elif os.environ.get("RING_CPROFILE"):
+        for _ in range(20):
+            fwd()
+            bwd()
     if os.environ.get("RING_PROFILE"):
         from torch.profiler import ProfilerActivity, profile
 

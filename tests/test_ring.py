@@ -135,7 +135,7 @@ def test_bad_rings_are_refused():
         cuattn.dist.ring_attention_simulated(q, [np.ones((1, 4, 2, 64), np.float16)] * 2, [np.ones((1, 4, 2, 64), np.float16)] * 2)
 
 
-def _ring(full, world, lay, dtype, kw, dlse=None):
+def _ring(full, world, lay, dtype, kw, dlse=None, deterministic=False):
     """Ring forward and backward of the full-sequence inputs, unsharded back (float64)."""
     import cupy
 
@@ -144,7 +144,8 @@ def _ring(full, world, lay, dtype, kw, dlse=None):
     qs, ks, vs, douts = shard(q), shard(k), shard(v), shard(dout)
     outs, lses = cuattn.dist.ring_attention_simulated(qs, ks, vs, layout=lay, return_lse=True, **kw)
     dlses = None if dlse is None else [cupy.asarray(layouts.shard(dlse, world, r, lay, axis=2)) for r in range(world)]
-    grads = cuattn.dist.ring_attention_backward_simulated(douts, qs, ks, vs, outs, lses, layout=lay, dlse=dlses, **kw)
+    grads = cuattn.dist.ring_attention_backward_simulated(douts, qs, ks, vs, outs, lses, layout=lay, dlse=dlses, deterministic=deterministic,
+                                                          **kw)
     host = lambda xs, axis=1: layouts.unshard([x.get() for x in xs], lay, axis=axis).astype(np.float64)  # noqa: E731
     return host(outs), host(lses, axis=2), [host(g) for g in grads]
 
@@ -158,6 +159,9 @@ RING_CASES = [  # layout, W, dtype, heads_q, heads_kv, head_dim, mask
     ("stripe", 4, "bfloat16", 4, 4, 64, {"causal": True}),
     ("stripe", 8, "bfloat16", 4, 2, 128, {"causal": False, "window": (50, 30)}),
     ("zigzag", 4, "float32", 2, 1, 64, {"causal": True}),
+    ("zigzag", 4, "bfloat16", 4, 2, 96, {"causal": True, "window": (40, 0)}),  # banded merged pieces, a bucket without the fused kernel
+    ("zigzag", 2, "float16", 4, 2, 128, {"causal": True, "window": (100, 0)}),  # two pieces sharing the dQ accumulator
+    ("zigzag", 4, "bfloat16", 4, 2, 128, {"causal": True, "deterministic": True}),
 ]
 
 
@@ -166,11 +170,16 @@ RING_CASES = [  # layout, W, dtype, heads_q, heads_kv, head_dim, mask
 def test_ring_matches_single_device_attention(lay, world, dtype, hq, hk, d, kw):
     import cupy
 
+    kw = dict(kw)
+    deterministic = kw.pop("deterministic", False)
     rng = np.random.default_rng(world * 13 + d)
     seqlen = 512
     q, k, v, dout = (randn(rng, (2, seqlen, h, d), dtype) for h in (hq, hk, hk, hq))
     dlse = rng.standard_normal((2, hq, seqlen)).astype(np.float32)
-    out, lse, grads = _ring((q, k, v, dout), world, lay, dtype, kw, dlse)
+    out, lse, grads = _ring((q, k, v, dout), world, lay, dtype, kw, dlse, deterministic)
+    if deterministic:  # the same bits again
+        for g, again in zip(grads, _ring((q, k, v, dout), world, lay, dtype, kw, dlse, deterministic)[2]):
+            np.testing.assert_array_equal(g, again)
     ref_out, ref_lse = reference.attention(q, k, v, return_lse=True, **kw)
     assert_attention_accuracy(out, ref_out, naive_attention(q, k, v, dtype, **kw))
     np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=1e-5)

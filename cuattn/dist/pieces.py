@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import types
 
 from cuattn.dist import layout as layouts
 
@@ -82,7 +83,7 @@ def _pieces(partition, mine, theirs, bands, started):
         if fields is None or len(fresh) > 1:  # the fold starts every row of a launch alike
             return None
         started |= {mine[i].local_start for i in rows}
-        pieces.append((_span(mine, rows), _span(theirs, cols), fields))
+        pieces.append((_span(mine, rows), _span(theirs, cols), types.MappingProxyType(fields)))  # plans are shared (memoized)
     return pieces, started
 
 

@@ -171,6 +171,7 @@ class _DqSum:
                 self.whole = (p, g)
                 launch_backward(ctx, c_type, p, g, deterministic, fused=True, stage="prep")
         if self.whole is None:
+            self.accumulator = None
             self.total = ctx.empty(q.shape, np.float32)
             ctx.zero(self.total)
 
