@@ -9,7 +9,7 @@ from cuattn.attention import _LAYOUT, attn_params, check_qkv, check_sink, requir
 from cuattn.kernels import backward
 from cuattn.kernels.backward import BackwardGrid
 from cuattn.kernels.variant import head_dim_bucket
-from cuattn.loader import device_smem_limit, wgmma_enabled
+from cuattn.loader import device_smem_limit, small_backward_enabled, wgmma_enabled
 from cuattn.merge import sum_rows
 from cuattn.options import AttnOptions
 from cuattn.validation import check_bool
@@ -59,8 +59,14 @@ def attention_backward(
     128 the dK/dV columns are split over two CTAs, each recomputing the scores), float32 on
     the CUDA cores with fp32 accuracy (no tf32).
     """
-    seed_array = dropout_.seed_array_argument(dropout_seed)
-    mask_arrays = block_mask_.array_arguments(block_mask)
+    if dropout_seed is None and block_mask is None:  # the common call: its arrays are the tensors' (a shorter key)
+        seed_array, mask_arrays = None, {}
+        arrays, keyed = (dout, q, k, v, out, lse, dlse, sink), (causal, window, align, scale, softcap, sink_tokens, deterministic, dropout_p)
+    else:
+        seed_array = dropout_.seed_array_argument(dropout_seed)
+        mask_arrays = block_mask_.array_arguments(block_mask)
+        arrays = (dout, q, k, v, out, lse, dlse, sink, seed_array, *mask_arrays.values())
+        keyed = (causal, window, align, scale, softcap, sink_tokens, deterministic, dropout_p, *block_mask_.replay_key(block_mask))
     if dropout_.replayable(dropout_p, seed_array):
         result = replay.run(
             "attention_backward",
@@ -69,8 +75,7 @@ def attention_backward(
                 sink_tokens=sink_tokens, dropout_p=dropout_p, dropout_seed=dropout_seed, block_mask=block_mask, dlse=dlse,
                 deterministic=deterministic,
             ),
-            (dout, q, k, v, out, lse, dlse, sink, seed_array, *mask_arrays.values()),
-            (causal, window, align, scale, softcap, sink_tokens, deterministic, dropout_p, *block_mask_.replay_key(block_mask)),
+            arrays, keyed,
         )
         if result is not replay.MISS:
             return result
@@ -99,17 +104,22 @@ def attention_backward(
     grads = [ctx.empty(a[n].shape, a[n].dtype) for n in ("q", "k", "v")]
     if sink is not None:
         grads.append(ctx.empty((heads_q,), np.float32))
-    delta = ctx.empty((batch, heads_q, seqlen_q), np.float32)
     seqlen_k, heads_kv = a["k"].shape[1], a["k"].shape[2]
     pieces = options.key_pieces(seqlen_q, seqlen_k)
     if batch and heads_q and (seqlen_q or seqlen_k) and len(pieces) == 1:
+        grid = BackwardGrid("dense", batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, batch * seqlen_q, batch * seqlen_k)
+        # One launch without a delta pass where the host's time is the call's (a traced JAX
+        # call replays the choice that sized its buffers).
+        small = ctx.decide("small_backward", lambda: small_backward_enabled() and bool(ctx.arch()) and backward.small_serves(
+            grid, c_type, sink is not None, dropout is not None, block_mask is not None, lambda: loader.device_sm_count(ctx.device_index())))
+        delta = None if small else ctx.empty((batch, heads_q, seqlen_q), np.float32)
         attn = attn_params(a["q"], a["k"], a["v"], a["out"], a["lse"], options, sink=a["sink"], dropout=dropout,
                            block_mask=block_mask_.kernel_fields(block_mask, a))
         set_mask(attn, pieces[0].fields)
         p = backward_params(a, grads, delta, attn)
-        grid = BackwardGrid("dense", batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, batch * seqlen_q, batch * seqlen_k)
-        launch_backward(ctx, c_type, p, grid, deterministic)
+        launch_backward(ctx, c_type, p, grid, deterministic, small=small)
     elif batch and heads_q and seqlen_q:
+        delta = ctx.empty((batch, heads_q, seqlen_q), np.float32)
         _backward_pieces(ctx, c_type, a, grads, delta, options, pieces, deterministic)
     elif any(g.size for g in grads):  # nothing to launch: no query head (K and V had no influence), or no rows at all
         ctx.zero(*(g for g in grads if g.size))
@@ -188,16 +198,16 @@ _REQUIRED = {
 
 def backward_params(a, grads, delta, attn: np.void) -> np.void:
     """BackwardParams from the kernels' views (4-D tensors, 3-D statistics) of ``a`` (dout,
-    dlse), the gradients and delta."""
+    dlse), the gradients and delta (None for backward_small, which sums its own)."""
     dq, dk, dv = grads[:3]
     dlse = a["dlse"]
     return params.pack(
         params.BACKWARD_PARAMS,
-        attn=attn, dout=a["dout"].ptr, dq=dq.ptr, dk=dk.ptr, dv=dv.ptr, delta=delta.ptr,
+        attn=attn, dout=a["dout"].ptr, dq=dq.ptr, dk=dk.ptr, dv=dv.ptr, delta=0 if delta is None else delta.ptr,
         dlse=0 if dlse is None else dlse.ptr, dsink=grads[3].ptr if len(grads) > 3 else 0,
         dout_strides=a["dout"].strides[:3], dq_strides=dq.strides[:3], dk_strides=dk.strides[:3],
         dv_strides=dv.strides[:3], dlse_strides=(0, 0) if dlse is None else dlse.strides[:2],
-        delta_strides=delta.strides[:2],
+        delta_strides=(0, 0) if delta is None else delta.strides[:2],
         dq_accum=0, dq_accum_tile_strides=(0, 0), dq_accum_cols=0,  # set by launch_backward when the fused kernel runs
         sum_grads=0, query_splits=1, split_stride=0,
     )
@@ -239,24 +249,27 @@ _STAGE_OF_KERNEL = {"backward_prep": "prep", "backward_dq_finish": "finish"}  # 
 
 def launch_backward(
     ctx, c_type: str, p: np.void, g: BackwardGrid, deterministic: bool, query_splits: int = 1, fused: bool | None = None,
-    stage: str = "all",
+    stage: str = "all", small: bool = False,
 ) -> None:
     """The backward's launches, planned here unless :func:`plan_backward` gave ``fused``.
     ``stage``: "all", or one part of them for a schedule that shares the fused kernel's dQ
     accumulator between several calls: "prep" (delta, and zeros in the accumulator), "main"
-    (the gradient kernels), "finish" (dQ from the accumulator)."""
+    (the gradient kernels), "finish" (dQ from the accumulator). ``small``: the one launch of
+    backward_small (``backward.small_serves``; p without delta), deterministic."""
     if stage not in _STAGES:
         raise ValueError(f"stage must be one of {', '.join(_STAGES)}, got {stage!r}")
     if query_splits > 1 and not (p["sum_grads"] & SUM_DKDV and p["query_splits"] == query_splits):
         raise ValueError("query splits add dK / dV into fp32 partials: set sum_grads' SUM_DKDV bit and query_splits")
+    if small and (stage != "all" or fused):
+        raise ValueError("backward_small is one launch: stage 'all', not fused")
     if fused is None:
-        fused = plan_backward(ctx, c_type, p, g, deterministic, query_splits)
+        fused = False if small else plan_backward(ctx, c_type, p, g, deterministic, query_splits)
     softcap, arch = bool(p["attn"]["softcap"] > 0), ctx.arch()
     with ctx.device, ctx.stream:
         sink = bool(p["attn"]["sink"])
         dropout, sparse = bool(p["attn"]["dropout_threshold"]), bool(p["attn"]["kv_block_counts"])
         plan = backward.launches(
-            g, c_type, softcap, arch, wgmma_enabled(), device_smem_limit(ctx.device.id), fused, sink, query_splits, dropout, sparse,
+            g, c_type, softcap, arch, wgmma_enabled(), device_smem_limit(ctx.device.id), fused, sink, query_splits, dropout, sparse, small,
         )
         for variant, variant_launches in plan:
             if stage != "all" and _STAGE_OF_KERNEL.get(variant.kernel, "main") != stage:

@@ -95,6 +95,12 @@ def wgmma_enabled() -> bool:
     return os.environ.get("CUATTN_WGMMA", "1") != "0"
 
 
+def small_backward_enabled() -> bool:
+    """Whether small backward calls take the one-launch kernel (backward_small.cu);
+    ``CUATTN_SMALL_BACKWARD=0`` gives them the kernels of larger calls (to compare the two)."""
+    return os.environ.get("CUATTN_SMALL_BACKWARD", "1") != "0"
+
+
 def cache_dir() -> pathlib.Path:
     default = pathlib.Path.home() / ".cupy" / "kernel_cache"
     return pathlib.Path(os.environ.get("CUPY_CACHE_DIR", default))

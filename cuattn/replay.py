@@ -20,6 +20,7 @@ path; a signature is cached only once its recording succeeded.
 from __future__ import annotations
 
 import dataclasses
+import operator
 import os
 import struct
 import threading
@@ -35,12 +36,15 @@ _TAG_BASES = (0x5EED << 48, 0x7AC0 << 48)
 _TAG_SHIFT = 40  # source i is tagged base + (i << 40) + 2**39: an offset into it, either sign,
 _TAG_MIDDLE = 1 << (_TAG_SHIFT - 1)  # stays within its 2**40 range (a negative stride points below)
 _U64 = struct.Struct("<Q")
-# CUATTN_WGMMA, read per call, changes the variants a plan holds: read from os.environ's
-# underlying dict where CPython has one (a C-level lookup), else through os.environ.
-_ENV, _WGMMA = (os.environ._data, b"CUATTN_WGMMA") if isinstance(getattr(os.environ, "_data", None), dict) and os.name == "posix" else (os.environ, "CUATTN_WGMMA")
+# CUATTN_WGMMA and CUATTN_SMALL_BACKWARD, read per call, change the variants a plan holds: read
+# from os.environ's underlying dict where CPython has one (a C-level lookup), else through os.environ.
+_BYTES_ENV = isinstance(getattr(os.environ, "_data", None), dict) and os.name == "posix"
+_ENV = os.environ._data if _BYTES_ENV else os.environ
+_WGMMA, _SMALL = (b"CUATTN_WGMMA", b"CUATTN_SMALL_BACKWARD") if _BYTES_ENV else ("CUATTN_WGMMA", "CUATTN_SMALL_BACKWARD")
 
 enabled = os.environ.get("CUATTN_REPLAY", "1") != "0"
 _plans: dict[tuple, Plan | None] = {}
+_scope = boundary._SCOPE.get
 
 
 @dataclasses.dataclass
@@ -115,17 +119,42 @@ class Plan:
     launches: tuple[_Launch, ...]
     results: Any  # int (source index) or tuple of them: what the op returns
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    writes: tuple = ()  # (pack_into, buffer bytes, byte offset, pointers -> addresses): _address_writes
+
+    def __post_init__(self):
+        self.writes = _address_writes(self.buffers)
 
     def run(self, pointers: list[int], stream: int) -> None:
         """Writes the sources' addresses and launches every kernel on ``stream`` (a handle)."""
         with self.lock:  # the buffers are shared by every call of this plan
-            for buffer in self.buffers:
-                for offset, source, delta in buffer.slots:
-                    _U64.pack_into(buffer.data, offset, pointers[source] + delta)
+            for pack, data, offset, addresses in self.writes:
+                pack(data, offset, *addresses(pointers))
             for launch in self.launches:
                 launch(stream)
         counters.replays += 1
         counters.launches += len(self.launches)
+
+
+def _address_writes(buffers) -> tuple:
+    """The address slots of ``buffers`` as few writes as they allow: each run of adjacent words
+    that hold sources' addresses themselves (no offset into them) is one ``pack_into`` of the
+    pointers an ``itemgetter`` picks; a slot with an offset is a write of its own."""
+    writes = []
+    for buffer in buffers:
+        run: list[tuple[int, int]] = []  # (byte offset, source) of the current run
+        for offset, source, delta in sorted(buffer.slots) + [(-1, -1, 0)]:
+            if run and (offset != run[-1][0] + 8 or delta or offset < 0):
+                sources = [src for _, src in run]
+                addresses = operator.itemgetter(*sources) if len(sources) > 1 else (lambda p, s=sources[0]: (p[s],))
+                writes.append((struct.Struct(f"<{len(run)}Q").pack_into, buffer.data, run[0][0], addresses))
+                run = []
+            if offset < 0:
+                break
+            if delta:
+                writes.append((_U64.pack_into, buffer.data, offset, lambda p, s=source, d=delta: (p[s] + d,)))
+            else:
+                run.append((offset, source))
+    return tuple(writes)
 
 
 def option_key(values: tuple) -> tuple:
@@ -388,6 +417,7 @@ def _torch_framework() -> None:
 
 
 def _framework_of(x) -> _Framework | None:
+    """The framework of ``x``'s type, registered on first sight (CuPy, PyTorch), or None."""
     framework = _frameworks.get(type(x))
     if framework is not None:
         return framework
@@ -407,17 +437,18 @@ def run(op: str, call, arrays: tuple, options: tuple):
 
     ``arrays``: the op's array arguments in a fixed order (None for an absent optional one);
     ``options``: its other arguments' values, in a fixed order."""
-    if not enabled or not arrays or boundary._SCOPE.get() is not None:
+    if not enabled or not arrays or _scope() is not None:
         return MISS
-    framework = _framework_of(arrays[0])
+    framework = _frameworks.get(type(arrays[0])) or _framework_of(arrays[0])
     if framework is None:
         return MISS
     read, kind = framework.read, type(arrays[0])
     parts, pointers, device, bits = [], [], None, 0
+    add_part, add_pointer = parts.append, pointers.append
     for x in arrays:
         if x is None:
-            parts.append(None)
-            pointers.append(0)
+            add_part(None)
+            add_pointer(0)
             continue
         if type(x) is not kind and _frameworks.get(type(x)) is not framework:
             return MISS
@@ -426,13 +457,13 @@ def run(op: str, call, arrays: tuple, options: tuple):
             if device is not None or where < 0:
                 return MISS
             device = where
-        parts.append((shape, strides, dtype))
-        pointers.append(address)
+        add_part((shape, strides, dtype))
+        add_pointer(address)
         bits |= address
     if bits & 15:
         return MISS
     try:
-        key = (op, framework.name, device, _ENV.get(_WGMMA), tuple(parts), option_key(options))
+        key = (op, framework.name, device, _ENV.get(_WGMMA), _ENV.get(_SMALL), tuple(parts), option_key(options))
         plan = _plans.get(key, MISS)
     except TypeError:  # an unhashable option: the full path reports it
         return MISS
@@ -453,12 +484,13 @@ def run(op: str, call, arrays: tuple, options: tuple):
         for shape, dtype in plan.outputs:
             native, address = allocate(shape, dtype, device)
             outputs.append(native)
-            pointers.append(address)
-        base = 0  # scratch arrays that are all empty (delta of no query rows) still take a slot
+            add_pointer(address)
         if plan.scratch_bytes:
             scratch, base = framework.scratch(plan.scratch_bytes, device)  # freed after the launches, stream-ordered
-        for offset in plan.scratch_offsets:
-            pointers.append(base + offset)
+            for offset in plan.scratch_offsets:
+                add_pointer(base + offset)
+        else:  # scratch arrays that are all empty (delta of no query rows) still take a slot
+            pointers.extend(plan.scratch_offsets)
         counters.allocations += len(outputs) + (plan.scratch_bytes > 0)
         plan.run(pointers, framework.stream(device))
     finally:
@@ -487,7 +519,7 @@ def run_preallocated(plans: dict, call, sources: list, outputs: list, device: in
     pointers = [0 if x is None else int(x.__cuda_array_interface__["data"][0]) for x in sources]  # None: an absent optional array
     out_pointers = [int(x.__cuda_array_interface__["data"][0]) for x in outputs]
     aligned = not any(p & 15 for p in pointers + out_pointers)
-    key = (device, aligned, _ENV.get(_WGMMA))
+    key = (device, aligned, _ENV.get(_WGMMA), _ENV.get(_SMALL))
     plan = plans.get(key, MISS)
     if plan is MISS:
         plan = None

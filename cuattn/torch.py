@@ -55,7 +55,7 @@ def attention(
                 q, k, v, causal=causal, window=window, align=align, scale=scale, softcap=softcap, sink=sink, sink_tokens=sink_tokens,
                 return_lse=return_lse,
             )
-        out, lse = _EagerAttention.apply(q, k, v, sink, (causal, window, align, scale, softcap, sink_tokens))
+        out, lse = _apply_eager_attention(q, k, v, sink, (causal, window, align, scale, softcap, sink_tokens))
     elif sink is None:
         out, lse = op("attention")(q, k, v, *_flat_mask_options(causal, window, align, scale, softcap, q.shape[-1], sink_tokens))
     else:
@@ -270,6 +270,19 @@ def _eager(*tensors) -> bool:
     return True
 
 
+def _once_differentiable(backward):
+    """``once_differentiable`` where a graph of the backward is being built (create_graph=True,
+    grad mode on); otherwise the autograd engine runs the backward under no_grad already, and
+    it is called as it is (the wrapper's own no_grad scope costs microseconds a call)."""
+    wrapped = torch.autograd.function.once_differentiable(backward)
+
+    @functools.wraps(backward)
+    def dispatch(ctx, *grads):
+        return wrapped(ctx, *grads) if torch.is_grad_enabled() else backward(ctx, *grads)
+
+    return dispatch
+
+
 class _EagerAttention(torch.autograd.Function):
     """Eager autograd of the attention op without the dispatcher: the forward and backward
     call the core path (its validated, replayed launches); traced code uses the op instead."""
@@ -290,7 +303,7 @@ class _EagerAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @_once_differentiable
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, sink, saved_seed, *mask_arrays = ctx.saved_tensors
         block_mask = None if ctx.block_mask is None else dataclasses.replace(ctx.block_mask, **dict(zip(BLOCK_MASK_FIELDS, mask_arrays)))
@@ -318,6 +331,17 @@ class _EagerAttention(torch.autograd.Function):
             sink_tokens=sink_tokens, dropout_p=dropout_p, dropout_seed=seed, block_mask=block_mask, dlse=dlse, deterministic=deterministic,
         )
         return (*grads, *tail)
+
+
+def _raw_apply(function):
+    """``function.apply`` without its Python prologue (binding defaults for setup_context,
+    unwrapping functorch's dead wrappers): for eager calls, which run with no functorch
+    transform active (:func:`_eager`). The C++ ``_FunctionBase.apply`` where torch has it."""
+    raw = getattr(torch._C._FunctionBase, "__dict__", {}).get("apply")
+    return raw.__get__(None, function) if hasattr(raw, "__get__") else function.apply
+
+
+_apply_eager_attention = _raw_apply(_EagerAttention)
 
 
 def _in_dispatch_mode() -> bool:

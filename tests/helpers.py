@@ -164,26 +164,31 @@ def torch_attention_grads(fn, q, k, v, w):
     return out.detach().float().cpu().numpy(), [x.grad.float().cpu().numpy() for x in xs]
 
 
-# The forward kernels a GPU test can ask for: "default" is what cuattn picks for the device (the
-# wgmma kernel on Hopper for f16/bf16 head dims 33-64 and 97-128); "portable" switches the Hopper
-# kernels off, so the mma.sync kernel runs there too.
+# The kernels a GPU test can ask for: "default" is what cuattn picks for the device (the wgmma
+# kernel on Hopper for f16/bf16 head dims 33-64 and 97-128) for problems of any size;
+# "portable" switches the Hopper kernels off, so the mma.sync kernels run there too; "small"
+# lets small backward calls take their one-launch kernel (backward_small.cu), which the other
+# paths switch off so that their kernels are the ones tested on small problems.
 KERNEL_PATHS = ("default", "portable")
+_PATH_ENV = {"CUATTN_WGMMA": {"portable": "0"}, "CUATTN_SMALL_BACKWARD": {"default": "0", "deterministic": "0", "portable": "0"}}
 
 
 @contextlib.contextmanager
 def kernel_path(path: str):
-    saved = os.environ.get("CUATTN_WGMMA")
-    if path == "portable":
-        os.environ["CUATTN_WGMMA"] = "0"
-    else:
-        os.environ.pop("CUATTN_WGMMA", None)
+    saved = {name: os.environ.get(name) for name in _PATH_ENV}
+    for name, values in _PATH_ENV.items():
+        if path in values:
+            os.environ[name] = values[path]
+        else:
+            os.environ.pop(name, None)
     try:
         yield
     finally:
-        if saved is None:
-            os.environ.pop("CUATTN_WGMMA", None)
-        else:
-            os.environ["CUATTN_WGMMA"] = saved
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def ragged_lengths(values, max_size):

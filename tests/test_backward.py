@@ -14,8 +14,9 @@ pytestmark = pytest.mark.gpu
 
 # The backward's kernel paths: "default" (on Hopper the one-pass kernel, dQ by atomics, for
 # float16 / bfloat16 at the wgmma head dims), "deterministic" (deterministic=True: the dQ and
-# dK/dV kernels) and "portable" (the mma.sync kernels on any GPU).
-BACKWARD_PATHS = ("default", "deterministic", "portable")
+# dK/dV kernels), "portable" (the mma.sync kernels on any GPU) and "small" (the one-launch
+# kernel where a call is small enough, else the default).
+BACKWARD_PATHS = ("default", "deterministic", "portable", "small")
 
 
 def _run(rng, batch, sq, sk, hq, hk, d, dtype, with_dlse=False, scale_inputs=1.0, path="default", **kw):
@@ -189,6 +190,7 @@ def test_hopper_default_backward_runs_the_fused_kernel(monkeypatch):
     launched = []
     load = loader.load_kernel
     monkeypatch.setattr(loader, "load_kernel", lambda variant: launched.append(variant.kernel) or load(variant))
+    monkeypatch.setenv("CUATTN_SMALL_BACKWARD", "0")
     rng = np.random.default_rng()
     q, k, v, do = (cupy.asarray(randn(rng, (1, 70, 2, 128), "bfloat16")) for _ in range(4))
     out, lse = cuattn.attention(q, k, v, return_lse=True)
@@ -200,6 +202,79 @@ def test_hopper_default_backward_runs_the_fused_kernel(monkeypatch):
     launched.clear()
     cuattn.attention_backward(do, q, k, v, out, lse, deterministic=True)
     assert backward_loads() == (["backward_prep", "backward_wgmma_dq", "backward_wgmma_dkdv"] if hopper else expected)
+
+
+def _serves_small(batch, sq, sk, hq, hk, d, dtype) -> bool:
+    import cupy
+
+    from cuattn import loader
+    from cuattn.kernels import backward
+    from cuattn.kernels.backward import BackwardGrid
+
+    c_type = {"float16": "f16", "bfloat16": "bf16", "float32": "float"}[dtype]
+    grid = BackwardGrid("dense", batch, sq, sk, hq, hk, d, batch * sq, batch * sk)
+    return backward.small_serves(grid, c_type, False, False, False, lambda: loader.device_sm_count(cupy.cuda.Device().id))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    batch=st.integers(1, 2),
+    sq=st.sampled_from([1, 17, 64, 113, 200, 256]),
+    sk=st.sampled_from([1, 40, 65, 128, 256]),
+    heads=st.sampled_from([(1, 1), (4, 1), (3, 3), (6, 2)]),
+    d=st.sampled_from([8, 32, 40, 64, 72, 96, 128]),
+    dtype=st.sampled_from(["float16", "bfloat16"]),
+    causal=st.booleans(),
+    window=st.sampled_from([None, None, (16, 0), (40, 8), (None, 5), (0, 0)]),
+    align=st.sampled_from(["bottom_right", "top_left"]),
+    softcap=st.sampled_from([None, None, 5.0]),
+    with_dlse=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_small_backward_matches_reference(batch, sq, sk, heads, d, dtype, seed, **options):
+    """The one-launch kernel of small calls (every draw here is one) against float64: the
+    delta it sums itself, dQ and dK / dV CTAs side by side, GQA, masks, softcap, dlse."""
+    assert _serves_small(batch, sq, sk, *heads, d, dtype)
+    _run_drawn(batch, sq, sk, heads, d, dtype, path="small", seed=seed, **options)
+
+
+def test_small_backward_is_one_launch(monkeypatch):
+    """A small call is one launch of backward_small, replayed as one, bit-identical across runs
+    whether or not deterministic is asked; past its bounds (rows, one wave of CTAs, a sink)
+    the kernels of larger calls run."""
+    import cupy
+
+    from cuattn import loader, replay
+
+    launched = []
+    load = loader.load_kernel
+    monkeypatch.setattr(loader, "load_kernel", lambda variant: launched.append(variant.kernel) or load(variant))
+    monkeypatch.delenv("CUATTN_SMALL_BACKWARD", raising=False)
+    rng = np.random.default_rng()
+
+    def kernels(shape, **kw):
+        launched.clear()
+        q, k, v, do = (cupy.asarray(randn(rng, shape, "bfloat16")) for _ in range(4))
+        out, lse = cuattn.attention(q, k, v, return_lse=True, **kw)
+        launched.clear()
+        first = [g.get() for g in cuattn.attention_backward(do, q, k, v, out, lse, **kw)]
+        loads = [f for f in dict.fromkeys(launched) if f.startswith("backward")]
+        before = replay.counters.launches
+        again = [g.get() for g in cuattn.attention_backward(do, q, k, v, out, lse, deterministic=True, **kw)]
+        return loads, replay.counters.launches - before, first, again
+
+    loads, replays, first, again = kernels((1, 128, 4, 64))
+    assert loads == ["backward_small"] and replays == 1
+    for name, a, b in zip(("dq", "dk", "dv"), first, again):
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8), err_msg=name)
+    assert "backward_small" not in kernels((1, 257, 4, 64))[0]
+    sms = loader.device_sm_count(cupy.cuda.Device().id)
+    assert "backward_small" not in kernels((sms, 64, 1, 64))[0]  # 2 CTAs per (sequence, head): two waves
+    assert kernels((sms // 2, 64, 1, 64))[0] == ["backward_small"]
+    sink = cupy.asarray(rng.standard_normal(4).astype(np.float32))
+    assert "backward_small" not in kernels((1, 128, 4, 64), sink=sink)[0]
+    monkeypatch.setenv("CUATTN_SMALL_BACKWARD", "0")
+    assert "backward_small" not in kernels((1, 128, 4, 64))[0]
 
 
 @pytest.mark.parametrize("deterministic", [True, False])

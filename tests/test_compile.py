@@ -167,3 +167,34 @@ def test_backward_kernel_selection():
     assert select("backward_dq", "bf16", 128, False, "sm_90a").kernel == "backward_wgmma_dq"
     assert select("backward_dkdv", "bf16", 64, False, "sm_80").kernel == "backward_dkdv"
     assert not backward.fused_variant("bf16", 64, False).builds_for("sm_80")
+
+
+def test_small_backward_selection_and_grid():
+    """backward_small serves dense 16-bit calls of at most 256 rows, head_dim <= 128, without
+    sink, dropout or block mask, whose grid (query blocks + key blocks per (head, sequence))
+    fits one wave; its one launch puts both roles on x and every query head on y."""
+    from cuattn.kernels.backward import BackwardGrid, launches, small_serves
+
+    def grid(batch, sq, sk, hq, hk, d, layout="dense"):
+        return BackwardGrid(layout, batch, sq, sk, hq, hk, d, batch * sq, batch * sk)
+
+    sms = lambda: 132  # noqa: E731
+    assert small_serves(grid(1, 128, 128, 4, 4, 64), "bf16", False, False, False, sms)
+    assert small_serves(grid(2, 256, 1, 8, 2, 128), "f16", False, False, False, sms)
+    assert small_serves(grid(66, 64, 64, 1, 1, 64), "bf16", False, False, False, sms)
+    assert not small_serves(grid(67, 64, 64, 1, 1, 64), "bf16", False, False, False, sms)  # 134 CTAs
+    assert not small_serves(grid(1, 257, 128, 4, 4, 64), "bf16", False, False, False, sms)
+    assert not small_serves(grid(1, 128, 257, 4, 4, 64), "bf16", False, False, False, sms)
+    assert not small_serves(grid(1, 128, 128, 4, 4, 160), "bf16", False, False, False, sms)
+    assert not small_serves(grid(1, 128, 128, 4, 4, 64), "float", False, False, False, sms)
+    assert not small_serves(grid(1, 128, 128, 4, 4, 64, "packed"), "bf16", False, False, False, sms)
+    assert not small_serves(grid(1, 0, 128, 4, 4, 64), "bf16", False, False, False, sms)
+    for flags in ((True, False, False), (False, True, False), (False, False, True)):
+        assert not small_serves(grid(1, 128, 128, 4, 4, 64), "bf16", *flags, sms)
+    plan = launches(grid(3, 113, 200, 6, 2, 96), "bf16", True, "sm_90a", True, 232448, False, small=True)
+    assert len(plan) == 1
+    variant, ((xyz, block, batch_offset),) = plan[0]
+    assert variant.kernel == "backward_small" and variant.uri.endswith("/softcap")
+    assert xyz == (2 + 4, 6, 3) and block == (128, 1, 1) and batch_offset == 0
+    with pytest.raises(ValueError):
+        launches(grid(1, 64, 64, 1, 1, 64), "bf16", False, "sm_90a", True, 232448, True, small=True)

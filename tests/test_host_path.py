@@ -113,6 +113,7 @@ def fake(monkeypatch):
     monkeypatch.setattr(replay, "_driver_launch", lambda: None)
     monkeypatch.setattr(replay, "_launch_kernel", FakeFunction.launch_kernel)
     monkeypatch.delenv("CUATTN_WGMMA", raising=False)
+    monkeypatch.delenv("CUATTN_SMALL_BACKWARD", raising=False)
     monkeypatch.setattr(replay, "counters", replay.Counters())
     replay.clear()
     yield state
@@ -152,15 +153,26 @@ def test_replayed_parameters_are_the_full_paths_with_this_calls_addresses(fake):
     assert fake["launched"][-1][-1] == expected.tobytes()
 
 
-def test_backward_and_merge_replay_the_full_paths_parameters(fake):
+@pytest.mark.parametrize("small", ["1", "0"])
+def test_backward_and_merge_replay_the_full_paths_parameters(fake, monkeypatch, small):
+    """A small backward replays one launch of backward_small and allocates its three gradients
+    only; the kernels of larger calls (CUATTN_SMALL_BACKWARD=0) are three launches and a scratch."""
+    monkeypatch.setenv("CUATTN_SMALL_BACKWARD", small)
     q, k, v, dout = _arrays(fake, (2, 64, 4, 64), (2, 64, 4, 64), (2, 64, 4, 64), (2, 64, 4, 64))
     out, lse = cuattn.attention(q, k, v, return_lse=True)
     cuattn.attention_backward(dout, q, k, v, out, lse)
     first = fake["launched"][1:]
     fake["launched"].clear()
+    allocated, launches = fake["allocated"], replay.counters.launches
     dq, dk, dv = cuattn.attention_backward(dout, q, k, v, out, lse)
     replayed = fake["launched"]
-    assert [l[:4] for l in replayed] == [l[:4] for l in first] and len(replayed) >= 2
+    assert [l[:4] for l in replayed] == [l[:4] for l in first]
+    if small == "1":
+        assert [l[0] for l in replayed] == ["backward_small/f16/d64/s64q64"] and replayed[0][1] == (2, 4, 2)
+        assert fake["allocated"] - allocated == 3 and replay.counters.launches - launches == 1
+    else:
+        assert len(replayed) == 3 and not any(l[0].startswith("backward_small") for l in replayed)
+        assert fake["allocated"] - allocated == 4 and replay.counters.launches - launches == 3
     # Only the gradient and scratch addresses (fresh allocations) differ from the first call.
     struct = params.BACKWARD_PARAMS
     for a, b in zip(first, replayed):

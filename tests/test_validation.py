@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import cuattn
-from cuattn import boundary
+from cuattn import boundary, loader
 from cuattn.kernels import forward
 from cuattn.kernels.variant import MAX_GRID_YZ, Variant, tile_launches
 from cuattn.options import LOG2E, AttnOptions, score_factors
@@ -188,13 +188,19 @@ def test_validation_only_runs_report_allocations_and_errors_without_a_gpu(monkey
     from cuattn import boundary, ops
 
     monkeypatch.setattr(boundary._ValidationContext, "arch", lambda self: "sm_80")
+    monkeypatch.setattr(boundary._ValidationContext, "device_index", lambda self: 0)
+    monkeypatch.setattr(loader, "device_sm_count", lambda device_id: 132)
+    monkeypatch.setenv("CUATTN_SMALL_BACKWARD", "0")
 
     q, kv = _Meta((2, 5, 4, 64), np.float16), _Meta((2, 7, 2, 64), np.float16)
     options = flat_mask_options(causal=True, head_dim=64)
     assert boundary.validate(ops.OPS["attention"].call, q, kv, kv, **options) == [((2, 5, 4, 64), np.float16), ((2, 4, 5), np.float32)]
     lse = _Meta((2, 4, 5), np.float32)
-    allocations = boundary.validate(ops.OPS["attention_backward"].call, q, q, kv, kv, q, lse, None, deterministic=False, **options)
-    assert allocations == [((2, 5, 4, 64), np.float16), ((2, 7, 2, 64), np.float16), ((2, 7, 2, 64), np.float16), ((2, 4, 5), np.float32)]
+    backward = lambda: boundary.validate(ops.OPS["attention_backward"].call, q, q, kv, kv, q, lse, None, deterministic=False, **options)  # noqa: E731
+    grads = [((2, 5, 4, 64), np.float16), ((2, 7, 2, 64), np.float16), ((2, 7, 2, 64), np.float16)]
+    assert backward() == grads + [((2, 4, 5), np.float32)]  # and delta
+    monkeypatch.delenv("CUATTN_SMALL_BACKWARD")
+    assert backward() == grads  # the one-launch kernel of small calls sums its own delta
     with pytest.raises(ValueError, match="multiple of heads_kv"):
         boundary.validate(ops.OPS["attention"].call, q, _Meta((2, 7, 3, 64), np.float16), _Meta((2, 7, 3, 64), np.float16), **options)
 
@@ -207,6 +213,7 @@ def test_validation_reports_the_fused_backward_scratch_on_hopper(monkeypatch):
 
     monkeypatch.setattr(boundary._ValidationContext, "arch", lambda self: "sm_90a")
     monkeypatch.delenv("CUATTN_WGMMA", raising=False)
+    monkeypatch.setenv("CUATTN_SMALL_BACKWARD", "0")  # a call this small would take backward_small
     q, kv, lse = _Meta((2, 5, 4, 40), np.float16), _Meta((2, 7, 2, 40), np.float16), _Meta((2, 4, 5), np.float32)
     options = flat_mask_options(causal=True, head_dim=40)
     run = lambda deterministic: boundary.validate(  # noqa: E731

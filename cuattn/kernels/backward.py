@@ -1,7 +1,7 @@
 """Launch plan of the backward family (cuda_src/backward/): the row kernels (backward_prep,
 backward_dq_finish), the tensor-core dQ and dK/dV kernels, their Hopper twins and the Hopper
-fused kernel, the float32 kernels, the sinks' gradient; their tiles, shared memory, grids and
-selection."""
+fused kernel, the one-launch kernel of small problems, the float32 kernels, the sinks' gradient;
+their tiles, shared memory, grids and selection."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import functools
 
 from cuattn.dtypes import cxx_type
 from cuattn.kernels.variant import (
-    HEAD_DIM_BUCKETS, MAX_SMEM_OPTIN, SEQ_LAYOUTS, WGMMA_ARCH, Variant, arch_smem_limit, dropout_arg, dropout_uri, head_dim_bucket,
+    HEAD_DIM_BUCKETS, MAX_GRID_YZ, MAX_SMEM_OPTIN, SEQ_LAYOUTS, WGMMA_ARCH, Variant, arch_smem_limit, dropout_arg, dropout_uri, head_dim_bucket,
     layout_arg, layout_uri, softcap_arg, softcap_uri, tile_launches,
 )
 
@@ -183,6 +183,54 @@ def variant(
     )
 
 
+# The one-launch backward of small problems (backward_small.cu): the dQ and dK / dV kernels'
+# CTAs in one grid, each summing its rows' delta, for calls whose time is the host's (one
+# launch where the others take three, and no scratch memory).
+SMALL_MAX_SEQLEN = 256  # query and key rows per sequence: at most 4 steps per CTA
+SMALL_MAX_BUCKET = 128  # one CTA per key block (dkdv_splits)
+
+
+@functools.cache
+def small_variant(c_type: str, bucket: int, softcap: bool, smem_limit: int = MAX_SMEM_OPTIN) -> Variant:
+    """backward_small with the portable kernels' tiles under ``smem_limit``; its shared memory
+    is the larger of the two roles'."""
+    dq_stream, _ = tile("backward_dq", bucket, smem_limit)
+    dkdv_stream, stats = tile("backward_dkdv", bucket, smem_limit)
+    if not stats:
+        raise ValueError(f"backward_small at head_dim bucket {bucket} needs its row stats in shared memory ({smem_limit} bytes)")
+    dq_traits, dkdv_traits = f"cuattn::BackwardTraits<{bucket}, {dq_stream}>", f"cuattn::BackwardTraits<{bucket}, {dkdv_stream}, 1, true>"
+    dq_smem, dkdv_smem = smem_bytes(bucket, dq_stream, False), smem_bytes(bucket, dkdv_stream, True)
+    return Variant(
+        family=FAMILY, kernel="backward_small",
+        expression=f"cuattn::backward_small_kernel<{cxx_type(c_type)}, {bucket}, {dq_stream}, {dkdv_stream}, {softcap_arg(softcap)}>",
+        uri=f"backward_small/{c_type}/d{bucket}/s{dq_stream}q{dkdv_stream}" + softcap_uri(softcap),
+        hot=True,
+        dynamic_smem=max(dq_smem, dkdv_smem),
+        threads=128,
+        block_m=BLOCK,
+        contract=(
+            (f"{dq_traits}::kSmemBytes", dq_smem), (f"{dkdv_traits}::kSmemBytes", dkdv_smem), (f"{dq_traits}::kBlockResident", BLOCK),
+            (f"{dkdv_traits}::kBlockResident", BLOCK), (f"{dq_traits}::kThreads", 128), (f"cuattn::kDkdvSplits<{bucket}>", 1),
+        ),
+    )
+
+
+def small_serves(g: "BackwardGrid", c_type: str, sink: bool, dropout: bool, sparse: bool, sm_count) -> bool:
+    """Whether backward_small runs this call: dense rows of 16-bit types, head_dim <= 128, no
+    sink, dropout or block mask, at most SMALL_MAX_SEQLEN query and key rows, and a grid of one
+    wave (``sm_count()``: the device's SMs, asked last)."""
+    if g.layout != "dense" or c_type == "float" or head_dim_bucket(g.head_dim) > SMALL_MAX_BUCKET or sink or dropout or sparse:
+        return False
+    if not (0 < g.seqlen_q <= SMALL_MAX_SEQLEN and 0 < g.seqlen_k <= SMALL_MAX_SEQLEN and g.batch * g.heads_q):
+        return False
+    return _small_blocks(g) * g.heads_q * g.batch <= sm_count()
+
+
+def _small_blocks(g: "BackwardGrid") -> int:
+    """backward_small's gridDim.x: the dQ CTAs' query blocks, then the dK / dV CTAs' key blocks."""
+    return -(-g.seqlen_q // BLOCK) + -(-g.seqlen_k // BLOCK)
+
+
 def _wgmma(
     kernel: str, c_type: str, bucket: int, softcap: bool, layout: str, tiles: tuple, smem: int, traits: str, dropout: bool, sparse: bool,
 ) -> Variant:
@@ -300,14 +348,21 @@ def query_splits(c_type: str, g: BackwardGrid, sms: int) -> int:
 
 def launches(
     g: BackwardGrid, c_type: str, softcap: bool, arch: str, allow_wgmma: bool, smem_limit: int, fused: bool, sink: bool = False,
-    query_splits: int = 1, dropout: bool = False, sparse: bool = False,
+    query_splits: int = 1, dropout: bool = False, sparse: bool = False, small: bool = False,
 ) -> Launches:
     """Every launch of one backward call, in order: (variant, [(grid, block, batch_offset)]);
     ``fused``: dQ through the accumulator by the fused kernel (``select_fused`` serves it);
     ``sink``: the sinks' gradient too (dense or packed rows); ``query_splits``: CTAs per key
     block of the dK / dV kernel (BackwardParams::query_splits; 16-bit types, not fused);
-    ``dropout``: the gradient kernels with dropout; ``sparse``: the block-sparse ones (one split)."""
+    ``dropout``: the gradient kernels with dropout; ``sparse``: the block-sparse ones (one split);
+    ``small``: the one launch of backward_small (``small_serves`` holds; no delta pass)."""
     bucket, layout = head_dim_bucket(g.head_dim), g.layout
+    if small:
+        if fused or query_splits > 1:
+            raise ValueError("backward_small runs alone: not fused, one query split")
+        one = small_variant(c_type, bucket, softcap, smem_limit)
+        return [(one, [((_small_blocks(g), g.heads_q, min(MAX_GRID_YZ, g.batch - b0)), (one.threads, 1, 1), b0)
+                       for b0 in range(0, g.batch, MAX_GRID_YZ)])]
     row_groups = g.rows * g.heads_q
     row_launch = [((-(-row_groups // ROWS_PER_CTA), 1, 1), (32 * ROW_WARPS, 1, 1), None)]
     # Packed grids cover at least one block, so that rows past a zero bound are marked.
@@ -362,6 +417,11 @@ def variants(arch: str | None = None) -> list[Variant]:
                             out.append(wgmma_variant(kernel, c_type, bucket, softcap, layout, dropout=True))
                     if c_type != "float" and bucket in WGMMA_FUSED_TILES:
                         out.append(fused_variant(c_type, bucket, softcap, layout, dropout=True))
+    for c_type in ("f16", "bf16"):
+        for bucket in HEAD_DIM_BUCKETS:
+            if bucket <= SMALL_MAX_BUCKET:
+                for softcap in (False, True):
+                    out.append(small_variant(c_type, bucket, softcap, smem_limit))
     for layout in SEQ_LAYOUTS:
         out.append(sink_grad_variant(layout))
         for c_type in ("f16", "bf16", "float"):

@@ -77,20 +77,23 @@ struct RowStats {
         delta(p.delta + seq * p.delta_strides[0] + head * p.delta_strides[1] + span.q_row0) {}
 
   // Copies rows m0..m0 + ROWS - 1 (zeros past seqlen_q) into shared vectors: thread i < ROWS
-  // copies row m0 + i.
-  template <int ROWS>
+  // copies row m0 + i; without DELTA, lse alone.
+  template <int ROWS, bool DELTA = true>
   __device__ __forceinline__ void load(float* sLse, float* sDelta, int m0, int seqlen_q) const {
     if (threadIdx.x < ROWS) {
       const int row = m0 + threadIdx.x;
       const bool valid = row < seqlen_q;
       cp_async_4(sLse + threadIdx.x, valid ? lse + row : lse, valid);
-      cp_async_4(sDelta + threadIdx.x, valid ? delta + row : delta, valid);
+      if constexpr (DELTA) cp_async_4(sDelta + threadIdx.x, valid ? delta + row : delta, valid);
     }
   }
 
-  // The exp2 shift and delta of one row; past seqlen_q a shift of +inf (probabilities 0).
-  __device__ __forceinline__ void row(int r, int seqlen_q, float& shift, float& row_delta) const {
-    shift = r < seqlen_q ? lse_to_exp2_shift(lse[r]) : -neg_inf();
+  // The exp2 shift of one row; past seqlen_q +inf (probabilities 0).
+  __device__ __forceinline__ float shift(int r, int seqlen_q) const { return r < seqlen_q ? lse_to_exp2_shift(lse[r]) : -neg_inf(); }
+
+  // The exp2 shift and delta of one row (delta 0 past seqlen_q).
+  __device__ __forceinline__ void row(int r, int seqlen_q, float& row_shift, float& row_delta) const {
+    row_shift = shift(r, seqlen_q);
     row_delta = r < seqlen_q ? delta[r] : 0.f;
   }
 };
