@@ -1,10 +1,14 @@
 """One small launch of each kernel family, for compute-sanitizer:
 
-    compute-sanitizer --tool memcheck  python scripts/sanitizer_cases.py
-    compute-sanitizer --tool racecheck python scripts/sanitizer_cases.py
+    compute-sanitizer --tool memcheck  python scripts/sanitizer_cases.py [small]
+    compute-sanitizer --tool racecheck python scripts/sanitizer_cases.py [small]
+
+``small``: only the one-launch backward of small calls (backward_small.cu); without it the
+backward kernels of larger calls serve the small cases too (CUATTN_SMALL_BACKWARD=0).
 """
 
 import os
+import sys
 
 import cupy
 import numpy as np
@@ -13,14 +17,26 @@ import cuattn
 from cuattn.dtypes import BFLOAT16
 
 rng = np.random.default_rng(0)
+SMALL_ONLY = sys.argv[1:] == ["small"]
+os.environ["CUATTN_SMALL_BACKWARD"] = "1" if SMALL_ONLY else "0"
 
 
 def arr(shape, dtype):
     return cupy.asarray(rng.standard_normal(shape).astype(dtype))
 
 
+# The one-launch small backward: GQA, ragged rows past the tiles, masks, softcap, dlse, the
+# head-dim buckets it serves.
+for dtype in (np.float16, BFLOAT16) if SMALL_ONLY else ():
+    for d, (sq, sk) in ((40, (70, 90)), (64, (1, 256)), (96, (200, 33)), (128, (113, 130))):
+        q, k, v, do = arr((2, sq, 6, d), dtype), arr((2, sk, 2, d), dtype), arr((2, sk, 2, d), dtype), arr((2, sq, 6, d), dtype)
+        for kw in ({}, {"causal": True, "window": (30, None), "softcap": 10.0}):
+            out, lse = cuattn.attention(q, k, v, return_lse=True, **kw)
+            cuattn.attention_backward(do, q, k, v, out, lse, dlse=lse, **kw)
+
 # The 16-bit cases run twice on Hopper: the wgmma kernels (default), then the portable ones.
-for dtype, wgmma in ((np.float16, "1"), (BFLOAT16, "1"), (np.float16, "0"), (BFLOAT16, "0"), (np.float32, "1")):
+cases = () if SMALL_ONLY else ((np.float16, "1"), (BFLOAT16, "1"), (np.float16, "0"), (BFLOAT16, "0"), (np.float32, "1"))
+for dtype, wgmma in cases:
     os.environ["CUATTN_WGMMA"] = wgmma
     for d in (40, 128, 200, 240):
         q, k, v = arr((1, 70, 4, d), dtype), arr((1, 90, 2, d), dtype), arr((1, 90, 2, d), dtype)
