@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import cuattn
@@ -232,9 +232,10 @@ def _serves_small(batch, sq, sk, hq, hk, d, dtype) -> bool:
     seed=st.integers(0, 2**32 - 1),
 )
 def test_small_backward_matches_reference(batch, sq, sk, heads, d, dtype, seed, **options):
-    """The one-launch kernel of small calls (every draw here is one) against float64: the
-    delta it sums itself, dQ and dK / dV CTAs side by side, GQA, masks, softcap, dlse."""
-    assert _serves_small(batch, sq, sk, *heads, d, dtype)
+    """The one-launch kernel of small calls (every draw here is one on a GPU of 96 SMs or
+    more) against float64: the delta it sums itself, dQ and dK / dV CTAs side by side, GQA,
+    masks, softcap, dlse."""
+    assume(_serves_small(batch, sq, sk, *heads, d, dtype))
     _run_drawn(batch, sq, sk, heads, d, dtype, path="small", seed=seed, **options)
 
 

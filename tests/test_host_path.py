@@ -296,3 +296,32 @@ def test_negative_offsets_from_a_reversed_stack_are_replayed(fake):
         p = np.frombuffer(fake["launched"][-1][-1], params.MERGE_PARAMS)[0]
         assert list(p["lses"][:2]) == [lses.ptr, lses.ptr - 64]
     assert replay.counters.replays == 2 and replay.counters.recordings == 2
+
+
+def test_backward_wrapper_still_refuses_double_backward():
+    """cuattn.torch runs its backward without once_differentiable's no_grad scope when no graph
+    of it is built; with create_graph=True the wrapper is there and differentiating the
+    gradients again raises, as torch's own once_differentiable does."""
+    torch = pytest.importorskip("torch")
+    ct = pytest.importorskip("cuattn.torch")
+
+    class Square(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return x * x
+
+        @staticmethod
+        @ct._once_differentiable
+        def backward(ctx, grad):
+            (x,) = ctx.saved_tensors
+            return 2 * x * grad
+
+    x = torch.randn(4, requires_grad=True)
+    (g,) = torch.autograd.grad(ct._raw_apply(Square)(x).sum(), x)
+    torch.testing.assert_close(g, 2 * x.detach())
+    assert not g.requires_grad
+    w = torch.randn(4, requires_grad=True)  # an incoming gradient that itself requires grad
+    (g,) = torch.autograd.grad((ct._raw_apply(Square)(x) * w).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        g.sum().backward()
