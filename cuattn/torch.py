@@ -48,9 +48,9 @@ def attention(
     if check_dropout_p(dropout_p):
         dropout_seed = _device_seed(dropout_seed, q)
         return _attention_dropout(q, k, v, sink, dropout_p, dropout_seed, (causal, window, align, scale, softcap, sink_tokens), return_lse)
-    tensors = (q, k, v) if sink is None else (q, k, v, sink)
-    if _eager(*tensors):
-        if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+    if _eager(q, k, v, sink):
+        wants_grad = q.requires_grad or k.requires_grad or v.requires_grad or sink is not None and sink.requires_grad
+        if not (wants_grad and torch.is_grad_enabled()):
             return core_attention(
                 q, k, v, causal=causal, window=window, align=align, scale=scale, softcap=softcap, sink=sink, sink_tokens=sink_tokens,
                 return_lse=return_lse,
@@ -259,13 +259,13 @@ def _flat_mask_options(causal, window, align, scale, softcap, head_dim, sink_tok
 
 
 def _eager(*tensors) -> bool:
-    """Whether a call may run the core path directly, without the dispatcher: plain tensors
-    (no subclass: fake, functional, DTensor), not traced (torch.compile, export, jit.trace),
+    """Whether a call may run the core path directly, without the dispatcher: plain tensors or
+    None (no subclass: fake, functional, DTensor), not traced (torch.compile, export, jit.trace),
     no torch.func transform (vmap, grad) and no dispatch mode (FlopCounterMode, ...) watching."""
     if _compiling() or _tracing() is not None or _in_dispatch_mode() or _functorch_active():
         return False
     for t in tensors:
-        if type(t) is not torch.Tensor:
+        if type(t) is not torch.Tensor and t is not None:
             return False
     return True
 
@@ -310,10 +310,12 @@ class _EagerAttention(torch.autograd.Function):
         tail = (None,) * (3 if sink is None else 2) + (None,)  # options, dropout, block_mask
         if dout is None:
             dout = torch.zeros_like(out)
-        dout, dlse = _kernel_ready(dout), _kernel_ready(dlse)
+        dout = _kernel_ready(dout)
+        if dlse is not None:
+            dlse = _kernel_ready(dlse)
         deterministic = torch.are_deterministic_algorithms_enabled()
         dropout_p, seed = ctx.dropout_p, saved_seed
-        if not _eager(*(t for t in (dout, q, k, v, out, lse, dlse, sink) if t is not None)):  # e.g. compiled autograd
+        if not _eager(dout, q, k, v, out, lse, dlse, sink):  # e.g. compiled autograd
             causal, window, align, scale, softcap, sink_tokens = ctx.options
             flat = _flat_mask_options(causal, window, align, scale, softcap, q.shape[-1], sink_tokens)
             if (dropout_p or block_mask is not None) and sink is not None:

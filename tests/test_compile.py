@@ -198,3 +198,11 @@ def test_small_backward_selection_and_grid():
     assert xyz == (2 + 4, 6, 3) and block == (128, 1, 1) and batch_offset == 0
     with pytest.raises(ValueError):
         launches(grid(1, 64, 64, 1, 1, 64), "bf16", False, "sm_90a", True, 232448, True, small=True)
+    # What backward_small cannot compute is refused, not launched without its feature.
+    refused = [dict(sink=True), dict(dropout=True), dict(sparse=True), dict(query_splits=2)]
+    for kwargs in refused:
+        with pytest.raises(ValueError, match="backward_small"):
+            launches(grid(1, 64, 64, 1, 1, 64), "bf16", False, "sm_90a", True, 232448, False, small=True, **kwargs)
+    for g, c_type in ((grid(1, 64, 64, 1, 1, 64), "float"), (grid(1, 64, 64, 1, 1, 64, "packed"), "bf16"), (grid(1, 64, 64, 1, 1, 160), "bf16")):
+        with pytest.raises(ValueError, match="backward_small"):
+            launches(g, c_type, False, "sm_90a", True, 232448, False, small=True)

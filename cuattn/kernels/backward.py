@@ -358,8 +358,9 @@ def launches(
     ``small``: the one launch of backward_small (``small_serves`` holds; no delta pass)."""
     bucket, layout = head_dim_bucket(g.head_dim), g.layout
     if small:
-        if fused or query_splits > 1:
-            raise ValueError("backward_small runs alone: not fused, one query split")
+        if fused or query_splits > 1 or sink or dropout or sparse or c_type == "float" or layout != "dense" or bucket > SMALL_MAX_BUCKET:
+            raise ValueError("backward_small runs alone (not fused, one query split) on dense 16-bit rows of head_dim <= "
+                             f"{SMALL_MAX_BUCKET}, without sink, dropout or block mask (small_serves)")
         one = small_variant(c_type, bucket, softcap, smem_limit)
         return [(one, [((_small_blocks(g), g.heads_q, min(MAX_GRID_YZ, g.batch - b0)), (one.threads, 1, 1), b0)
                        for b0 in range(0, g.batch, MAX_GRID_YZ)])]

@@ -53,7 +53,7 @@ __device__ __forceinline__ void backward_dkdv_block(const BackwardParams& p, int
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
   const SeqSpan span = seq_span<LAYOUT>(a, batch);
-  if (!grid_covers<LAYOUT, BN>(span.seqlen_k) && block_x == 0 && col0 == 0)
+  if (!grid_covers<LAYOUT, BN>(span.seqlen_k, grid_x / splits) && block_x == 0 && col0 == 0)
     mark_uncovered_key_grads<T>(p, batch, kv_head, span, grid_x / splits * BN);
   if (!block_in_sequence<LAYOUT>(n0, span.seqlen_k)) return;
 

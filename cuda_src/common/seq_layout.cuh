@@ -120,12 +120,17 @@ __device__ __forceinline__ bool block_in_sequence(int first_row, int length) {
   return dense_queries(LAYOUT) || first_row < length;
 }
 
-// Whether the grid's blocks of BLOCK_ROWS rows (on x) reach every row of a sequence of `length`;
-// always for dense grids. Rows past the grid are marked (mark_uncovered_rows) by the CTA of
-// blockIdx.x == 0.
+// Whether `grid_blocks` blocks of BLOCK_ROWS rows (by default the grid's x extent) reach every
+// row of a sequence of `length`; always for dense grids. Rows past the grid are marked
+// (mark_uncovered_rows) by the CTA of the first block.
+template <SeqLayout LAYOUT, int BLOCK_ROWS>
+__device__ __forceinline__ bool grid_covers(int length, int grid_blocks) {
+  return dense_queries(LAYOUT) || length <= grid_blocks * BLOCK_ROWS;
+}
+
 template <SeqLayout LAYOUT, int BLOCK_ROWS>
 __device__ __forceinline__ bool grid_covers(int length) {
-  return dense_queries(LAYOUT) || length <= int(gridDim.x) * BLOCK_ROWS;
+  return grid_covers<LAYOUT, BLOCK_ROWS>(length, int(gridDim.x));
 }
 
 // Runs body(m_block) for this CTA's block of BLOCK_ROWS query rows, the grid's last (heaviest
