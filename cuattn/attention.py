@@ -134,7 +134,7 @@ def attention(
             p = attn_params(a["q"], a["k"], a["v"], dst, lse, options, sink=a["sink"], dropout=dropout,
                             block_mask=block_mask_.kernel_fields(block_mask, a))
             set_mask(p, pieces[0].fields)
-            launch_forward(ctx, c_type, p, seqlen_q, heads_q, batch)
+            launch_forward(ctx, c_type, p, seqlen_q, heads_q, batch, sparse=block_mask is not None)
         else:
             _forward_pieces(ctx, c_type, a, dst, lse, options, pieces)
     result = out if out is not None else ctx.export(dst)
@@ -247,17 +247,23 @@ def attn_params(q, k, v, out, lse, options: AttnOptions, packed=None, sink=None,
     )
 
 
-def launch_forward(ctx, c_type, p, rows, heads_q, batch, layout="dense") -> None:
+def launch_forward(ctx, c_type, p, rows, heads_q, batch, layout="dense", sparse=None) -> None:
     """Launches the forward kernel of ``layout`` over ``rows`` query rows per sequence (for
     packed sequences a bound that sizes the grid, common/seq_layout.cuh); the accumulating form
     when ``p`` names an accumulator, the dropout form when it has a dropout threshold, the
-    block-sparse form when it has a block mask."""
+    block-sparse form when it has a block mask (``sparse``: whether it has one, where a traced
+    call's null addresses cannot tell)."""
+    fold, dropout = bool(p["accum"]), bool(p["dropout_threshold"])
+    sparse = bool(p["kv_block_counts"]) if sparse is None else sparse
+    schedule = block_mask_.schedule_buffer(ctx, p, "q", batch) if sparse else None
     with ctx.device, ctx.stream:
         arch = device_arch(ctx.device.id)
-        fold, dropout, sparse = bool(p["accum"]), bool(p["dropout_threshold"]), bool(p["kv_block_counts"])
         variant = forward.select(
             c_type, head_dim_bucket(int(p["head_dim"])), p["softcap"] > 0, arch, wgmma_enabled(), layout, fold, dropout, sparse,
         )
-        for grid, block, batch_offset in forward.launches(variant, rows, heads_q, batch):
+        plan = forward.launches(variant, rows, heads_q, batch)
+        if sparse:
+            block_mask_.order_launch(ctx, schedule, variant, plan[0][0], p)
+        for grid, block, batch_offset in plan:
             p["batch_offset"] = batch_offset
             ctx.launch(variant, grid, block, p)

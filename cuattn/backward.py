@@ -8,6 +8,7 @@ from cuattn import block_mask as block_mask_, boundary, dropout as dropout_, loa
 from cuattn.attention import _LAYOUT, attn_params, check_qkv, check_sink, require_arrays, set_mask
 from cuattn.kernels import backward
 from cuattn.kernels.backward import BackwardGrid
+from cuattn.kernels.sparse import GRID_WALKS
 from cuattn.kernels.variant import head_dim_bucket
 from cuattn.loader import device_smem_limit, small_backward_enabled, wgmma_enabled
 from cuattn.merge import sum_rows
@@ -117,7 +118,7 @@ def attention_backward(
                            block_mask=block_mask_.kernel_fields(block_mask, a))
         set_mask(attn, pieces[0].fields)
         p = backward_params(a, grads, delta, attn)
-        launch_backward(ctx, c_type, p, grid, deterministic, small=small)
+        launch_backward(ctx, c_type, p, grid, deterministic, small=small, sparse=block_mask is not None)
     elif batch and heads_q and seqlen_q:
         delta = ctx.empty((batch, heads_q, seqlen_q), np.float32)
         _backward_pieces(ctx, c_type, a, grads, delta, options, pieces, deterministic)
@@ -215,13 +216,14 @@ def backward_params(a, grads, delta, attn: np.void) -> np.void:
 
 def plan_backward(
     ctx, c_type: str, p: np.void, g: BackwardGrid, deterministic: bool, query_splits: int = 1, keep: list | None = None,
+    sparse: bool = False,
 ) -> bool:
     """Whether the fused kernel runs; allocates its dQ accumulator and points ``p`` at it. A
     schedule of several backward calls plans them all before its first fill or launch (a
     traced JAX call records allocations up to there). ``query_splits`` > 1 (p's query_splits
     and split_stride set, dK / dV summed into fp32 partials) takes the unfused kernels.
     ``keep``: a list that holds the accumulator for a caller whose launches come later (the
-    memory is the pool's again once the accumulator is dropped)."""
+    memory is the pool's again once the accumulator is dropped). ``sparse``: p has a block mask."""
     bucket, softcap, layout = head_dim_bucket(g.head_dim), bool(p["attn"]["softcap"] > 0), g.layout
     # Whether dQ goes through an fp32 accumulator is decided once: a traced JAX call replays
     # the decision that sized its buffers, whatever CUATTN_WGMMA says by then; a device that
@@ -230,9 +232,9 @@ def plan_backward(
     use_accum = query_splits == 1 and ctx.decide(
         "dq_accumulator",
         lambda: not deterministic and g.accumulator_fits()
-        and backward.select_fused(c_type, bucket, softcap, ctx.arch(), wgmma_enabled(), layout) is not None,
+        and backward.select_fused(c_type, bucket, softcap, ctx.arch(), wgmma_enabled(), layout, sparse=sparse) is not None,
     )
-    fused = use_accum and backward.select_fused(c_type, bucket, softcap, ctx.arch(), layout=layout) is not None
+    fused = use_accum and backward.select_fused(c_type, bucket, softcap, ctx.arch(), layout=layout, sparse=sparse) is not None
     if use_accum and g.rows * g.heads_q:
         shape, tile_strides = g.dq_accumulator(bucket)
         accum = ctx.empty(shape, np.float32)
@@ -249,31 +251,39 @@ _STAGE_OF_KERNEL = {"backward_prep": "prep", "backward_dq_finish": "finish"}  # 
 
 def launch_backward(
     ctx, c_type: str, p: np.void, g: BackwardGrid, deterministic: bool, query_splits: int = 1, fused: bool | None = None,
-    stage: str = "all", small: bool = False,
+    stage: str = "all", small: bool = False, sparse: bool | None = None,
 ) -> None:
     """The backward's launches, planned here unless :func:`plan_backward` gave ``fused``.
     ``stage``: "all", or one part of them for a schedule that shares the fused kernel's dQ
     accumulator between several calls: "prep" (delta, and zeros in the accumulator), "main"
     (the gradient kernels), "finish" (dQ from the accumulator). ``small``: the one launch of
-    backward_small (``backward.small_serves``; p without delta), deterministic."""
+    backward_small (``backward.small_serves``; p without delta), deterministic. ``sparse``:
+    whether p has a block mask (where a traced call's null addresses cannot tell)."""
     if stage not in _STAGES:
         raise ValueError(f"stage must be one of {', '.join(_STAGES)}, got {stage!r}")
     if query_splits > 1 and not (p["sum_grads"] & SUM_DKDV and p["query_splits"] == query_splits):
         raise ValueError("query splits add dK / dV into fp32 partials: set sum_grads' SUM_DKDV bit and query_splits")
     if small and (stage != "all" or fused):
         raise ValueError("backward_small is one launch: stage 'all', not fused")
+    sparse = bool(p["attn"]["kv_block_counts"]) if sparse is None else sparse
     if fused is None:
-        fused = False if small else plan_backward(ctx, c_type, p, g, deterministic, query_splits)
+        fused = False if small else plan_backward(ctx, c_type, p, g, deterministic, query_splits, sparse=sparse)
     softcap, arch = bool(p["attn"]["softcap"] > 0), ctx.arch()
+    sink = bool(p["attn"]["sink"])
+    dropout = bool(p["attn"]["dropout_threshold"])
+    # Block-sparse gradient kernels take their CTAs' order from a schedule each: the fused kernel
+    # walks key blocks, the two-kernel backward query blocks (dQ) and key blocks (dK / dV).
+    sides = (("k",) if fused else ("q", "k")) if sparse else ()
+    schedules = {side: block_mask_.schedule_buffer(ctx, p["attn"], side, g.batch) for side in sides}
     with ctx.device, ctx.stream:
-        sink = bool(p["attn"]["sink"])
-        dropout, sparse = bool(p["attn"]["dropout_threshold"]), bool(p["attn"]["kv_block_counts"])
         plan = backward.launches(
             g, c_type, softcap, arch, wgmma_enabled(), device_smem_limit(ctx.device.id), fused, sink, query_splits, dropout, sparse, small,
         )
         for variant, variant_launches in plan:
             if stage != "all" and _STAGE_OF_KERNEL.get(variant.kernel, "main") != stage:
                 continue
+            if sparse and variant.kernel in GRID_WALKS:
+                block_mask_.order_launch(ctx, schedules[GRID_WALKS[variant.kernel][0]], variant, variant_launches[0][0], p["attn"])
             for grid, block, batch_offset in variant_launches:
                 if batch_offset is not None:
                     p["attn"]["batch_offset"] = batch_offset

@@ -20,7 +20,11 @@ import numbers
 
 import numpy as np
 
+from cuattn import params
+from cuattn.kernels import sparse
+
 BLOCK_SIZE = 128  # rows and keys per mask block (cuda_src/common/block_sparse.cuh kSparseBlock)
+MIN_TILE_ROWS = 16  # the fewest rows a block-sparse kernel's CTA takes (the float32 kernels)
 LAYOUT = "(batch or 1, heads_q or 1, query blocks, key blocks)"
 
 
@@ -289,7 +293,7 @@ def check_shapes(mask: BlockMask, batch: int | None = None, heads_q: int | None 
 
 NO_BLOCK_MASK_FIELDS = {
     "kv_block_counts": 0, "kv_block_indices": 0, "q_block_counts": 0, "q_block_indices": 0,
-    "kv_block_strides": (0, 0), "q_block_strides": (0, 0),
+    "kv_block_strides": (0, 0), "q_block_strides": (0, 0), "block_schedule": 0, "block_schedule_stride": 0,
 }
 
 
@@ -340,7 +344,7 @@ def kernel_fields(mask: BlockMask | None, arrays: dict) -> dict:
     if mask is None:
         return NO_BLOCK_MASK_FIELDS
     views = {name: arrays[f"block_mask.{name}"] for name in ARRAY_FIELDS}
-    fields = {}
+    fields = {"block_schedule": 0, "block_schedule_stride": 0}  # set per launch (order_launch)
     for which, counts in (("kv", views["kv_counts"]), ("q", views["q_counts"])):
         rows = counts.shape[2]
         fields[f"{which}_block_counts"] = counts.ptr
@@ -348,3 +352,38 @@ def kernel_fields(mask: BlockMask | None, arrays: dict) -> dict:
         # (batch, head) strides in rows; 0 where one mask serves every entry
         fields[f"{which}_block_strides"] = (counts.shape[1] * rows if counts.shape[0] > 1 else 0, rows if counts.shape[1] > 1 else 0)
     return fields
+
+
+def schedule_buffer(ctx, attn: np.void, side: str, batch: int):
+    """The array that will order a block-sparse launch's CTAs (:func:`order_launch`) along
+    ``side`` ("q": query blocks, "k": key blocks), allocated before the call's first launch (a
+    traced JAX call records allocations up to there). Sized by a bound that does not depend on
+    the kernel chosen: every tile holds at least MIN_TILE_ROWS rows, and the dK / dV kernels
+    split a KV head's columns over at most two CTAs."""
+    heads = int(attn["heads_q"]) if side == "q" else 2 * int(attn["heads_kv"])
+    cells = heads * -(-int(attn["seqlen_q" if side == "q" else "seqlen_k"]) // MIN_TILE_ROWS)
+    entries = batch if attn["kv_block_strides"][0] else 1  # one order per sequence, or one for all
+    return ctx.empty((entries, cells), np.int32)
+
+
+def order_launch(ctx, schedule, variant, grid: tuple, attn: np.void) -> None:
+    """Orders the CTAs of a block-sparse launch of ``variant`` over ``grid`` (x, y, z): fills
+    ``schedule`` (:func:`schedule_buffer`), cells of at least twice the average weight first
+    (cuda_src/sparse/block_schedule.cu), and points ``attn`` at it. Inside the call's device
+    and stream, before the launch."""
+    side, reversed_x = sparse.GRID_WALKS[variant.kernel]
+    tiles, ys = int(grid[0]), int(grid[1])
+    entries, bound = schedule.shape
+    if ys * tiles > bound:
+        raise AssertionError(f"{variant.uri}: {ys} x {tiles} cells exceed the schedule's bound {bound}")
+    blocks_q, blocks_k = blocks(int(attn["seqlen_q"])), blocks(int(attn["seqlen_k"]))
+    counts, strides = (attn["kv_block_counts"], attn["kv_block_strides"]) if side == "q" else (attn["q_block_counts"], attn["q_block_strides"])
+    group = 1 if side == "q" else int(attn["heads_q"]) // int(attn["heads_kv"])
+    fill = params.pack(
+        params.BLOCK_SCHEDULE_PARAMS, counts=counts, schedule=schedule.ptr, count_strides=tuple(strides), entries=entries, ys=ys,
+        y_per_head=variant.column_splits, group=group, tiles=tiles, tile_rows=variant.block_m,
+        mask_rows=blocks_q if side == "q" else blocks_k, reversed=int(reversed_x),
+    )
+    ctx.launch(sparse.schedule_variant(), (entries, 1, 1), (sparse.THREADS, 1, 1), fill)
+    # The first entries x ys x tiles elements, packed.
+    attn["block_schedule"], attn["block_schedule_stride"] = schedule.ptr, ys * tiles if entries > 1 else 0

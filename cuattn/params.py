@@ -97,6 +97,25 @@ ATTN_PARAMS = np.dtype(
         ("q_block_indices", _P),
         ("kv_block_strides", np.int64, (2,)),
         ("q_block_strides", np.int64, (2,)),
+        ("block_schedule", _P),
+        ("block_schedule_stride", np.int64),
+    ],
+    align=True,
+)
+
+BLOCK_SCHEDULE_PARAMS = np.dtype(
+    [
+        ("counts", _P),
+        ("schedule", _P),
+        ("count_strides", np.int64, (2,)),
+        ("entries", np.int32),
+        ("ys", np.int32),
+        ("y_per_head", np.int32),
+        ("group", np.int32),
+        ("tiles", np.int32),
+        ("tile_rows", np.int32),
+        ("mask_rows", np.int32),
+        ("reversed", np.int32),
     ],
     align=True,
 )
@@ -183,7 +202,7 @@ OFFSET_CHECK_PARAMS = np.dtype(
 # C struct name for each host mirror, for the layout check.
 C_STRUCTS = {
     "MergeParams": MERGE_PARAMS, "SumParams": SUM_PARAMS, "AttnParams": ATTN_PARAMS, "BackwardParams": BACKWARD_PARAMS,
-    "OffsetCheckParams": OFFSET_CHECK_PARAMS, "DecodeParams": DECODE_PARAMS,
+    "OffsetCheckParams": OFFSET_CHECK_PARAMS, "DecodeParams": DECODE_PARAMS, "BlockScheduleParams": BLOCK_SCHEDULE_PARAMS,
 }
 
 

@@ -203,6 +203,14 @@ def ragged_lengths(values, max_size):
 VARLEN_HEADS = [(1, 1), (4, 4), (8, 1), (6, 2)]  # (heads_q, heads_kv) the varlen tests draw
 
 
+def group_edge_heads(heads_q: int, heads_kv: int) -> list[int]:
+    """The first and last query head of each KV head's group: where a wrong query-to-KV head
+    mapping shows. Query heads ``q[..., heads, :]`` with all of k and v are a GQA problem of
+    their own (as many heads per group), so the float64 reference can run on these alone."""
+    group = heads_q // heads_kv
+    return sorted({g * group + i for g in range(heads_kv) for i in (0, group - 1)})
+
+
 def assert_every_kernel_path_has_form(suffix: str, expression_tail: str, **form):
     """On every target, dtype, bucket and softcap, the forward kernel and every gradient kernel
     of both backward modes selected with ``form`` (``dropout=True``, ``sparse=True``) are its
@@ -220,7 +228,7 @@ def assert_every_kernel_path_has_form(suffix: str, expression_tail: str, **form)
                     assert not forward_plan.select(c_type, bucket, softcap, arch).uri.endswith(suffix)
                     g = BackwardGrid("dense", 2, 300, 300, 4, 2, bucket, 600, 600)
                     for fused in (False, True) if c_type != "float" else (False,):
-                        if fused and backward_plan.select_fused(c_type, bucket, softcap, arch) is None:
+                        if fused and backward_plan.select_fused(c_type, bucket, softcap, arch, **form) is None:
                             continue
                         plan = backward_plan.launches(g, c_type, softcap, arch, True, 232448, fused, **form)
                         gradient_kernels = [variant for variant, _ in plan if "prep" not in variant.uri and "finish" not in variant.uri]

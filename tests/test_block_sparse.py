@@ -165,6 +165,44 @@ def test_every_kernel_path_has_a_block_sparse_form():
     assert_every_kernel_path_has_form("/sparse", ", false, true>", sparse=True)
 
 
+def test_every_block_sparse_tile_kernel_has_a_launch_order():
+    """Each block-sparse kernel's grid walk is known to the scheduler (a new kernel without one
+    would fail its first sparse call), and its cells fit the schedule's bound."""
+    from cuattn.kernels import all_variants, sparse
+
+    tiled = [v for v in all_variants() if v.uri.endswith("/sparse") or "/sparse/" in v.uri]
+    kernels = {v.kernel for v in tiled}
+    assert kernels and kernels <= set(sparse.GRID_WALKS), kernels - set(sparse.GRID_WALKS)
+    assert all(v.block_m >= bm.MIN_TILE_ROWS and bm.BLOCK_SIZE % v.block_m == 0 and v.column_splits <= 2 for v in tiled)
+
+
+def test_a_masked_call_sets_every_block_mask_field():
+    """kernel_fields names the same AttnParams fields as a call without a mask (the parameter
+    struct is packed from exactly its fields)."""
+    from types import SimpleNamespace
+
+    from cuattn import params
+
+    mask = bm.local_global(300, 300, window_blocks=1)
+    staged = {f"block_mask.{n}": SimpleNamespace(shape=getattr(mask, n).shape, ptr=1) for n in bm.ARRAY_FIELDS}
+    mask_fields = {n for n in params.ATTN_PARAMS.names if n.startswith(("kv_block", "q_block", "block_schedule"))}
+    assert set(bm.kernel_fields(mask, staged)) == set(bm.NO_BLOCK_MASK_FIELDS) == mask_fields
+
+
+def _expected_order(counts, ys, tiles, tile_rows, reversed_x, group, y_per_head):
+    """NumPy twin of sparse/block_schedule.cu for one mask entry: cells (y * tiles + x) of at
+    least twice the average weight first, by power-of-two class, the rest in launch order."""
+    cells = np.arange(ys * tiles)
+    x, y = cells % tiles, cells // tiles
+    rows = np.minimum((tiles - 1 - x if reversed_x else x) * tile_rows // B, counts.shape[-1] - 1)
+    heads = (y // y_per_head)[:, None] * group + np.arange(group)[None, :]
+    weight = np.minimum(counts[np.minimum(heads, counts.shape[0] - 1), rows[:, None]].sum(axis=1), 0xFFFF)
+    average = max(np.float32(weight.sum()) / np.float32(len(cells)), np.float32(1))
+    ratio = weight.astype(np.float32) / average
+    classes = np.where(ratio >= 2, np.minimum(np.frexp(ratio)[1] - 1, 31), 0)
+    return cells[np.argsort(-classes, kind="stable")]
+
+
 # --- kernels (GPU) -------------------------------------------------------------------------------
 
 CASES = [  # dtype, batch, sq, sk, hq, hk, d, kw, mask
@@ -220,6 +258,62 @@ def test_forward_and_backward_match_the_reference(dtype, batch, sq, sk, hq, hk, 
                     assert not np.isnan(g).any(), f"{path} {name}"
                     bound = 3.0 * max_err(nv, r) + 1e-5 * max(1.0, float(np.abs(r).max()))
                     assert max_err(g, r) <= bound, f"{path} {name}: {max_err(g, r):.3e} > {bound:.3e}"
+
+
+SCHEDULE_CASES = [  # kernel family, kernel, c_type, bucket, batch, sq, sk, hq, hk, mask
+    ("forward", "forward", "bf16", 128, 2, 4000, 4000, 4, 2, "local_global"),
+    ("backward", "backward_dq", "f16", 64, 2, 300, 1300, 4, 2, "random per batch head"),
+    ("backward", "backward_dkdv", "bf16", 256, 1, 1300, 700, 6, 3, "random head"),  # two CTAs per key block (column splits)
+    ("backward", "backward_dkdv", "float", 64, 1, 33600, 33600, 64, 8, "random head"),  # > 16384 cells (not cached)
+    ("backward", "backward_dkdv", "bf16", 64, 1, 2000, 2000, 8, 2, "local_global causal"),
+]
+
+
+@gpu
+@pytest.mark.parametrize("family, kernel, c_type, bucket, batch, sq, sk, hq, hk, kind", SCHEDULE_CASES)
+def test_launch_order_puts_the_heaviest_cells_first(family, kernel, c_type, bucket, batch, sq, sk, hq, hk, kind):
+    """The order of a block-sparse launch's CTAs (sparse/block_schedule.cu) equals its NumPy
+    twin: every cell once, those whose mask row keeps at least twice the average blocks (summed
+    over the GQA group for dK / dV) first, heaviest first, the rest in launch order; one order
+    per sequence of a per-batch mask; and a global row or column is among the first cells."""
+    import cupy
+
+    from cuattn import boundary, params
+    from cuattn.kernels import backward, forward
+
+    rng = np.random.default_rng(sq + hq)
+    if kind.startswith("local_global"):
+        mask = bm.local_global(sq, sk, window_blocks=1, global_blocks=1, causal="causal" in kind)
+    else:
+        mask = _random_mask(rng, sq, sk, batch=batch if "batch" in kind else 1, heads=hq if "head" in kind else 1, density=0.3)
+    variant = (forward.variant(c_type, bucket, False, sparse=True) if family == "forward"
+               else backward.variant(kernel, c_type, bucket, False, sparse=True))
+    side = "q" if "dq" in kernel or family == "forward" else "k"
+    device_mask = mask.to(cupy.asarray)
+    ctx, a = boundary.import_arrays(**bm.array_arguments(device_mask))
+    attn = params.new(params.ATTN_PARAMS)
+    attn["seqlen_q"], attn["seqlen_k"], attn["heads_q"], attn["heads_kv"] = sq, sk, hq, hk
+    for name, value in bm.kernel_fields(mask, a).items():
+        attn[name] = value
+    rows, ys = (sq, hq) if side == "q" else (sk, hk * variant.column_splits)
+    grid = (-(-rows // variant.block_m), ys, batch)
+    buffer = bm.schedule_buffer(ctx, attn, side, batch)
+    with ctx.device, ctx.stream:
+        bm.order_launch(ctx, buffer, variant, grid, attn)
+    cells = grid[0] * ys
+    schedule = to_host(buffer.native).ravel()[:buffer.shape[0] * cells].reshape(buffer.shape[0], cells)
+    counts = (mask.kv_counts if side == "q" else mask.q_counts).astype(np.int64)
+    group = 1 if side == "q" else hq // hk
+    assert buffer.shape[0] == counts.shape[0] and int(attn["block_schedule_stride"]) == (cells if counts.shape[0] > 1 else 0)
+    for entry in range(counts.shape[0]):
+        expected = _expected_order(counts[entry], ys, grid[0], variant.block_m, kernel != "backward_fp32_dq" and side == "q",
+                                   group, variant.column_splits)
+        np.testing.assert_array_equal(schedule[entry], expected)
+    if kind.startswith("local_global"):  # the global block row (or, causal, column) runs first
+        x = schedule[0] % grid[0]
+        rows = (grid[0] - 1 - x if side == "q" else x) * variant.block_m // B
+        first = int((rows == 0).sum())
+        assert 0 < first < len(rows) and (rows[:first] == 0).all()
 
 
 @gpu

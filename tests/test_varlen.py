@@ -1,6 +1,8 @@
 """cuattn.attention_varlen: packed sequences against the float64 reference and against the dense
 kernel on each sequence alone (GPU), and its argument checks (no GPU needed)."""
 
+import functools
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -9,7 +11,8 @@ from hypothesis import strategies as st
 import cuattn
 from cuattn import reference
 from helpers import (
-    KERNEL_PATHS, VARLEN_HEADS, assert_attention_accuracy, kernel_path, naive_attention, poison_cupy_pool, ragged_lengths, randn,
+    KERNEL_PATHS, VARLEN_HEADS, assert_attention_accuracy, group_edge_heads, kernel_path, naive_attention, poison_cupy_pool,
+    ragged_lengths, randn,
 )
 
 gpu = pytest.mark.gpu
@@ -27,35 +30,58 @@ def _packed_inputs(rng, lengths_q, lengths_k, hq, hk, d, dtype):
 
 
 def _run(rng, lengths_q, lengths_k, hq, hk, d, dtype, path="default", give_max=True, **kw):
-    """Packed call on CuPy arrays (device offsets); every sequence checked against the float64
-    reference (2x naive) and against cuattn.attention on that sequence alone (bit-identical)."""
+    """Packed call on CuPy arrays (device offsets) of fresh inputs, checked by :func:`_check`."""
+    inputs = _packed_inputs(rng, lengths_q, lengths_k, hq, hk, d, dtype)
+    heads = group_edge_heads(hq, hk)
+    return _check(inputs, heads, _references(inputs, heads, dtype, **kw), dtype, path, give_max, **kw)
+
+
+def _references(inputs, heads, dtype, **kw):
+    """Per sequence, on query heads ``heads``: the float64 (out, lse) and the naive out (None
+    without keys); None for a sequence without rows."""
+    q, k, v, cu_q, cu_k = inputs
+    refs = []
+    for b in range(len(cu_q) - 1):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if rows.start == rows.stop:
+            refs.append(None)
+            continue
+        qb, kb, vb = q[None, rows][:, :, heads], k[None, keys], v[None, keys]
+        ref_out, ref_lse = reference.attention(qb, kb, vb, return_lse=True, **kw)
+        refs.append((ref_out, ref_lse, naive_attention(qb, kb, vb, dtype, **kw) if keys.start < keys.stop else None))
+    return refs
+
+
+def _check(inputs, heads, refs, dtype, path, give_max, **kw):
+    """Every output element written (no NaN from the poisoned pool); every sequence against
+    cuattn.attention on that sequence alone (bit-identical) and, on query heads ``heads`` (each
+    KV group's first and last), against the float64 reference ``refs`` (2x naive)."""
     import cupy
 
-    q, k, v, cu_q, cu_k = _packed_inputs(rng, lengths_q, lengths_k, hq, hk, d, dtype)
-    max_q = max(lengths_q) if give_max else None
+    q, k, v, cu_q, cu_k = inputs
+    hq = q.shape[1]
+    maxes = dict(max_seqlen_q=int(np.diff(cu_q).max()), max_seqlen_k=int(np.diff(cu_k).max())) if give_max else {}
     poison_cupy_pool()
     with kernel_path(path):
         out, lse = cuattn.attention_varlen(
-            cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), cupy.asarray(cu_q), cupy.asarray(cu_k),
-            max_seqlen_q=max_q, max_seqlen_k=max(lengths_k) if give_max else None, return_lse=True, **kw,
+            cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), cupy.asarray(cu_q), cupy.asarray(cu_k), return_lse=True, **maxes, **kw,
         )
         out, lse = out.get(), lse.get()
         assert out.dtype == q.dtype and out.shape == q.shape and lse.shape == (hq, q.shape[0])
         assert not np.isnan(out.astype(np.float32)).any() and not np.isnan(lse).any()
-        for b in range(len(lengths_q)):
-            rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
-            if rows.start == rows.stop:
+        for b, ref in enumerate(refs):
+            if ref is None:
                 continue
-            qb, kb, vb = q[None, rows], k[None, keys], v[None, keys]
-            ref_out, ref_lse = reference.attention(qb, kb, vb, return_lse=True, **kw)
-            if keys.start == keys.stop:  # no keys: zeros (naive attention has no max to take)
+            rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+            ref_out, ref_lse, naive = ref
+            if naive is None:  # no keys: zeros (naive attention has no max to take)
                 assert not out[rows].astype(np.float32).any()
             else:
-                assert_attention_accuracy(out[None, rows], ref_out, naive_attention(qb, kb, vb, dtype, **kw),
-                                          floor=1e-6 if dtype == "float32" else 1e-5)
+                assert_attention_accuracy(out[None, rows][:, :, heads], ref_out, naive, floor=1e-6 if dtype == "float32" else 1e-5)
             fin = np.isfinite(ref_lse[0])
-            np.testing.assert_array_equal(np.isneginf(lse[:, rows]), ~fin)
-            np.testing.assert_allclose(lse[:, rows][fin], ref_lse[0][fin], rtol=1e-5, atol=1e-5)
+            np.testing.assert_array_equal(np.isneginf(lse[heads][:, rows]), ~fin)
+            np.testing.assert_allclose(lse[heads][:, rows][fin], ref_lse[0][fin], rtol=1e-5, atol=1e-5)
+            qb, kb, vb = q[None, rows], k[None, keys], v[None, keys]
             dense_out, dense_lse = cuattn.attention(cupy.asarray(qb), cupy.asarray(kb), cupy.asarray(vb), return_lse=True, **kw)
             np.testing.assert_array_equal(out[rows], dense_out.get()[0])
             np.testing.assert_array_equal(lse[:, rows], dense_lse.get()[0])
@@ -83,16 +109,26 @@ def test_varlen_matches_reference_and_dense(lengths, heads, d, dtype, causal, wi
          causal=causal, window=window, align=align, softcap=softcap)
 
 
+LONG_Q, LONG_K = [2000, 0, 1, 2, 700, 1023, 5], [2000, 3, 0, 2, 1500, 1023, 64]
+
+
+@functools.cache
+def _long_ragged_batch(d, align):
+    """The long ragged batch (GQA 8:1, causal) and its float64 references: drawn once for both
+    kernel paths, the references being most of the test's time."""
+    inputs = _packed_inputs(np.random.default_rng(), LONG_Q, LONG_K, 8, 1, d, "bfloat16")
+    heads = group_edge_heads(8, 1)
+    return inputs, heads, _references(inputs, heads, "bfloat16", causal=True, align=align)
+
+
 @gpu
 @pytest.mark.parametrize("path", KERNEL_PATHS)
 @pytest.mark.parametrize("d", [64, 128])
 def test_varlen_long_ragged_batch(d, path):
     """Lengths 0, 1, 2 .. 2000 mixed, GQA 8:1, both causal alignments."""
-    rng = np.random.default_rng()
-    lengths_q = [2000, 0, 1, 2, 700, 1023, 5]
-    lengths_k = [2000, 3, 0, 2, 1500, 1023, 64]
     for align in ("bottom_right", "top_left"):
-        _run(rng, lengths_q, lengths_k, 8, 1, d, "bfloat16", path=path, causal=True, align=align)
+        inputs, heads, refs = _long_ragged_batch(d, align)
+        _check(inputs, heads, refs, "bfloat16", path, give_max=True, causal=True, align=align)
 
 
 @gpu

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 import cuattn
 from cuattn import reference
 from helpers import (
-    DTYPES, VARLEN_HEADS, assert_attention_accuracy, kernel_path, naive_attention_backward, poison_cupy_pool, ragged_lengths, randn,
-    result_ulp,
+    DTYPES, VARLEN_HEADS, assert_attention_accuracy, group_edge_heads, kernel_path, naive_attention_backward, poison_cupy_pool,
+    ragged_lengths, randn, result_ulp,
 )
 
 gpu = pytest.mark.gpu
@@ -135,10 +135,36 @@ def test_varlen_backward_long_ragged_batch(heads, path):
 LONG_Q, LONG_K = [2000, 0, 1, 2, 700, 1023, 5], [2000, 3, 0, 2, 1500, 1023, 64]
 
 
+def _reference_backward(dout, q, k, v, **kw):
+    ref_out, ref_lse = reference.attention(q, k, v, return_lse=True, **kw)
+    return reference.attention_backward(dout, q, k, v, ref_out, ref_lse, **kw)
+
+
+def _queries(seq, start, stop):
+    """Queries [start, stop) of a sequence ``(dout, q, k, v)`` (no more queries than keys) under
+    a bottom-right causal mask, with the keys they see: a problem of its own (its last query
+    still on its last key), whose dQ is the sequence's on those queries. For the last queries its
+    dK / dV are also the sequence's, on as many last keys (no earlier query sees them)."""
+    dout, q, k, v = seq
+    assert q.shape[1] <= k.shape[1]
+    stop = min(stop, q.shape[1])
+    seen = stop + k.shape[1] - q.shape[1]
+    return dout[:, start:stop], q[:, start:stop], k[:, :seen], v[:, :seen]
+
+
+def _assert_as_close_as_dense(name, g, r, dense):
+    """``g`` within 1.5x the dense kernel's error against the float64 ``r``, plus one ulp."""
+    err = float(np.abs(g.astype(np.float64) - r).max())
+    dense_err = float(np.abs(dense.astype(np.float64) - r).max())
+    assert err <= 1.5 * dense_err + result_ulp(r, "bfloat16"), f"{name}: {err:.3e} vs dense {dense_err:.3e}"
+
+
 @gpu
 def test_varlen_backward_long_ragged_batch_against_reference():
     """The long ragged batch (GQA 8:1, causal) against the float64 reference: each gradient within
-    1.5x the dense kernel's own error on the sequence plus one ulp."""
+    1.5x the dense kernel's own error on the sequence plus one ulp. Compared (the rest is checked
+    for NaN, and against the dense backward above): dQ of every query on the GQA group's first
+    and last heads, and dQ, dK and dV of the last 128 queries and keys on every head."""
     import cupy
 
     rng = np.random.default_rng(5)
@@ -147,19 +173,25 @@ def test_varlen_backward_long_ragged_batch_against_reference():
     k, v = (randn(rng, (int(cu_k[-1]), 1, 64), "bfloat16") for _ in range(2))
     dev = [cupy.asarray(x) for x in (dout, q, k, v)]
     out, lse = cuattn.attention_varlen(*dev[1:], cupy.asarray(cu_q), cupy.asarray(cu_k), causal=True, return_lse=True)
+    poison_cupy_pool()
     grads = [g.get() for g in cuattn.attention_varlen_backward(*dev, out, lse, cupy.asarray(cu_q), cupy.asarray(cu_k), causal=True)]
+    for name, g in zip(("dq", "dk", "dv"), grads):
+        assert not np.isnan(g.astype(np.float32)).any(), f"NaN in {name}"
     out_h, lse_h = out.get(), lse.get()
+    heads, tail = group_edge_heads(8, 1), 128
     for b in (0, 4, 5):  # the long sequences
         rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
         seq = [x[None, s] for x, s in ((dout, rows), (q, rows), (k, keys), (v, keys))]
-        ref_out, ref_lse = reference.attention(*seq[1:], return_lse=True, causal=True)
-        ref = reference.attention_backward(*seq, ref_out, ref_lse, causal=True)
-        dense = cuattn.attention_backward(*(cupy.asarray(x) for x in seq), cupy.asarray(out_h[None, rows]),
-                                          cupy.asarray(lse_h[None, :, rows]), causal=True)
-        for name, g, r, x in zip(("dq", "dk", "dv"), (grads[0][rows], grads[1][keys], grads[2][keys]), ref, dense):
-            err = float(np.abs(g.astype(np.float64) - r[0]).max())
-            dense_err = float(np.abs(x.get()[0].astype(np.float64) - r[0]).max())
-            assert err <= 1.5 * dense_err + result_ulp(r, "bfloat16"), f"sequence {b} {name}: {err:.3e} vs dense {dense_err:.3e}"
+        dense = [x.get()[0] for x in cuattn.attention_backward(*(cupy.asarray(x) for x in seq), cupy.asarray(out_h[None, rows]),
+                                                               cupy.asarray(lse_h[None, :, rows]), causal=True)]
+        got, sq = (grads[0][rows], grads[1][keys], grads[2][keys]), rows.stop - rows.start
+        edge = (seq[0][:, :, heads], seq[1][:, :, heads], *seq[2:])
+        edge_dq = np.concatenate([_reference_backward(*_queries(edge, start, start + 256), causal=True)[0][0]
+                                  for start in range(0, sq, 256)])  # by blocks of queries: the keys each sees, not all
+        _assert_as_close_as_dense(f"sequence {b} dq, heads {heads}", got[0][:, heads], edge_dq, dense[0][:, heads])
+        last = _reference_backward(*_queries(seq, sq - tail, sq), causal=True)
+        for name, g, r, x in zip(("dq", "dk", "dv"), got, last, dense):
+            _assert_as_close_as_dense(f"sequence {b} {name}, last {tail}", g[-tail:], r[0][-tail:], x[-tail:])
 
 
 def _too_small_bound(path, **bounds):

@@ -7,10 +7,10 @@ variants. Enumeration (offline compile, ``warmup``, CI) goes through :data:`FAMI
 
 from __future__ import annotations
 
-from cuattn.kernels import backward, decode, forward, merge, packed
+from cuattn.kernels import backward, decode, forward, merge, packed, sparse
 from cuattn.kernels.variant import Variant
 
-FAMILIES = (merge, forward, backward, packed, decode)
+FAMILIES = (merge, forward, backward, packed, decode, sparse)
 
 
 def all_variants(arch: str | None = None) -> list[Variant]:

@@ -46,9 +46,9 @@ WGMMA_DROPOUT_CTAS = {
 # (kernel, bucket, softcap, layout) whose Hopper form with dropout needs more than 255 registers:
 # the portable kernel serves them.
 WGMMA_DROPOUT_PORTABLE = {("backward_dkdv", 128, True, "packed")}
-# Likewise (kernel, bucket, softcap) of the block-sparse forms, and CTAs per SM of those that
-# need more registers.
-WGMMA_SPARSE_PORTABLE = {("backward_dkdv", 128, True)}
+# Likewise (kernel, bucket, softcap) of the block-sparse forms (the fused one: the two-kernel
+# backward serves it), and CTAs per SM of those that need more registers.
+WGMMA_SPARSE_PORTABLE = {("backward_dkdv", 128, True), ("backward_wgmma_fused", 128, True)}
 WGMMA_SPARSE_CTAS = {"backward_wgmma_dq": {(64, True): 1}, "backward_wgmma_fused": {(64, True): 2}}
 
 
@@ -281,9 +281,13 @@ def select_fused(
     sparse: bool = False,
 ) -> Variant | None:
     """The one-pass backward (dQ by atomics) where it serves the problem on the target, else None."""
-    if allow_wgmma and arch == WGMMA_ARCH and c_type != "float" and bucket in WGMMA_FUSED_TILES:
+    if allow_wgmma and arch == WGMMA_ARCH and c_type != "float" and fused_serves(bucket, softcap, sparse):
         return fused_variant(c_type, bucket, softcap, layout, dropout, sparse)
     return None
+
+
+def fused_serves(bucket: int, softcap: bool, sparse: bool = False) -> bool:
+    return bucket in WGMMA_FUSED_TILES and not (sparse and ("backward_wgmma_fused", bucket, softcap) in WGMMA_SPARSE_PORTABLE)
 
 
 def select(
@@ -406,7 +410,7 @@ def variants(arch: str | None = None) -> list[Variant]:
                     out.append(variant(kernel, c_type, bucket, softcap, smem_limit, sparse=True))
                     if c_type != "float" and wgmma_serves(kernel, bucket, softcap, "dense", False, sparse=True):
                         out.append(wgmma_variant(kernel, c_type, bucket, softcap, sparse=True))
-                if c_type != "float" and bucket in WGMMA_FUSED_TILES:
+                if c_type != "float" and fused_serves(bucket, softcap, sparse=True):
                     out.append(fused_variant(c_type, bucket, softcap, sparse=True))
     for layout in SEQ_LAYOUTS:  # with dropout
         for c_type in ("f16", "bf16", "float"):

@@ -18,9 +18,9 @@ __global__ void __launch_bounds__(128, 1) backward_small_kernel(const __grid_con
   constexpr int kRows = BackwardTraits<HEAD_DIM, BLOCK_K>::kBlockResident;
   const int q_blocks = (p.attn.seqlen_q + kRows - 1) / kRows;
   if (int(blockIdx.x) < q_blocks) {
-    backward_dq_block<T, HEAD_DIM, BLOCK_K, SOFTCAP, SeqLayout::kDense, false, false, true>(p, blockIdx.x, q_blocks);
+    backward_dq_block<T, HEAD_DIM, BLOCK_K, SOFTCAP, SeqLayout::kDense, false, false, true>(p, blockIdx.x, blockIdx.y, q_blocks);
   } else if (int(blockIdx.y) < p.attn.heads_kv) {
-    backward_dkdv_block<T, HEAD_DIM, BLOCK_Q, true, SOFTCAP, SeqLayout::kDense, false, false, true>(p, blockIdx.x - q_blocks, gridDim.x - q_blocks);
+    backward_dkdv_block<T, HEAD_DIM, BLOCK_Q, true, SOFTCAP, SeqLayout::kDense, false, false, true>(p, blockIdx.x - q_blocks, blockIdx.y, gridDim.x - q_blocks);
   }
 }
 

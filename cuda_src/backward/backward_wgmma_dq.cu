@@ -31,8 +31,9 @@ __global__ void __launch_bounds__(WARPGROUPS * 128, CTAS_PER_SM) backward_wgmma_
   unsigned char* sV_ring = sK_ring + Tr::kStages * Tr::kStreamBytes;
 
   const AttnParams& a = p.attn;
-  const int m_block = gridDim.x - 1 - blockIdx.x;  // heaviest first under a causal mask
-  const int head = blockIdx.y, batch = cta_batch(a);
+  const GridCell cell = grid_cell<SPARSE>(a);
+  const int m_block = gridDim.x - 1 - cell.x;  // heaviest first under a causal mask
+  const int head = cell.y, batch = cta_batch(a);
   const int m0 = m_block * BM;
   const SeqSpan span = seq_span<LAYOUT>(a, batch);
   if (!grid_covers<LAYOUT, BM>(span.seqlen_q) && blockIdx.x == 0)

@@ -22,7 +22,7 @@ template <int HEAD_DIM>
 constexpr int kDkdvSplits = HEAD_DIM > 128 ? 2 : 1;
 
 /// \brief dK and dV of key block block_x / splits (query split block_x % splits; grid_x CTAs on
-/// this axis) of one (KV head x column split, sequence) (blockIdx.y, common/grid.cuh;
+/// this axis) of one (KV head x column split block_y, sequence) (common/grid.cuh;
 /// common/seq_layout.cuh), BLOCK_Q queries per step. STATS_IN_SMEM stages each step's lse and
 /// delta in shared memory with its tiles; without it (a device whose shared memory fits only the
 /// tiles) they are read from global memory where they are used. DROPOUT: dropout on the
@@ -30,7 +30,7 @@ constexpr int kDkdvSplits = HEAD_DIM > 128 ? 2 : 1;
 /// (common/block_sparse.cuh; dense layout, one split). OWN_DELTA: each step's delta is summed
 /// here (backward/row_delta.cuh), not read from p.delta.
 template <typename T, int HEAD_DIM, int BLOCK_Q, bool STATS_IN_SMEM, bool SOFTCAP, SeqLayout LAYOUT, bool DROPOUT, bool SPARSE, bool OWN_DELTA>
-__device__ __forceinline__ void backward_dkdv_block(const BackwardParams& p, int block_x, int grid_x) {
+__device__ __forceinline__ void backward_dkdv_block(const BackwardParams& p, int block_x, int block_y, int grid_x) {
   using Tr = BackwardTraits<HEAD_DIM, BLOCK_Q, kDkdvSplits<HEAD_DIM>, STATS_IN_SMEM>;
   constexpr int BM = Tr::kBlockStream;    // queries per step
   constexpr int BN = Tr::kBlockResident;  // keys per CTA
@@ -47,8 +47,8 @@ __device__ __forceinline__ void backward_dkdv_block(const BackwardParams& p, int
   const AttnParams& a = p.attn;
   const int splits = LAYOUT == SeqLayout::kDense && !SPARSE ? p.query_splits : 1;  // BackwardParams::query_splits
   const int n_block = block_x / splits;
-  const int kv_head = blockIdx.y / Tr::kSplits, batch = cta_batch(a);
-  const int col0 = blockIdx.y % Tr::kSplits * Tr::kOutCols;  // first gradient column of this CTA
+  const int kv_head = block_y / Tr::kSplits, batch = cta_batch(a);
+  const int col0 = block_y % Tr::kSplits * Tr::kOutCols;  // first gradient column of this CTA
   const int n0 = n_block * BN;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
@@ -160,7 +160,7 @@ __device__ __forceinline__ void backward_dkdv_block(const BackwardParams& p, int
 
   const SeqSpan out_span = seq_span<LAYOUT>(a, batch);  // read again: fewer registers live in the loop
   if (LAYOUT == SeqLayout::kDense && (p.sum_grads & kSumDkDv)) {  // added into fp32 sums, this split's
-    const int split = block_x % p.query_splits;
+    const int split = SPARSE ? 0 : block_x % p.query_splits;  // one split under a mask
     float* dk_sum = head_rows<float>(static_cast<float*>(p.dk) + split * p.split_stride, p.dk_strides, batch, kv_head, out_span.k_row0) + col0;
     float* dv_sum = head_rows<float>(static_cast<float*>(p.dv) + split * p.split_stride, p.dv_strides, batch, kv_head, out_span.k_row0) + col0;
     add_acc_rows<Tr::kOutTiles>(dk, a.scale, dk_sum, p.dk_strides[1], warp_key0, out_span.seqlen_k, a.head_dim - col0, lane);

@@ -17,11 +17,11 @@
 namespace cuattn {
 
 /// \brief dQ of query block grid_x - 1 - block_x (heaviest first under a causal mask) of one
-/// (query head, sequence) (blockIdx.y, common/grid.cuh; common/seq_layout.cuh), BLOCK_K keys per
+/// (query head block_y, sequence) (common/grid.cuh; common/seq_layout.cuh), BLOCK_K keys per
 /// step. OWN_DELTA: each row's delta is summed here (backward/row_delta.cuh), not read from p.delta. DROPOUT: dropout on the probabilities (common/dropout.cuh). SPARSE:
 /// only the blocks of a block mask (common/block_sparse.cuh; dense layout).
 template <typename T, int HEAD_DIM, int BLOCK_K, bool SOFTCAP, SeqLayout LAYOUT, bool DROPOUT, bool SPARSE, bool OWN_DELTA>
-__device__ __forceinline__ void backward_dq_block(const BackwardParams& p, int block_x, int grid_x) {
+__device__ __forceinline__ void backward_dq_block(const BackwardParams& p, int block_x, int block_y, int grid_x) {
   using Tr = BackwardTraits<HEAD_DIM, BLOCK_K>;
   constexpr int BM = Tr::kBlockResident;  // query rows per CTA
   constexpr int BN = Tr::kBlockStream;    // keys per step
@@ -35,7 +35,7 @@ __device__ __forceinline__ void backward_dq_block(const BackwardParams& p, int b
 
   const AttnParams& a = p.attn;
   const int m_block = grid_x - 1 - block_x;  // heaviest first under a causal mask
-  const int head = blockIdx.y, batch = cta_batch(a);
+  const int head = block_y, batch = cta_batch(a);
   const int m0 = m_block * BM;
   const SeqSpan span = seq_span<LAYOUT>(a, batch);
   if (!grid_covers<LAYOUT, BM>(span.seqlen_q, grid_x) && block_x == 0)

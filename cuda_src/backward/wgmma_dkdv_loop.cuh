@@ -63,8 +63,9 @@ __device__ __forceinline__ void backward_wgmma_dkdv_body(const BackwardParams& p
 
   const AttnParams& a = p.attn;
   const int splits = LAYOUT == SeqLayout::kDense && !FUSE_DQ && !SPARSE ? p.query_splits : 1;  // BackwardParams::query_splits
-  const int n_block = blockIdx.x / splits;
-  const int kv_head = blockIdx.y, batch = cta_batch(a);
+  const GridCell cell = grid_cell<SPARSE>(a);
+  const int n_block = cell.x / splits;
+  const int kv_head = cell.y, batch = cta_batch(a);
   const int n0 = n_block * BN;
   const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
@@ -76,7 +77,7 @@ __device__ __forceinline__ void backward_wgmma_dkdv_body(const BackwardParams& p
   const T* k = head_rows<T>(a.k, a.k_strides, batch, kv_head, span.k_row0);
   const T* v = head_rows<T>(a.v, a.v_strides, batch, kv_head, span.k_row0);
   const KeyBand band(a, span);
-  const auto plan = query_steps<SPARSE, BLOCK_M>(a, span, band, batch, kv_head, n0, BN, blockIdx.x % splits, splits);
+  const auto plan = query_steps<SPARSE, BLOCK_M>(a, span, band, batch, kv_head, n0, BN, cell.x % splits, splits);
 
   const auto load_step = [&](int step, int stage) {
     const int head = plan.head(kv_head, step), m0 = plan.m0(step);
@@ -234,7 +235,7 @@ __device__ __forceinline__ void backward_wgmma_dkdv_body(const BackwardParams& p
   if (FUSE_DQ && issuer) bulk_wait<0>();
 
   if (LAYOUT == SeqLayout::kDense && (p.sum_grads & kSumDkDv)) {  // added into fp32 sums, this split's
-    const int split = FUSE_DQ ? 0 : blockIdx.x % p.query_splits;
+    const int split = FUSE_DQ || SPARSE ? 0 : cell.x % p.query_splits;  // one split under a mask
     float* dk_sum = head_rows<float>(static_cast<float*>(p.dk) + split * p.split_stride, p.dk_strides, batch, kv_head, span.k_row0);
     float* dv_sum = head_rows<float>(static_cast<float*>(p.dv) + split * p.split_stride, p.dv_strides, batch, kv_head, span.k_row0);
     add_acc_rows<Tr::kDTiles>(dk, a.scale, dk_sum, p.dk_strides[1], warp_key0, span.seqlen_k, a.head_dim, lane);

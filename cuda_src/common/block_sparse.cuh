@@ -130,17 +130,18 @@ struct SparseQuerySteps {
   static_assert(kSparseBlock % BLOCK_M == 0, "query tiles nest in mask blocks");
   static constexpr int kSub = kSparseBlock / BLOCK_M;
   const AttnParams& a;
-  int batch, kv_head, k_block, group, steps;
+  int batch, head0, k_block, group, steps;  // head0: the group's first query head
 
-  __device__ __forceinline__ SparseQuerySteps(const AttnParams& attn, int batch_, int kv_head_, int n0)
-      : a(attn), batch(batch_), kv_head(kv_head_), k_block(n0 / kSparseBlock), group(attn.heads_q / attn.heads_kv), steps(0) {
-    for (int h = 0; h < group; ++h) steps += list(kv_head * group + h).count * kSub;
+  __device__ __forceinline__ SparseQuerySteps(const AttnParams& attn, int batch_, int kv_head, int n0)
+      : a(attn), batch(batch_), k_block(n0 / kSparseBlock), group(attn.heads_q / attn.heads_kv), steps(0) {
+    head0 = kv_head * group;
+    for (int h = 0; h < group; ++h) steps += list(head0 + h).count * kSub;
   }
   __device__ __forceinline__ BlockList list(int head) const { return kept_query_blocks(a, batch, head, k_block); }
   // The query head of `step` and the step's index within that head's tiles.
   __device__ __forceinline__ int head(int, int step, int* index = nullptr) const {
-    int head = kv_head * group;
-    for (int tiles = list(head).count * kSub; step >= tiles && head + 1 < (kv_head + 1) * group; tiles = list(head).count * kSub) {
+    int head = head0;
+    for (int tiles = list(head).count * kSub; step >= tiles && head + 1 < head0 + group; tiles = list(head).count * kSub) {
       step -= tiles;
       ++head;
     }
@@ -149,7 +150,7 @@ struct SparseQuerySteps {
   }
   __device__ __forceinline__ int m0(int step) const {
     int index;
-    const BlockList blocks = list(head(kv_head, step, &index));
+    const BlockList blocks = list(head(0, step, &index));
     return blocks.block(index / kSub) * kSparseBlock + index % kSub * BLOCK_M;
   }
 };

@@ -112,6 +112,11 @@ struct AttnParams {
   const int* q_block_indices;               // (mask batch, mask heads, key blocks, query blocks)
   i64 kv_block_strides[2];                  // batch, head, in rows of kv_block_counts (0: shared)
   i64 q_block_strides[2];                   // batch, head, in rows of q_block_counts (0: shared)
+  // The order of a block-sparse launch's CTAs (sparse/block_schedule.cu; set per launch): null,
+  // or per sequence the grid cell (y * gridDim.x + x) whose work the CTA numbered
+  // blockIdx.y * gridDim.x + blockIdx.x does, the cells of the heaviest mask rows first.
+  const int* block_schedule;
+  i64 block_schedule_stride;                // per sequence, in cells (0: one order for every sequence)
 };
 
 // Backward of AttnParams' attention: dout, gradients, and delta = rowsum(dout * out) - dlse per
@@ -141,6 +146,24 @@ struct BackwardParams {
                                             //   query steps (head_rows.cuh QuerySteps); above 1 (dense, 16-bit types)
                                             //   each part adds into its own fp32 sums, split_stride elements apart
   i64 split_stride;
+};
+
+// The order of a block-sparse launch (sparse/block_schedule.cu): the cells y * tiles + x of a
+// grid of tiles x ys CTAs, the heaviest first. Cell (x, y) does mask row (x, or tiles - 1 - x
+// when reversed) * tile_rows / kSparseBlock of mask heads (y / y_per_head) * group .. + group - 1;
+// its weight is the sum of their counts.
+struct BlockScheduleParams {
+  const int* counts;                        // (mask batch, mask heads, mask rows) kept blocks per row
+  int* schedule;                            // (entries, ys * tiles) grid cells, AttnParams::block_schedule
+  i64 count_strides[2];                     // batch, head, in mask rows (0: shared)
+  int entries;                              // orders written: the batch, or 1 when the mask is shared
+  int ys;                                   // gridDim.y of the launch ordered
+  int y_per_head;                           // grid rows per head (dK / dV column splits)
+  int group;                                // mask heads summed per head (GQA group for dK / dV, else 1)
+  int tiles;                                // gridDim.x of the launch ordered
+  int tile_rows;                            // rows of a tile (a divisor of kSparseBlock)
+  int mask_rows;                            // mask rows (blocks) along the tiles
+  int reversed;                             // 1: tile x is row block tiles - 1 - x (heaviest-first grids)
 };
 
 // Decoding against a KV cache (decode/decode.cu): the new query rows of each sequence attend

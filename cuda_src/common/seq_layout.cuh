@@ -133,13 +133,14 @@ __device__ __forceinline__ bool grid_covers(int length) {
   return grid_covers<LAYOUT, BLOCK_ROWS>(length, int(gridDim.x));
 }
 
-// Runs body(m_block) for this CTA's block of BLOCK_ROWS query rows, the grid's last (heaviest
-// under a causal mask) first; one block per CTA. A packed grid is sized from a bound on the
+// Runs body(m_block) for the block of BLOCK_ROWS query rows of grid column `x` (this CTA's
+// blockIdx.x, or its common/grid.cuh grid_cell), the grid's last (heaviest under a causal mask)
+// first; one block per CTA. A packed grid is sized from a bound on the
 // lengths (max_seqlen_q, the caller's word): blocks past it return false from here, and the
 // caller marks those rows (mark_uncovered_rows) instead of leaving them unwritten.
 template <SeqLayout LAYOUT, int BLOCK_ROWS, typename Body>
-__device__ __forceinline__ bool for_each_row_block(int seqlen_q, Body&& body) {
-  const int m_block = int(gridDim.x) - 1 - int(blockIdx.x);
+__device__ __forceinline__ bool for_each_row_block(int x, int seqlen_q, Body&& body) {
+  const int m_block = int(gridDim.x) - 1 - x;
   if constexpr (dense_queries(LAYOUT)) {
     body(m_block);
     return true;

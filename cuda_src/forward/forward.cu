@@ -18,7 +18,7 @@ namespace cuattn {
 
 /// \brief One block of query rows of one (sequence, head): writes its rows of out and lse.
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, bool SOFTCAP, SeqLayout LAYOUT, bool FOLD, bool DROPOUT, bool SPARSE>
-__device__ __forceinline__ void forward_block(const AttnParams& p, int seq, const SeqSpan& span, const HeadView<T>& head_view, int m_block,
+__device__ __forceinline__ void forward_block(const AttnParams& p, int seq, int head, const SeqSpan& span, const HeadView<T>& head_view, int m_block,
                                               unsigned char* smem_raw) {
   using Tr = ForwardTraits<HEAD_DIM, BLOCK_M, BLOCK_N, WARPS>;
   T* sQ = reinterpret_cast<T*>(smem_raw);
@@ -37,7 +37,7 @@ __device__ __forceinline__ void forward_block(const AttnParams& p, int seq, cons
   const int key_first = band.first_key(m0), key_last = band.last_key(m_last);
   const int n_first = key_first / BLOCK_N;
   const int n_last = key_last < key_first ? n_first - 1 : key_last / BLOCK_N;
-  const KeyTiles<SPARSE, BLOCK_N> tiles(p, seq, blockIdx.y, m0, n_first, n_last);
+  const KeyTiles<SPARSE, BLOCK_N> tiles(p, seq, head, m0, n_first, n_last);
 
   float acc[Tr::kMTiles][Tr::kDTiles][4];
   float row_max[Tr::kMTiles][2], row_sum[Tr::kMTiles][2];
@@ -132,7 +132,7 @@ __device__ __forceinline__ void forward_block(const AttnParams& p, int seq, cons
     if (!band.all_visible(warp_first_row, warp_last_row, n0, n0 + BLOCK_N - 1)) mask_scores(s, band, warp_first_row, n0);
     online_softmax(s, row_max, row_sum, acc, p.exp2_scale);
     if constexpr (DROPOUT) {  // after the row sums: dropout leaves the denominators alone
-      const DropoutDraws draws(p, seq, blockIdx.y);
+      const DropoutDraws draws(p, seq, head);
 #pragma unroll
       for (int mt = 0; mt < Tr::kMTiles; ++mt) draws.drop_rows<Tr::kNTiles, false>(s[mt], warp_first_row + mt * 16, n0, lane);
     }
@@ -225,11 +225,12 @@ __global__ void __launch_bounds__(WARPS * 32) forward_kernel(const __grid_consta
   using Tr = ForwardTraits<HEAD_DIM, BLOCK_M, BLOCK_N, WARPS>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   if (dynamic_smem_bytes() < Tr::kSmemBytes + (LAYOUT == SeqLayout::kPagedCache ? kPageAheadBytes<BLOCK_N> : 0)) __trap();  // launch contract
-  const int head = blockIdx.y, seq = cta_batch(p);
+  const GridCell cell = grid_cell<SPARSE>(p);
+  const int head = cell.y, seq = cta_batch(p);
   const SeqSpan span = seq_span<LAYOUT>(p, seq);
   const HeadView<T> head_view(p, seq, head, span);
-  const bool covered = for_each_row_block<LAYOUT, BLOCK_M>(span.seqlen_q, [&](int m_block) {
-    forward_block<T, HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, SOFTCAP, LAYOUT, FOLD, DROPOUT, SPARSE>(p, seq, span, head_view, m_block, smem_raw);
+  const bool covered = for_each_row_block<LAYOUT, BLOCK_M>(cell.x, span.seqlen_q, [&](int m_block) {
+    forward_block<T, HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, SOFTCAP, LAYOUT, FOLD, DROPOUT, SPARSE>(p, seq, head, span, head_view, m_block, smem_raw);
   });
   if (!covered && blockIdx.x == 0)
     mark_uncovered_rows<T>(head_view.out, p.out_strides[1], head_view.lse, p.head_dim, int(gridDim.x) * BLOCK_M, span.seqlen_q);

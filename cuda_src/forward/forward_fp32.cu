@@ -23,7 +23,7 @@ constexpr int kF32BlockN = 32;
 /// ... of the output. K tiles go through shared memory; Q (read by all lanes of a warp at once)
 /// and V (read across lanes, contiguous) come through L1.
 template <int HEAD_DIM, bool SOFTCAP, bool DROPOUT, bool SPARSE>
-__device__ __forceinline__ void forward_fp32_block(const AttnParams& p, int seq, const SeqSpan& span, const HeadView<float>& head_view, int m_block,
+__device__ __forceinline__ void forward_fp32_block(const AttnParams& p, int seq, int head, const SeqSpan& span, const HeadView<float>& head_view, int m_block,
                                                    float (&sK)[kF32BlockN][HEAD_DIM + 1]) {
   constexpr int kCols = HEAD_DIM / 32;
   const int m0 = m_block * kF32BlockM;
@@ -33,7 +33,7 @@ __device__ __forceinline__ void forward_fp32_block(const AttnParams& p, int seq,
 
   const KeyBand band(p, span);
   const int key_first = band.first_key(m0), key_last = band.last_key(m_last);
-  const auto tiles = ascending_tiles<SPARSE, kF32BlockN>([&] { return kept_key_blocks(p, seq, blockIdx.y, m0 / kSparseBlock); },
+  const auto tiles = ascending_tiles<SPARSE, kF32BlockN>([&] { return kept_key_blocks(p, seq, head, m0 / kSparseBlock); },
                                                         key_first / kF32BlockN,
                                                         key_last < key_first ? key_first / kF32BlockN - 1 : key_last / kF32BlockN);
   // The output and the denominator accumulate in fp64: over tens of thousands of keys an fp32
@@ -48,7 +48,7 @@ __device__ __forceinline__ void forward_fp32_block(const AttnParams& p, int seq,
     for (int c = 0; c < kCols; ++c) acc[r][c] = 0.0;
   }
   const float sc = p.exp2_scale;
-  const DropoutDraws draws(p, seq, blockIdx.y);  // used with DROPOUT only
+  const DropoutDraws draws(p, seq, head);  // used with DROPOUT only
 
   for (int i = 0; i < tiles.count; ++i) {  // first key first
     const int n0 = tiles.tile(i) * kF32BlockN;
@@ -131,11 +131,12 @@ __device__ __forceinline__ void forward_fp32_block(const AttnParams& p, int seq,
 template <int HEAD_DIM, bool SOFTCAP, SeqLayout LAYOUT, bool DROPOUT = false, bool SPARSE = false>
 __global__ void __launch_bounds__(kF32Warps * 32, 1) forward_fp32_kernel(const __grid_constant__ AttnParams p) {
   __shared__ float sK[kF32BlockN][HEAD_DIM + 1];  // +1: lanes reading different keys hit different banks
-  const int head = blockIdx.y, seq = cta_batch(p);
+  const GridCell cell = grid_cell<SPARSE>(p);
+  const int head = cell.y, seq = cta_batch(p);
   const SeqSpan span = seq_span<LAYOUT>(p, seq);
   const HeadView<float> head_view(p, seq, head, span);
-  const bool covered = for_each_row_block<LAYOUT, kF32BlockM>(span.seqlen_q, [&](int m_block) {
-    forward_fp32_block<HEAD_DIM, SOFTCAP, DROPOUT, SPARSE>(p, seq, span, head_view, m_block, sK);
+  const bool covered = for_each_row_block<LAYOUT, kF32BlockM>(cell.x, span.seqlen_q, [&](int m_block) {
+    forward_fp32_block<HEAD_DIM, SOFTCAP, DROPOUT, SPARSE>(p, seq, head, span, head_view, m_block, sK);
   });
   if (!covered && blockIdx.x == 0)
     mark_uncovered_rows<float>(head_view.out, p.out_strides[1], head_view.lse, p.head_dim, int(gridDim.x) * kF32BlockM, span.seqlen_q);

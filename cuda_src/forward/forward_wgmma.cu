@@ -20,7 +20,7 @@ namespace cuattn {
 
 /// \brief One block of query rows of one (sequence, head): writes its rows of out and lse.
 template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, bool SOFTCAP, SeqLayout LAYOUT, bool FOLD, bool DROPOUT, bool SPARSE>
-__device__ __forceinline__ void forward_wgmma_block(const AttnParams& p, int seq, const SeqSpan& span, const HeadView<T>& head_view, int m_block,
+__device__ __forceinline__ void forward_wgmma_block(const AttnParams& p, int seq, int head, const SeqSpan& span, const HeadView<T>& head_view, int m_block,
                                                     unsigned char* smem_raw) {
   using Tr = WgmmaForwardTraits<HEAD_DIM, BLOCK_N, WARPGROUPS>;
   unsigned char* sQ = smem_raw + (kSwizzleAtomBytes - smem_addr(smem_raw) % kSwizzleAtomBytes) % kSwizzleAtomBytes;
@@ -36,7 +36,7 @@ __device__ __forceinline__ void forward_wgmma_block(const AttnParams& p, int seq
   const int key_first = band.first_key(m0), key_last = band.last_key(m_last);
   const int n_first = key_first / BLOCK_N;
   const int n_last = key_last < key_first ? n_first - 1 : key_last / BLOCK_N;
-  const KeyTiles<SPARSE, BLOCK_N> tiles(p, seq, blockIdx.y, m0, n_first, n_last);
+  const KeyTiles<SPARSE, BLOCK_N> tiles(p, seq, head, m0, n_first, n_last);
 
   float acc[1][Tr::kDTiles][4];
   float row_max[1][2] = {{neg_inf(), neg_inf()}}, row_sum[1][2] = {{0.f, 0.f}};
@@ -105,7 +105,7 @@ __device__ __forceinline__ void forward_wgmma_block(const AttnParams& p, int seq
     if (SOFTCAP) softcap_scores(s, p);
     if (!band.all_visible(warp_first_row, warp_last_row, n0, n0 + BLOCK_N - 1)) mask_scores(s, band, warp_first_row, n0);
     online_softmax(s, row_max, row_sum, acc, p.exp2_scale);
-    if constexpr (DROPOUT) DropoutDraws(p, seq, blockIdx.y).drop_rows<Tr::kNTiles, false>(s[0], warp_first_row, n0, lane);
+    if constexpr (DROPOUT) DropoutDraws(p, seq, head).drop_rows<Tr::kNTiles, false>(s[0], warp_first_row, n0, lane);
 
     wgmma_fence();
     wgmma_frag_by_tile<T, BLOCK_N, HEAD_DIM>(acc[0], s[0], v_addr);  // O += P V
@@ -182,11 +182,12 @@ __global__ void __launch_bounds__(WARPGROUPS * 128, CTAS_PER_SM) forward_wgmma_k
   using Tr = WgmmaForwardTraits<HEAD_DIM, BLOCK_N, WARPGROUPS>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   if (dynamic_smem_bytes() < Tr::kSmemBytes + (LAYOUT == SeqLayout::kPagedCache ? kPageAheadBytes<BLOCK_N> : 0)) __trap();  // launch contract
-  const int head = blockIdx.y, seq = cta_batch(p);
+  const GridCell cell = grid_cell<SPARSE>(p);
+  const int head = cell.y, seq = cta_batch(p);
   const SeqSpan span = seq_span<LAYOUT>(p, seq);
   const HeadView<T> head_view(p, seq, head, span);
-  const bool covered = for_each_row_block<LAYOUT, Tr::kBlockM>(span.seqlen_q, [&](int m_block) {
-    forward_wgmma_block<T, HEAD_DIM, BLOCK_N, WARPGROUPS, SOFTCAP, LAYOUT, FOLD, DROPOUT, SPARSE>(p, seq, span, head_view, m_block, smem_raw);
+  const bool covered = for_each_row_block<LAYOUT, Tr::kBlockM>(cell.x, span.seqlen_q, [&](int m_block) {
+    forward_wgmma_block<T, HEAD_DIM, BLOCK_N, WARPGROUPS, SOFTCAP, LAYOUT, FOLD, DROPOUT, SPARSE>(p, seq, head, span, head_view, m_block, smem_raw);
   });
   if (!covered && blockIdx.x == 0)
     mark_uncovered_rows<T>(head_view.out, p.out_strides[1], head_view.lse, p.head_dim, int(gridDim.x) * Tr::kBlockM, span.seqlen_q);
