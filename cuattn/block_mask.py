@@ -23,7 +23,7 @@ import numpy as np
 from cuattn import params
 from cuattn.kernels import sparse
 
-BLOCK_SIZE = 128  # rows and keys per mask block (cuda_src/common/block_sparse.cuh kSparseBlock)
+BLOCK_SIZE = sparse.MASK_BLOCK  # rows and keys per mask block (cuda_src/common/block_sparse.cuh kSparseBlock)
 MIN_TILE_ROWS = 16  # the fewest rows a block-sparse kernel's CTA takes (the float32 kernels)
 LAYOUT = "(batch or 1, heads_q or 1, query blocks, key blocks)"
 

@@ -189,6 +189,26 @@ def test_a_masked_call_sets_every_block_mask_field():
     assert set(bm.kernel_fields(mask, staged)) == set(bm.NO_BLOCK_MASK_FIELDS) == mask_fields
 
 
+def test_a_traced_call_allocates_the_launch_orders():
+    """What cuattn.jax sizes XLA's buffers from (boundary.trace: arrays known by shape only, null
+    addresses) includes the block-sparse launch orders: one for the forward, one per gradient
+    kernel of the backward (the fused kernel, or dQ and dK / dV), as int32 arrays."""
+    from types import SimpleNamespace
+
+    from cuattn import boundary
+
+    spec = lambda shape, dtype: SimpleNamespace(shape=tuple(shape), dtype=np.dtype(dtype))  # noqa: E731
+    q, k = spec((2, 300, 4, 64), np.float16), spec((2, 300, 2, 64), np.float16)
+    mask = bm.local_global(300, 300, window_blocks=1).to(lambda a: spec(a.shape, a.dtype))
+    forward = boundary.trace(cuattn.attention, q, k, k, block_mask=mask, return_lse=True)
+    assert forward.allocations[:2] == [((2, 300, 4, 64), np.float16), ((2, 4, 300), np.float32)]
+    assert [a for a in forward.allocations[2:] if a[1] == np.int32] == [((1, 4 * 19), np.int32)]  # 19 tiles of 16 rows bound 300
+    backward = boundary.trace(cuattn.attention_backward, q, q, k, k, q, spec((2, 4, 300), np.float32), block_mask=mask)
+    orders = [a for a in backward.allocations if a[1] == np.int32]
+    fused = backward.decisions.get("dq_accumulator", False)
+    assert orders == ([((1, 2 * 2 * 19), np.int32)] if fused else [((1, 4 * 19), np.int32), ((1, 2 * 2 * 19), np.int32)])
+
+
 def _expected_order(counts, ys, tiles, tile_rows, reversed_x, group, y_per_head):
     """NumPy twin of sparse/block_schedule.cu for one mask entry: cells (y * tiles + x) of at
     least twice the average weight first, by power-of-two class, the rest in launch order."""

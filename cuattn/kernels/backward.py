@@ -215,11 +215,17 @@ def small_variant(c_type: str, bucket: int, softcap: bool, smem_limit: int = MAX
     )
 
 
+def small_computes(g: "BackwardGrid", c_type: str, sink: bool, dropout: bool, sparse: bool) -> bool:
+    """Whether backward_small can compute this call at all: dense rows of 16-bit types,
+    head_dim <= 128, no sink, dropout or block mask."""
+    return g.layout == "dense" and c_type != "float" and head_dim_bucket(g.head_dim) <= SMALL_MAX_BUCKET and not (sink or dropout or sparse)
+
+
 def small_serves(g: "BackwardGrid", c_type: str, sink: bool, dropout: bool, sparse: bool, sm_count) -> bool:
-    """Whether backward_small runs this call: dense rows of 16-bit types, head_dim <= 128, no
-    sink, dropout or block mask, at most SMALL_MAX_SEQLEN query and key rows, and a grid of one
-    wave (``sm_count()``: the device's SMs, asked last)."""
-    if g.layout != "dense" or c_type == "float" or head_dim_bucket(g.head_dim) > SMALL_MAX_BUCKET or sink or dropout or sparse:
+    """Whether backward_small runs this call: it computes it (:func:`small_computes`), at most
+    SMALL_MAX_SEQLEN query and key rows, and a grid of one wave (``sm_count()``: the device's
+    SMs, asked last)."""
+    if not small_computes(g, c_type, sink, dropout, sparse):
         return False
     if not (0 < g.seqlen_q <= SMALL_MAX_SEQLEN and 0 < g.seqlen_k <= SMALL_MAX_SEQLEN and g.batch * g.heads_q):
         return False
@@ -362,7 +368,7 @@ def launches(
     ``small``: the one launch of backward_small (``small_serves`` holds; no delta pass)."""
     bucket, layout = head_dim_bucket(g.head_dim), g.layout
     if small:
-        if fused or query_splits > 1 or sink or dropout or sparse or c_type == "float" or layout != "dense" or bucket > SMALL_MAX_BUCKET:
+        if fused or query_splits > 1 or not small_computes(g, c_type, sink, dropout, sparse):
             raise ValueError("backward_small runs alone (not fused, one query split) on dense 16-bit rows of head_dim <= "
                              f"{SMALL_MAX_BUCKET}, without sink, dropout or block mask (small_serves)")
         one = small_variant(c_type, bucket, softcap, smem_limit)

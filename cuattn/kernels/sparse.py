@@ -9,6 +9,7 @@ from cuattn.kernels.variant import Variant
 
 FAMILY = "sparse"
 THREADS = 1024
+MASK_BLOCK = 128  # rows and keys per mask block (common/block_sparse.cuh kSparseBlock): cuattn.block_mask.BLOCK_SIZE
 
 # How each block-sparse kernel walks its grid: the side of the mask its x axis runs along ("q":
 # query blocks, weighed by the key blocks each keeps; "k": key blocks, by the query blocks each
@@ -29,6 +30,7 @@ def schedule_variant() -> Variant:
         expression=f"cuattn::block_schedule_kernel<{THREADS}>",
         uri="sparse/block_schedule",
         threads=THREADS,
+        contract=(("cuattn::kSparseBlock", MASK_BLOCK),),
     )
 
 
