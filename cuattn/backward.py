@@ -272,9 +272,10 @@ def launch_backward(
     sink = bool(p["attn"]["sink"])
     dropout = bool(p["attn"]["dropout_threshold"])
     # Block-sparse gradient kernels take their CTAs' order from a schedule each: the fused kernel
-    # walks key blocks, the two-kernel backward query blocks (dQ) and key blocks (dK / dV).
-    sides = (("k",) if fused else ("q", "k")) if sparse else ()
-    schedules = {side: block_mask_.schedule_buffer(ctx, p["attn"], side, g.batch) for side in sides}
+    # walks key blocks, the two-kernel backward query blocks (dQ) and key blocks (dK / dV). Both
+    # are allocated either way: a traced call records whether dQ has an accumulator, not
+    # whether the device then runs the fused kernel.
+    schedules = {side: block_mask_.schedule_buffer(ctx, p["attn"], side, g.batch) for side in ("q", "k")} if sparse else {}
     with ctx.device, ctx.stream:
         plan = backward.launches(
             g, c_type, softcap, arch, wgmma_enabled(), device_smem_limit(ctx.device.id), fused, sink, query_splits, dropout, sparse, small,

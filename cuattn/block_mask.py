@@ -362,7 +362,7 @@ def schedule_buffer(ctx, attn: np.void, side: str, batch: int):
     split a KV head's columns over at most two CTAs."""
     heads = int(attn["heads_q"]) if side == "q" else 2 * int(attn["heads_kv"])
     cells = heads * -(-int(attn["seqlen_q" if side == "q" else "seqlen_k"]) // MIN_TILE_ROWS)
-    entries = batch if attn["kv_block_strides"][0] else 1  # one order per sequence, or one for all
+    entries = batch if attn["kv_block_strides" if side == "q" else "q_block_strides"][0] else 1  # per sequence, or one for all
     return ctx.empty((entries, cells), np.int32)
 
 
@@ -375,7 +375,7 @@ def order_launch(ctx, schedule, variant, grid: tuple, attn: np.void) -> None:
     tiles, ys = int(grid[0]), int(grid[1])
     entries, bound = schedule.shape
     if ys * tiles > bound:
-        raise AssertionError(f"{variant.uri}: {ys} x {tiles} cells exceed the schedule's bound {bound}")
+        raise RuntimeError(f"{variant.uri}: {ys} x {tiles} cells exceed the schedule's bound {bound}")
     blocks_q, blocks_k = blocks(int(attn["seqlen_q"])), blocks(int(attn["seqlen_k"]))
     counts, strides = (attn["kv_block_counts"], attn["kv_block_strides"]) if side == "q" else (attn["q_block_counts"], attn["q_block_strides"])
     group = 1 if side == "q" else int(attn["heads_q"]) // int(attn["heads_kv"])

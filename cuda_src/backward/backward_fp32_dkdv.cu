@@ -29,7 +29,7 @@ __global__ void __launch_bounds__(kF32BwdWarps * 32, 1) backward_fp32_dkdv_kerne
   const int kv_head = cell.y, batch = cta_batch(a);
   const int n0 = cell.x * kF32BwdBlock;
   const SeqSpan span = seq_span<LAYOUT>(a, batch);
-  if (!grid_covers<LAYOUT, kF32BwdBlock>(span.seqlen_k) && blockIdx.x == 0) mark_uncovered_key_grads<float>(p, batch, kv_head, span, int(gridDim.x) * kF32BwdBlock);
+  if (!grid_covers<LAYOUT, kF32BwdBlock>(span.seqlen_k) && cell.x == 0) mark_uncovered_key_grads<float>(p, batch, kv_head, span, int(gridDim.x) * kF32BwdBlock);
   if (!block_in_sequence<LAYOUT>(n0, span.seqlen_k)) return;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int group = a.heads_q / a.heads_kv;

@@ -27,7 +27,7 @@ __global__ void __launch_bounds__(kF32BwdWarps * 32, 1) backward_fp32_dq_kernel(
   const int head = cell.y, batch = cta_batch(a);
   const int m0 = cell.x * kF32BwdBlock;
   const SeqSpan span = seq_span<LAYOUT>(a, batch);
-  if (!grid_covers<LAYOUT, kF32BwdBlock>(span.seqlen_q) && blockIdx.x == 0)
+  if (!grid_covers<LAYOUT, kF32BwdBlock>(span.seqlen_q) && cell.x == 0)
     mark_uncovered_rows<float>(head_rows<float>(p.dq, p.dq_strides, batch, head, span.q_row0), p.dq_strides[1], nullptr, a.head_dim, int(gridDim.x) * kF32BwdBlock, span.seqlen_q);
   if (!block_in_sequence<LAYOUT>(m0, span.seqlen_q)) return;
   const int m_last = min(m0 + kF32BwdBlock, span.seqlen_q) - 1;

@@ -36,7 +36,7 @@ __global__ void __launch_bounds__(WARPGROUPS * 128, CTAS_PER_SM) backward_wgmma_
   const int head = cell.y, batch = cta_batch(a);
   const int m0 = m_block * BM;
   const SeqSpan span = seq_span<LAYOUT>(a, batch);
-  if (!grid_covers<LAYOUT, BM>(span.seqlen_q) && blockIdx.x == 0)
+  if (!grid_covers<LAYOUT, BM>(span.seqlen_q) && cell.x == 0)
     mark_uncovered_rows<T>(head_rows<T>(p.dq, p.dq_strides, batch, head, span.q_row0), p.dq_strides[1], nullptr, a.head_dim, int(gridDim.x) * BM, span.seqlen_q);
   if (!block_in_sequence<LAYOUT>(m0, span.seqlen_q)) return;
   const int m_last = min(m0 + BM, span.seqlen_q) - 1;

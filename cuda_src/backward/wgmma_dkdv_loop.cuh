@@ -70,7 +70,7 @@ __device__ __forceinline__ void backward_wgmma_dkdv_body(const BackwardParams& p
   const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
   const SeqSpan span = seq_span<LAYOUT>(a, batch);
-  if (!grid_covers<LAYOUT, BN>(span.seqlen_k, int(gridDim.x) / splits) && blockIdx.x == 0)
+  if (!grid_covers<LAYOUT, BN>(span.seqlen_k, int(gridDim.x) / splits) && cell.x == 0)
     mark_uncovered_key_grads<T>(p, batch, kv_head, span, int(gridDim.x) / splits * BN);
   if (!block_in_sequence<LAYOUT>(n0, span.seqlen_k)) return;
 

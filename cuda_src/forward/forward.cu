@@ -232,7 +232,7 @@ __global__ void __launch_bounds__(WARPS * 32) forward_kernel(const __grid_consta
   const bool covered = for_each_row_block<LAYOUT, BLOCK_M>(cell.x, span.seqlen_q, [&](int m_block) {
     forward_block<T, HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, SOFTCAP, LAYOUT, FOLD, DROPOUT, SPARSE>(p, seq, head, span, head_view, m_block, smem_raw);
   });
-  if (!covered && blockIdx.x == 0)
+  if (!covered && cell.x == 0)
     mark_uncovered_rows<T>(head_view.out, p.out_strides[1], head_view.lse, p.head_dim, int(gridDim.x) * BLOCK_M, span.seqlen_q);
 }
 

@@ -138,7 +138,7 @@ __global__ void __launch_bounds__(kF32Warps * 32, 1) forward_fp32_kernel(const _
   const bool covered = for_each_row_block<LAYOUT, kF32BlockM>(cell.x, span.seqlen_q, [&](int m_block) {
     forward_fp32_block<HEAD_DIM, SOFTCAP, DROPOUT, SPARSE>(p, seq, head, span, head_view, m_block, sK);
   });
-  if (!covered && blockIdx.x == 0)
+  if (!covered && cell.x == 0)
     mark_uncovered_rows<float>(head_view.out, p.out_strides[1], head_view.lse, p.head_dim, int(gridDim.x) * kF32BlockM, span.seqlen_q);
 }
 

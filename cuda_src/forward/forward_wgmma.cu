@@ -189,7 +189,7 @@ __global__ void __launch_bounds__(WARPGROUPS * 128, CTAS_PER_SM) forward_wgmma_k
   const bool covered = for_each_row_block<LAYOUT, Tr::kBlockM>(cell.x, span.seqlen_q, [&](int m_block) {
     forward_wgmma_block<T, HEAD_DIM, BLOCK_N, WARPGROUPS, SOFTCAP, LAYOUT, FOLD, DROPOUT, SPARSE>(p, seq, head, span, head_view, m_block, smem_raw);
   });
-  if (!covered && blockIdx.x == 0)
+  if (!covered && cell.x == 0)
     mark_uncovered_rows<T>(head_view.out, p.out_strides[1], head_view.lse, p.head_dim, int(gridDim.x) * Tr::kBlockM, span.seqlen_q);
 }
 

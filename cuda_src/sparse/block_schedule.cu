@@ -23,9 +23,9 @@ __device__ __forceinline__ int cell_weight(const BlockScheduleParams& p, int ent
   const int row = p.reversed ? p.tiles - 1 - x : x;
   const int mask_row = min(int(i64(row) * p.tile_rows / kSparseBlock), p.mask_rows - 1);
   const int head0 = y / p.y_per_head * p.group;
-  int weight = 0;
-  for (int g = 0; g < p.group; ++g) weight += max(p.counts[entry * p.count_strides[0] + (head0 + g) * p.count_strides[1] + mask_row], 0);
-  return min(weight, 0xffff);
+  i64 weight = 0;  // counts clamped: a malformed mask cannot overflow the sum
+  for (int g = 0; g < p.group; ++g) weight += min(max(p.counts[entry * p.count_strides[0] + (head0 + g) * p.count_strides[1] + mask_row], 0), 0xffff);
+  return int(min(weight, i64(0xffff)));
 }
 
 __device__ __forceinline__ int weight_class(int weight, float average) {
@@ -33,6 +33,7 @@ __device__ __forceinline__ int weight_class(int weight, float average) {
   return ratio >= 2.f ? min(ilogbf(ratio), kScheduleClasses - 1) : 0;  // ilogbf: exact floor(log2)
 }
 
+/// \brief Fills the schedule of entry blockIdx.x (BlockScheduleParams::schedule, common/params.cuh).
 template <int THREADS>
 __global__ void __launch_bounds__(THREADS) block_schedule_kernel(const __grid_constant__ BlockScheduleParams p) {
   constexpr int kWarps = THREADS / 32;
@@ -62,6 +63,7 @@ __global__ void __launch_bounds__(THREADS) block_schedule_kernel(const __grid_co
     const int c = class_of(base + lane);
     const unsigned peers = __match_any_sync(0xffffffff, c);
     if (c >= 0 && lane == __ffs(peers) - 1) slots[warp][c] += __popc(peers);
+    __syncwarp();
   }
   __syncthreads();
 
