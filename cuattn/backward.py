@@ -283,7 +283,7 @@ def launch_backward(
         for variant, variant_launches in plan:
             if stage != "all" and _STAGE_OF_KERNEL.get(variant.kernel, "main") != stage:
                 continue
-            if sparse and variant.kernel in GRID_WALKS:
+            if sparse and variant.kernel in GRID_WALKS and variant.ordered:
                 block_mask_.order_launch(ctx, schedules[GRID_WALKS[variant.kernel][0]], variant, variant_launches[0][0], p["attn"])
             for grid, block, batch_offset in variant_launches:
                 if batch_offset is not None:

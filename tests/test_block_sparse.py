@@ -174,6 +174,7 @@ def test_every_block_sparse_tile_kernel_has_a_launch_order():
     kernels = {v.kernel for v in tiled}
     assert kernels and kernels <= set(sparse.GRID_WALKS), kernels - set(sparse.GRID_WALKS)
     assert all(v.block_m >= bm.MIN_TILE_ROWS and bm.BLOCK_SIZE % v.block_m == 0 and v.column_splits <= 2 for v in tiled)
+    assert {v.uri.split("/")[2] + ("/softcap" if "/softcap" in v.uri else "") for v in tiled if not v.ordered} == {"d224/softcap"}
 
 
 def test_a_masked_call_sets_every_block_mask_field():

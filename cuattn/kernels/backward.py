@@ -50,6 +50,9 @@ WGMMA_DROPOUT_PORTABLE = {("backward_dkdv", 128, True, "packed")}
 # backward serves it), and CTAs per SM of those that need more registers.
 WGMMA_SPARSE_PORTABLE = {("backward_dkdv", 128, True), ("backward_wgmma_fused", 128, True)}
 WGMMA_SPARSE_CTAS = {"backward_wgmma_dq": {(64, True): 1}, "backward_wgmma_fused": {(64, True): 2}}
+# (kernel, bucket, softcap) of portable block-sparse forms that keep the grid's own order: the
+# launch order's registers would spill (dkdv_block.cuh kDkdvOrdered).
+DKDV_UNORDERED = {("backward_dkdv", 224, True)}
 
 
 def wgmma_serves(kernel: str, bucket: int, softcap: bool, layout: str, dropout: bool, sparse: bool = False) -> bool:
@@ -168,8 +171,9 @@ def variant(
     traits = f"cuattn::BackwardTraits<{bucket}, {stream}, {splits}, {'true' if stats else 'false'}>"
     tile_args = f"{stream}, {'true' if stats else 'false'}" if kernel == "backward_dkdv" else f"{stream}"
     contract = ((f"{traits}::kSmemBytes", smem_bytes(bucket, stream, stats)), (f"{traits}::kBlockResident", BLOCK), (f"{traits}::kThreads", 128))
+    ordered = (kernel, bucket, softcap) not in DKDV_UNORDERED
     if kernel == "backward_dkdv":
-        contract += ((f"cuattn::kDkdvSplits<{bucket}>", splits),)
+        contract += ((f"cuattn::kDkdvSplits<{bucket}>", splits), (f"cuattn::kDkdvOrdered<{bucket}, {cap}>", int(ordered)))
     return Variant(
         family=FAMILY, kernel=kernel,
         expression=f"cuattn::{kernel}_kernel<{cxx_type(c_type)}, {bucket}, {tile_args}, {cap}, {layout_arg(layout)}{drop}>",
@@ -179,6 +183,7 @@ def variant(
         threads=128,
         block_m=BLOCK,
         column_splits=splits,
+        ordered=ordered,
         contract=contract,
     )
 

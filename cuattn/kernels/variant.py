@@ -21,6 +21,7 @@ class Variant:
     threads: int = 256  # threads per CTA
     block_m: int = 0  # rows per CTA (attention kernels)
     column_splits: int = 1  # CTAs per row block, each with a slice of the head-dim columns
+    ordered: bool = True  # block-sparse forms: the CTAs take their cells from the launch order (cuattn/kernels/sparse.py)
     archs: tuple[str, ...] = ()  # the only targets it compiles for; empty: every target
     # (C++ constant expression of the kernel's source, the value this plan uses for it): each
     # constant both sides own (shared memory, threads, tile rows), compared by a compile-time

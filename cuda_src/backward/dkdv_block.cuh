@@ -21,6 +21,12 @@ namespace cuattn {
 template <int HEAD_DIM>
 constexpr int kDkdvSplits = HEAD_DIM > 128 ? 2 : 1;
 
+// Whether the block-sparse kernel takes its cell from the launch order (grid_cell): not at
+// head_dim 224 with softcap, where the cell's two registers spill (255 in use; its launches
+// are not ordered: cuattn/kernels/backward.py DKDV_UNORDERED).
+template <int HEAD_DIM, bool SOFTCAP>
+constexpr bool kDkdvOrdered = !(HEAD_DIM == 224 && SOFTCAP);
+
 /// \brief dK and dV of key block block_x / splits (query split block_x % splits; grid_x CTAs on
 /// this axis) of one (KV head x column split block_y, sequence) (common/grid.cuh;
 /// common/seq_layout.cuh), BLOCK_Q queries per step. STATS_IN_SMEM stages each step's lse and
