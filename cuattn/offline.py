@@ -33,7 +33,10 @@ class CompileReport:
     static_smem: int = 0
     dynamic_smem: int = 0  # what every launch passes
     smem_limit: int = 0  # the target's opt-in shared memory per block
-    wgmma_serialized: bool = False  # ptxas C7512: too few registers to keep wgmma asynchronous
+    # ptxas made every wgmma wait for the one before: too few registers (C7512), or an
+    # arrive / wait in a branch it cannot prove warpgroup-uniform, or accumulators read while in
+    # flight (C7514, C7518, C7519, ...): every such message says "are serialized".
+    wgmma_serialized: bool = False
     seconds: float = 0.0
     log: str = ""
 
@@ -59,7 +62,7 @@ def _parse(report: CompileReport, log: str) -> None:
         report.registers = int(m.group(1))
     if m := re.search(r"(\d+) bytes smem", log):
         report.static_smem = int(m.group(1))
-    report.wgmma_serialized = "C7512" in log
+    report.wgmma_serialized = "wgmma.mma_async instructions are serialized" in log
 
 
 def compile_variant(variant: Variant, arch: str) -> CompileReport:

@@ -132,9 +132,15 @@ def test_compile_report_flags_errors_and_hot_spills(monkeypatch, tmp_path):
     assert spilly.ok and spilly.spills and spilly.failed, spilly.log
 
 
-def test_compile_report_flags_serialized_wgmma():
-    """ptxas serializes wgmma (C7512) when registers run short: a hot kernel fails the gate."""
-    log = "ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions are serialized\nUsed 168 registers"
+@pytest.mark.parametrize("log", [
+    "ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions are serialized due to insufficient register"
+    " resources for the wgmma pipeline\nUsed 168 registers",
+    "ptxas info    : (C7518) Potential Performance Loss: wgmma.mma_async instructions are serialized due to program dependence on"
+    " compiler-inserted WG.DP in divergent path\nUsed 168 registers",
+])
+def test_compile_report_flags_serialized_wgmma(log):
+    """ptxas serializes wgmma when registers run short (C7512) or a wait or arrive sits in a
+    branch it cannot prove warpgroup-uniform (C7518, C7519): a hot kernel fails the gate."""
     report = offline.CompileReport("test/serial", "sm_90a", hot=True, ok=True)
     offline._parse(report, log)
     assert report.wgmma_serialized and report.failed and report.registers == 168

@@ -126,17 +126,21 @@ __device__ __forceinline__ void wgmma_rows_by_rows(float (&d)[N / 8][4], u32 a_t
   for (int kk = 0; kk < HEAD_DIM / 16; ++kk) wgmma_ss<T, N>(d, k_major_desc(a_tile, a_rows, a_row0, kk), k_major_desc(b_tile, N, 0, kk), kk > 0);
 }
 
-// Issues acc (64 x D) += C B: C (64 x K, fp32 fragments) re-packed to 16 bits as the register
-// A operand, B the K x D tile at b_tile (K rows, head dim contiguous). The packed registers
-// are read asynchronously: commit and wait before they go out of scope.
-// D above 128 runs as products of 128 columns (two column blocks of B each).
-template <typename T, int K, int D>
-__device__ __forceinline__ void wgmma_frag_by_tile(float (&acc)[D / 8][4], const float (&c)[K / 8][4], u32 b_tile) {
-  constexpr int kN = D > 128 ? 128 : D;
-  static_assert(D % kN == 0, "D: 64, 128 or a multiple of 128");
-  u32 a[K / 16][4];
+// C (64 x K, fp32 accumulator fragments) packed to 16 bits as register A operands, one per k16 step.
+template <typename T, int K>
+__device__ __forceinline__ void pack_a_operands(u32 (&a)[K / 16][4], const float (&c)[K / 8][4]) {
 #pragma unroll
   for (int kk = 0; kk < K / 16; ++kk) c_tiles_to_a<T>(c, kk, a[kk]);
+}
+
+// Issues acc (64 x D) += A B: A (64 x K) as packed register operands (pack_a_operands), B the
+// K x D tile at b_tile (K rows, head dim contiguous). The registers of `a` are read
+// asynchronously: keep them (fence_registers) until the wait.
+// D above 128 runs as products of 128 columns (two column blocks of B each).
+template <typename T, int K, int D>
+__device__ __forceinline__ void wgmma_regs_by_tile(float (&acc)[D / 8][4], const u32 (&a)[K / 16][4], u32 b_tile) {
+  constexpr int kN = D > 128 ? 128 : D;
+  static_assert(D % kN == 0, "D: 64, 128 or a multiple of 128");
 #pragma unroll
   for (int kk = 0; kk < K / 16; ++kk)
 #pragma unroll
@@ -144,6 +148,15 @@ __device__ __forceinline__ void wgmma_frag_by_tile(float (&acc)[D / 8][4], const
       float(&acc_part)[kN / 8][4] = *reinterpret_cast<float(*)[kN / 8][4]>(&acc[part * kN / 8]);
       wgmma_rs_mn<T, kN>(acc_part, a[kk], mn_major_desc(b_tile + part * (kN / kSwizzleBlockElems) * K * kSwizzleRowBytes, K, kk));
     }
+}
+
+// Issues acc (64 x D) += C B with C (64 x K, fp32 fragments) packed here; commit and wait
+// before the packed registers go out of scope.
+template <typename T, int K, int D>
+__device__ __forceinline__ void wgmma_frag_by_tile(float (&acc)[D / 8][4], const float (&c)[K / 8][4], u32 b_tile) {
+  u32 a[K / 16][4];
+  pack_a_operands<T, K>(a, c);
+  wgmma_regs_by_tile<T, K, D>(acc, a, b_tile);
 }
 
 }  // namespace cuattn

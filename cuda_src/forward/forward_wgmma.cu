@@ -1,8 +1,15 @@
 // Attention forward for Hopper (sm_90a): the FlashAttention-2 loop of forward.cu with its matmuls
 // on warpgroup tensor cores. Each warpgroup owns 64 query rows; S = Q K^T reads Q and K from
 // 128-byte-swizzled shared memory, O += P V takes P from registers and V from shared memory.
-// K/V blocks stream through a two-stage cp.async ring shared by the CTA; the warpgroups'
-// matmuls and softmax interleave on the SM's tensor cores and ALUs.
+//
+// The loop is software-pipelined inside each warpgroup (FlashAttention-3's intra-warpgroup
+// overlap): at key block j a warpgroup issues S_j = Q K_j^T and then O += P_{j-1} V_{j-1}, waits
+// for S_j only, and runs the softmax of block j while the P V product is still on the tensor
+// cores; O is rescaled for block j's new row maxima once that product has completed. K and V
+// stream through two-slot cp.async rings of their own, one block apart: iteration j loads
+// K_{j+1} and V_j, so V_{j-1} is still resident for the product issued at j. One CTA barrier per
+// block: after it the copies waited for have landed and every warpgroup is done with the slots
+// the new copies overwrite (K_{j-1}: its S product was waited for at j-1; V_{j-2}: its P V too).
 #include "common/block_sparse.cuh"
 #include "common/grid.cuh"
 #include "common/dropout.cuh"
@@ -48,15 +55,16 @@ __device__ __forceinline__ void forward_wgmma_block(const AttnParams& p, int seq
   constexpr bool PAGED = LAYOUT == SeqLayout::kPagedCache;
   i64* s_offsets = reinterpret_cast<i64*>(smem_raw + Tr::kSmemBytes);  // paged: two blocks' key offsets (kPageAheadBytes)
   const CacheRows<true> cache(p, seq);                                 // paged: the block table's row (unused otherwise)
-  const auto load_kv = [&](int n_block, int stage) {
+  // K (kv = 0) or V (kv = 1) of key block n_block into slot `stage` of its ring.
+  const auto load_block = [&](int kv, int n_block, int stage) {  // kv: a constant at every call
+    unsigned char* dst = (kv == 0 ? sK_ring : sV_ring) + stage * Tr::kKVBytes;
     const int n0 = n_block * BLOCK_N;
     if constexpr (PAGED) {
-      const i64* offsets = s_offsets + (n_block & 1) * 2 * BLOCK_N;
-      load_paged_tile<Tr, BLOCK_N, true>(sK_ring + stage * Tr::kKVBytes, head_view.k, offsets, n0, span.seqlen_k, p.head_dim);
-      load_paged_tile<Tr, BLOCK_N, true>(sV_ring + stage * Tr::kKVBytes, head_view.v, offsets + BLOCK_N, n0, span.seqlen_k, p.head_dim);
+      const i64* offsets = s_offsets + (n_block & 1) * 2 * BLOCK_N + kv * BLOCK_N;
+      load_paged_tile<Tr, BLOCK_N, true>(dst, kv == 0 ? head_view.k : head_view.v, offsets, n0, span.seqlen_k, p.head_dim);
     } else {
-      load_tile_sw128<Tr, BLOCK_N>(sK_ring + stage * Tr::kKVBytes, head_view.k, p.k_strides[1], n0, span.seqlen_k, p.head_dim);
-      load_tile_sw128<Tr, BLOCK_N>(sV_ring + stage * Tr::kKVBytes, head_view.v, p.v_strides[1], n0, span.seqlen_k, p.head_dim);
+      load_tile_sw128<Tr, BLOCK_N>(dst, kv == 0 ? head_view.k : head_view.v, kv == 0 ? p.k_strides[1] : p.v_strides[1], n0, span.seqlen_k,
+                                   p.head_dim);
     }
   };
   int page_ahead = 0;  // paged: the page of this thread's key in the block after next
@@ -67,51 +75,80 @@ __device__ __forceinline__ void forward_wgmma_block(const AttnParams& p, int seq
       __syncthreads();
     }
     load_tile_sw128<Tr, Tr::kBlockM>(sQ, head_view.q, p.q_strides[1], m0, span.seqlen_q, p.head_dim);
-    load_kv(tiles.start(), 0);
+    load_block(0, tiles.start(), 0);
     cp_async_commit();
   }
-  // This warpgroup's rows and the keys they see (a warpgroup skips the key blocks none of its
-  // rows see), and this warp's rows (masking is per warp).
-  const int wg_first_row = m0 + wg * 64;
-  const int wg_last_row = min(wg_first_row + 64, span.seqlen_q) - 1;
-  const int wg_first_key = band.first_key(wg_first_row), wg_last_key = band.last_key(wg_last_row);
-  const int warp_first_row = wg_first_row + warp * 16;
+  // This warp's rows (masking is per warp). Every warpgroup computes every key block of the
+  // CTA, masked where its rows see none of it: a product issued or waited for in a branch the
+  // compiler cannot prove warpgroup-uniform makes ptxas serialize every wgmma (C7518 / C7519).
+  const int warp_first_row = m0 + wg * 64 + warp * 16;
   const int warp_last_row = min(warp_first_row + 16, span.seqlen_q) - 1;
   const u32 q_addr = smem_addr(sQ);
 
-  // Key blocks from last to first, so that the partially masked diagonal block comes first
-  // (block-sparse: the kept blocks, common/block_sparse.cuh; paged: consecutive blocks).
-  for (int i = 0, n_block = tiles.start(), stage = 0; tiles.more(i, n_block); n_block = tiles.next(i, n_block), ++i, stage ^= 1) {
-    const int n0 = n_block * BLOCK_N;
+  float s[1][Tr::kNTiles][4];
+  u32 probs[BLOCK_N / 16][4];  // P of the block before, packed: the A operand of its P V product
+  // Waits for K of block i (and V of the block before), then loads K of the next block and V of
+  // this one.
+  const auto next_copies = [&](int i, int n_block) {
     cp_async_wait<0>();
     if constexpr (PAGED) store_key_offsets<BLOCK_N>(s_offsets, p, cache, n_block - 1, page_ahead);  // read after the barrier
     fence_proxy_async();  // this thread's copies, visible to the tensor cores' async proxy
-    __syncthreads();      // K/V[n_block] (and Q) landed; every warpgroup finished with the other stage
-    if (tiles.has_next(i, n_block)) {
-      load_kv(tiles.next(i, n_block), stage ^ 1);
-      cp_async_commit();
-    }
+    __syncthreads();      // K[n_block], V of the block before (and Q) landed; the slots loaded next are free
+    if (tiles.has_next(i, n_block)) load_block(0, tiles.next(i, n_block), (i & 1) ^ 1);
+    load_block(1, n_block, i & 1);
+    cp_async_commit();
     if constexpr (PAGED) page_ahead = page_of_key<BLOCK_N>(cache, n_block - 2, n_first, span.seqlen_k);  // stored next iteration
-    if (wg_last_row < wg_first_row || n0 > wg_last_key || n0 + BLOCK_N <= wg_first_key) continue;
-    const u32 k_addr = smem_addr(sK_ring + stage * Tr::kKVBytes), v_addr = smem_addr(sV_ring + stage * Tr::kKVBytes);
-
-    float s[1][Tr::kNTiles][4];
+  };
+  const auto issue_scores = [&](int i) {
     wgmma_fence();
-    wgmma_rows_by_rows<T, BLOCK_N, HEAD_DIM>(s[0], q_addr, Tr::kBlockM, wg * 64, k_addr);
+    wgmma_rows_by_rows<T, BLOCK_N, HEAD_DIM>(s[0], q_addr, Tr::kBlockM, wg * 64, smem_addr(sK_ring + (i & 1) * Tr::kKVBytes));
     wgmma_commit();
-    wgmma_wait<0>();
+  };
+  // Scores to probabilities (S landed); whether O must be rescaled by alpha once its product is done.
+  const auto probabilities = [&](int n0, float (&alpha)[1][2]) {
     fence_registers(s[0]);
-
     if (SOFTCAP) softcap_scores(s, p);
     if (!band.all_visible(warp_first_row, warp_last_row, n0, n0 + BLOCK_N - 1)) mask_scores(s, band, warp_first_row, n0);
-    online_softmax(s, row_max, row_sum, acc, p.exp2_scale);
+    const bool rescale = softmax_block(s, row_max, row_sum, alpha, p.exp2_scale);
     if constexpr (DROPOUT) DropoutDraws(p, seq, head).drop_rows<Tr::kNTiles, false>(s[0], warp_first_row, n0, lane);
-
+    return rescale;
+  };
+  const auto issue_values = [&](int i) {  // O += P V of block i (P in probs)
     wgmma_fence();
-    wgmma_frag_by_tile<T, BLOCK_N, HEAD_DIM>(acc[0], s[0], v_addr);  // O += P V
+    wgmma_regs_by_tile<T, BLOCK_N, HEAD_DIM>(acc[0], probs, smem_addr(sV_ring + (i & 1) * Tr::kKVBytes));
     wgmma_commit();
+  };
+
+  // Key blocks from last to first, so that the partially masked diagonal block comes first
+  // (block-sparse: the kept blocks, common/block_sparse.cuh; paged: consecutive blocks).
+  int i = 0;
+  if (tiles.any()) {
+    const int n_block = tiles.start();
+    next_copies(0, n_block);
+    issue_scores(0);
+    wgmma_wait<0>();
+    float alpha[1][2];
+    probabilities(n_block * BLOCK_N, alpha);  // O is still zero: nothing to rescale
+    pack_a_operands<T, BLOCK_N>(probs, s[0]);
+    for (int n = tiles.next(0, n_block); tiles.more(++i, n); n = tiles.next(i, n)) {
+      next_copies(i, n);
+      issue_scores(i);
+      issue_values(i - 1);
+      wgmma_wait<1>();  // S only: groups complete in order
+      const bool rescale = probabilities(n * BLOCK_N, alpha);
+      wgmma_wait<0>();
+      fence_registers(acc[0]);
+      fence_registers(probs);
+      if (rescale) rescale_rows(acc, alpha);
+      pack_a_operands<T, BLOCK_N>(probs, s[0]);
+    }
+    cp_async_wait<0>();  // V of the last block
+    fence_proxy_async();
+    __syncthreads();
+    issue_values(i - 1);
     wgmma_wait<0>();
     fence_registers(acc[0]);
+    fence_registers(probs);
   }
 
   // Epilogue: normalize (folding into the accumulator when there is one: forward/accumulate.cuh),
