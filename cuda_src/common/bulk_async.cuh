@@ -1,8 +1,9 @@
 // Hopper (sm_90) bulk asynchronous copies (the TMA unit without a tensor map): a contiguous
 // shared-memory block reduced into global memory by one thread's instruction, and the
-// bulk-group waits that free its source; named barriers for syncing one warpgroup.
+// bulk-group waits that free its source.
 #pragma once
 #include "mma.cuh"
+#include "named_barrier.cuh"
 
 namespace cuattn {
 
@@ -18,10 +19,5 @@ __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.w
 // Waits until at most N of this thread's bulk groups are incomplete (writes included).
 template <int N>
 __device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory"); }
-
-// Barrier `id` (1..15; 0 is __syncthreads) over `threads` threads, a multiple of 32.
-__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
 
 }  // namespace cuattn

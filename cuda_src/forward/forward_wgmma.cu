@@ -10,11 +10,16 @@
 // K_{j+1} and V_j, so V_{j-1} is still resident for the product issued at j. One CTA barrier per
 // block: after it the copies waited for have landed and every warpgroup is done with the slots
 // the new copies overwrite (K_{j-1}: its S product was waited for at j-1; V_{j-2}: its P V too).
+// Then the two warpgroups issue their products in turn (kIssueInTurn: warpgroup 1 waits at a
+// named barrier for warpgroup 0's), so that warpgroup 0's softmax runs while the tensor cores
+// work on warpgroup 1's products rather than both softmaxes at once; the copies of the next
+// blocks are issued last.
 #include "common/block_sparse.cuh"
 #include "common/grid.cuh"
 #include "common/dropout.cuh"
 #include "common/head_view.cuh"
 #include "common/mask.cuh"
+#include "common/named_barrier.cuh"
 #include "common/params.cuh"
 #include "common/seq_layout.cuh"
 #include "common/tile_copy.cuh"
@@ -25,11 +30,22 @@
 
 namespace cuattn {
 
+// Whether the warpgroups issue their products in turn (warpgroup 1 after warpgroup 0, named
+// barrier kBarInTurn). The turn keeps a few more registers live across its barrier; the variants
+// that were already at their register cap would spill with it (ptxas report, the offline gate)
+// and issue together instead: block-sparse, paged caches at head_dim 256, packed sequences with
+// dropout from 128 up.
+template <int HEAD_DIM, SeqLayout LAYOUT, bool DROPOUT, bool SPARSE>
+constexpr bool kIssueInTurn = !SPARSE && !(LAYOUT == SeqLayout::kPagedCache && HEAD_DIM == 256) &&
+                              !(DROPOUT && LAYOUT == SeqLayout::kPacked && HEAD_DIM >= 128);
+constexpr int kBarInTurn = 4;  // 0 is __syncthreads, 1 + wg the epilogue's
+
 /// \brief One block of query rows of one (sequence, head): writes its rows of out and lse.
 template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, bool SOFTCAP, SeqLayout LAYOUT, bool FOLD, bool DROPOUT, bool SPARSE>
 __device__ __forceinline__ void forward_wgmma_block(const AttnParams& p, int seq, int head, const SeqSpan& span, const HeadView<T>& head_view, int m_block,
                                                     unsigned char* smem_raw) {
   using Tr = WgmmaForwardTraits<HEAD_DIM, BLOCK_N, WARPGROUPS>;
+  static_assert(WARPGROUPS == 2, "the turn of the products is between two warpgroups");
   unsigned char* sQ = smem_raw + (kSwizzleAtomBytes - smem_addr(smem_raw) % kSwizzleAtomBytes) % kSwizzleAtomBytes;
   unsigned char* sK_ring = sQ + Tr::kQBytes;  // kStages K tiles, then kStages V tiles
   unsigned char* sV_ring = sK_ring + Tr::kStages * Tr::kKVBytes;
@@ -87,13 +103,15 @@ __device__ __forceinline__ void forward_wgmma_block(const AttnParams& p, int seq
 
   float s[1][Tr::kNTiles][4];
   u32 probs[BLOCK_N / 16][4];  // P of the block before, packed: the A operand of its P V product
-  // Waits for K of block i (and V of the block before), then loads K of the next block and V of
-  // this one.
-  const auto next_copies = [&](int i, int n_block) {
+  // Waits for K of block i (and V of the block before) to land.
+  const auto landed = [&](int n_block) {
     cp_async_wait<0>();
     if constexpr (PAGED) store_key_offsets<BLOCK_N>(s_offsets, p, cache, n_block - 1, page_ahead);  // read after the barrier
     fence_proxy_async();  // this thread's copies, visible to the tensor cores' async proxy
     __syncthreads();      // K[n_block], V of the block before (and Q) landed; the slots loaded next are free
+  };
+  // Loads K of the next block and V of this one (after landed).
+  const auto copy_next = [&](int i, int n_block) {
     if (tiles.has_next(i, n_block)) load_block(0, tiles.next(i, n_block), (i & 1) ^ 1);
     load_block(1, n_block, i & 1);
     cp_async_commit();
@@ -109,7 +127,7 @@ __device__ __forceinline__ void forward_wgmma_block(const AttnParams& p, int seq
     fence_registers(s[0]);
     if (SOFTCAP) softcap_scores(s, p);
     if (!band.all_visible(warp_first_row, warp_last_row, n0, n0 + BLOCK_N - 1)) mask_scores(s, band, warp_first_row, n0);
-    const bool rescale = softmax_block(s, row_max, row_sum, alpha, p.exp2_scale);
+    const bool rescale = softmax_block(s, row_max, row_sum, p.exp2_scale, [&](int, int h, float a) { alpha[0][h] = a; });
     if constexpr (DROPOUT) DropoutDraws(p, seq, head).drop_rows<Tr::kNTiles, false>(s[0], warp_first_row, n0, lane);
     return rescale;
   };
@@ -124,22 +142,32 @@ __device__ __forceinline__ void forward_wgmma_block(const AttnParams& p, int seq
   int i = 0;
   if (tiles.any()) {
     const int n_block = tiles.start();
-    next_copies(0, n_block);
+    landed(n_block);
     issue_scores(0);
+    copy_next(0, n_block);
     wgmma_wait<0>();
     float alpha[1][2];
     probabilities(n_block * BLOCK_N, alpha);  // O is still zero: nothing to rescale
     pack_a_operands<T, BLOCK_N>(probs, s[0]);
     for (int n = tiles.next(0, n_block); tiles.more(++i, n); n = tiles.next(i, n)) {
-      next_copies(i, n);
+      landed(n);
+      // Warpgroup 0's products first, then warpgroup 1's behind them on the tensor cores: its
+      // softmax then overlaps their products instead of both softmaxes running at once.
+      constexpr bool kInTurn = kIssueInTurn<HEAD_DIM, LAYOUT, DROPOUT, SPARSE>;
+      if (kInTurn && wg == 1) named_barrier_sync(kBarInTurn, 256);
       issue_scores(i);
       issue_values(i - 1);
+      if (kInTurn && wg == 0) named_barrier_arrive(kBarInTurn, 256);
+      copy_next(i, n);
       wgmma_wait<1>();  // S only: groups complete in order
       const bool rescale = probabilities(n * BLOCK_N, alpha);
       wgmma_wait<0>();
       fence_registers(acc[0]);
       fence_registers(probs);
-      if (rescale) rescale_rows(acc, alpha);
+      if (rescale) {
+        rescale_row(acc, 0, 0, alpha[0][0]);
+        rescale_row(acc, 0, 1, alpha[0][1]);
+      }
       pack_a_operands<T, BLOCK_N>(probs, s[0]);
     }
     cp_async_wait<0>();  // V of the last block
@@ -194,7 +222,7 @@ __device__ __forceinline__ void forward_wgmma_block(const AttnParams& p, int seq
       if (t == 0 && in_range && head_view.lse != nullptr) head_view.lse[row] = fold.lse;
     }
   }
-  asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");  // this warpgroup's rows staged
+  named_barrier_sync(1 + wg, 128);  // this warpgroup's rows staged
   constexpr int kOutChunks = 64 * Tr::kChunksPerRow;
 #pragma unroll
   for (int i = 0; i < kOutChunks / 128; ++i) {

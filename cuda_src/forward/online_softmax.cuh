@@ -47,13 +47,12 @@ __device__ __forceinline__ void mask_scores(float (&s)[M_TILES][N_TILES][4], con
 // updates the row statistics. Scores stay unscaled; sc = exp2_scale (> 0) folds scale and
 // log2(e). row_max is the shift of the exponents, not always the true running max: it is raised
 // (and row_sum rescaled) only when some row of the warp grew by more than 2^kRescaleSlack, so
-// most key blocks skip the rescale; p <= 2^kRescaleSlack stays exact in fp32. Returns whether
-// the shift moved (warp-uniform); then the output accumulator's rows must be multiplied by
-// alpha (rescale_rows), which a pipelined caller does once the product still adding into it
-// has completed.
-template <int M_TILES, int N_TILES>
+// most key blocks skip the rescale; p <= 2^kRescaleSlack stays exact in fp32. When the shift
+// moves, rescale(mt, h, alpha) is called for each row half: the output accumulator's row must
+// be multiplied by alpha. Returns whether it moved (warp-uniform).
+template <int M_TILES, int N_TILES, typename Rescale>
 __device__ __forceinline__ bool softmax_block(float (&s)[M_TILES][N_TILES][4], float (&row_max)[M_TILES][2],
-                                              float (&row_sum)[M_TILES][2], float (&alpha)[M_TILES][2], float sc) {
+                                              float (&row_sum)[M_TILES][2], float sc, Rescale&& rescale) {
   float block_max[M_TILES][2];
   bool grow = false;
 #pragma unroll
@@ -70,15 +69,16 @@ __device__ __forceinline__ bool softmax_block(float (&s)[M_TILES][N_TILES][4], f
       grow |= mx * sc - row_max[mt][h] * sc > kRescaleSlack;
     }
   }
-  const bool rescale = __any_sync(0xffffffff, grow);
-  if (rescale) {
+  const bool moved = __any_sync(0xffffffff, grow);
+  if (moved) {
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        alpha[mt][h] = row_max[mt][h] == neg_inf() ? 0.f : exp2f(row_max[mt][h] * sc - block_max[mt][h] * sc);
+        const float alpha = row_max[mt][h] == neg_inf() ? 0.f : exp2f(row_max[mt][h] * sc - block_max[mt][h] * sc);
         row_max[mt][h] = block_max[mt][h];
-        row_sum[mt][h] *= alpha[mt][h];
+        row_sum[mt][h] *= alpha;
+        rescale(mt, h, alpha);
       }
     }
   }
@@ -100,29 +100,24 @@ __device__ __forceinline__ bool softmax_block(float (&s)[M_TILES][N_TILES][4], f
       row_sum[mt][h] += sum;
     }
   }
-  return rescale;
+  return moved;
 }
 
-// acc's rows times alpha (row half h of each m-tile).
+// Row half h of m-tile mt of acc, times alpha.
 template <int M_TILES, int D_TILES>
-__device__ __forceinline__ void rescale_rows(float (&acc)[M_TILES][D_TILES][4], const float (&alpha)[M_TILES][2]) {
+__device__ __forceinline__ void rescale_row(float (&acc)[M_TILES][D_TILES][4], int mt, int h, float alpha) {
 #pragma unroll
-  for (int mt = 0; mt < M_TILES; ++mt)
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int dt = 0; dt < D_TILES; ++dt) {
-        acc[mt][dt][2 * h] *= alpha[mt][h];
-        acc[mt][dt][2 * h + 1] *= alpha[mt][h];
-      }
+  for (int dt = 0; dt < D_TILES; ++dt) {
+    acc[mt][dt][2 * h] *= alpha;
+    acc[mt][dt][2 * h + 1] *= alpha;
+  }
 }
 
 // softmax_block with the accumulator rescaled at once.
 template <int M_TILES, int N_TILES, int D_TILES>
 __device__ __forceinline__ void online_softmax(float (&s)[M_TILES][N_TILES][4], float (&row_max)[M_TILES][2],
                                                float (&row_sum)[M_TILES][2], float (&acc)[M_TILES][D_TILES][4], float sc) {
-  float alpha[M_TILES][2];
-  if (softmax_block(s, row_max, row_sum, alpha, sc)) rescale_rows(acc, alpha);
+  softmax_block(s, row_max, row_sum, sc, [&](int mt, int h, float alpha) { rescale_row(acc, mt, h, alpha); });
 }
 
 // The softmax denominator of row half h of an m-tile, summed over its quad, with the head's
