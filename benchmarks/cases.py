@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 MODES = ("fwd", "bwd", "fwdbwd", "decode")
+# Head-dim buckets between the Hopper tiles (64, 128, 256), forward and backward rows.
+MIDDLE_HEAD_DIMS = (96, 160, 192, 224)
 _MODE_FLOPS = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5, "decode": 1.0}
 
 
@@ -49,6 +51,7 @@ class Case:
 def default_grid(quick: bool = False) -> list[Case]:
     """Training modes: head_dim 64 / 128 / 256, seqlen 512, 1k, 4k, 16k, 32k at 16k tokens per batch
     (heads = 2048 / head_dim), causal or not, bf16; GQA (16 query heads on 2) and fp16 rows;
+    forward and backward at the middle head dims 96 / 160 / 192 / 224 (seqlen 1k and 16k);
     decode: one query per sequence against a KV cache of 512 .. 32k (batch 16, 32 heads on 8).
     ``quick``: head_dim 128, seqlen 4k."""
     head_dims = (128,) if quick else (64, 128, 256)
@@ -64,6 +67,10 @@ def default_grid(quick: bool = False) -> list[Case]:
             for s in (1024, 4096, 16384):
                 cases.append(Case(mode, 16384 // s, s, s, 16, 2, 128, True))
                 cases.append(Case(mode, 16384 // s, s, s, 16, 16, 128, False, "float16"))
+            for d in MIDDLE_HEAD_DIMS:
+                for s in (1024, 16384):
+                    for causal in (False, True):
+                        cases.append(Case(mode, 16384 // s, s, s, 2048 // d, 2048 // d, d, causal))
     for s in ((4096,) if quick else seqlens):
         cases.append(Case("decode", 16, 1, s, 32, 8, 128, False))
     return cases

@@ -23,7 +23,7 @@ def test_flop_convention():
 def test_default_grid_covers_the_issue():
     grid = cases.default_grid()
     training = [c for c in grid if c.mode != "decode"]
-    assert {c.head_dim for c in training} == {64, 128, 256}
+    assert {c.head_dim for c in training} == {64, 128, 256, *cases.MIDDLE_HEAD_DIMS}
     assert {c.seqlen_k for c in training} >= {512, 1024, 4096, 16384, 32768}
     assert {c.mode for c in grid} == set(cases.MODES)
     assert any(c.heads_q != c.heads_kv for c in training) and any(c.dtype == "float16" for c in grid)

@@ -155,7 +155,10 @@ def test_forward_kernel_selection():
     assert select("f16", 64, True, "sm_90a").uri.endswith("/softcap")
     assert select("bf16", 128, False, "sm_90a", allow_wgmma=False).kernel == "forward"
     assert select("bf16", 128, False, "sm_80").kernel == "forward"
-    assert select("bf16", 96, False, "sm_90a").kernel == "forward"  # no Hopper kernel for that bucket
+    assert select("bf16", 32, False, "sm_90a").kernel == "forward"  # the portable kernel is faster there
+    for bucket, tile in forward.WGMMA_WIDER.items():  # the next wider Hopper tile, its columns zero-padded
+        assert select("bf16", bucket, False, "sm_90a") == forward.wgmma_variant("bf16", tile, False)
+        assert select("bf16", bucket, False, "sm_80").kernel == "forward"
     assert select("float", 128, False, "sm_90a").kernel == "forward_fp32"
     assert forward.wgmma_variant("bf16", 128, False).builds_for("sm_90a")
     assert not forward.wgmma_variant("bf16", 128, False).builds_for("sm_80")

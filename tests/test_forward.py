@@ -59,7 +59,7 @@ def test_attention_matches_reference(batch, sq, sk, heads, d, dtype, causal, win
     sq=st.sampled_from([1, 17, 64, 113, 129, 300]),
     sk=st.sampled_from([1, 17, 113, 128, 256, 333]),
     heads=st.sampled_from([(1, 1), (4, 1), (6, 2)]),
-    d=st.sampled_from([40, 64, 104, 128, 232, 256]),
+    d=st.sampled_from([40, 64, 96, 104, 128, 152, 184, 224, 232, 256]),
     dtype=st.sampled_from(["float16", "bfloat16"]),
     causal=st.booleans(),
     window=st.sampled_from([None, None, (16, 0), (40, 8), (None, 5), (0, 0), (2**31 - 1, None), (None, 2**31 - 1)]),
@@ -77,7 +77,7 @@ def test_hopper_devices_run_the_wgmma_kernel():
     from cuattn.kernels import forward
 
     arch = loader.device_arch()
-    for bucket in (64, 128, 256):
+    for bucket in (64, 96, 128, 160, 192, 224, 256):
         picked = forward.select("bf16", bucket, False, arch, loader.wgmma_enabled())
         assert (picked.kernel == "forward_wgmma") == (arch == "sm_90a")
     with kernel_path("portable"):
@@ -86,7 +86,7 @@ def test_hopper_devices_run_the_wgmma_kernel():
 
 @pytest.mark.parametrize("path", KERNEL_PATHS)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("d", [64, 128, 192, 256])
 @pytest.mark.parametrize("causal", [False, True])
 def test_long_awkward_sequences(dtype, d, causal, path):
     _run(np.random.default_rng(), 1, 1023, 1023, 2, 1, d, dtype, causal=causal, path=path)

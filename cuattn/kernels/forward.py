@@ -32,6 +32,11 @@ FP32_ROWS_PER_WARP, FP32_WARPS = 4, 4  # forward_fp32.cu: kF32RowsPerWarp, kF32W
 # Hopper tiles per head-dim bucket: (BLOCK_N, WARPGROUPS, CTAS_PER_SM); every warpgroup owns 64
 # query rows (scripts/tune_wgmma.py).
 WGMMA_TILES = {64: (64, 2, 2), 128: (128, 2, 1), 256: (64, 2, 1)}
+# Buckets without a Hopper tile of their own that run the next wider one: the columns past
+# head_dim are zero-filled in shared memory and never stored, so the padded products are
+# wasted work, and still 1.2-2x the portable kernel (NOTES, "Hopper forward"; at 32 the
+# portable kernel is faster).
+WGMMA_WIDER = {96: 128, 160: 256, 192: 256, 224: 256}
 # (bucket, softcap) whose dropout form needs more registers than its CTAs per SM leave: CTAs per SM.
 WGMMA_DROPOUT_CTAS = {(64, True): 1}
 
@@ -130,12 +135,13 @@ def select(
     c_type: str, bucket: int, softcap: bool, arch: str, allow_wgmma: bool = True, layout: str = "dense", fold: bool = False,
     dropout: bool = False, sparse: bool = False,
 ) -> Variant:
-    """The forward kernel for a problem on a target: the Hopper kernel where one exists for it,
-    else the portable one; ``fold``: the form that folds into an fp32 accumulator; ``dropout``:
-    the form with dropout (common/dropout.cuh); ``sparse``: the block-sparse form
-    (common/block_sparse.cuh)."""
-    if allow_wgmma and arch == WGMMA_ARCH and c_type != "float" and bucket in WGMMA_TILES:
-        return wgmma_variant(c_type, bucket, softcap, layout, fold, dropout, sparse)
+    """The forward kernel for a problem on a target: the Hopper kernel where one exists for its
+    bucket (or for the next wider one, WGMMA_WIDER), else the portable one; ``fold``: the form
+    that folds into an fp32 accumulator; ``dropout``: the form with dropout
+    (common/dropout.cuh); ``sparse``: the block-sparse form (common/block_sparse.cuh)."""
+    tile = WGMMA_WIDER.get(bucket, bucket)
+    if allow_wgmma and arch == WGMMA_ARCH and c_type != "float" and tile in WGMMA_TILES:
+        return wgmma_variant(c_type, tile, softcap, layout, fold, dropout, sparse)
     return variant(c_type, bucket, softcap, layout, fold and c_type != "float", dropout, sparse)
 
 
