@@ -5,6 +5,8 @@
 
 ``small``: only the one-launch backward of small calls (backward_small.cu); without it the
 backward kernels of larger calls serve the small cases too (CUATTN_SMALL_BACKWARD=0).
+``forward``: only the forward, over several key blocks at every Hopper tile (the padded
+buckets included), so that its K/V rings and named barriers turn over.
 """
 
 import os
@@ -18,6 +20,7 @@ from cuattn.dtypes import BFLOAT16
 
 rng = np.random.default_rng(0)
 SMALL_ONLY = sys.argv[1:] == ["small"]
+FORWARD_ONLY = sys.argv[1:] == ["forward"]
 os.environ["CUATTN_SMALL_BACKWARD"] = "1" if SMALL_ONLY else "0"
 
 
@@ -34,8 +37,14 @@ for dtype in (np.float16, BFLOAT16) if SMALL_ONLY else ():
             out, lse = cuattn.attention(q, k, v, return_lse=True, **kw)
             cuattn.attention_backward(do, q, k, v, out, lse, dlse=lse, **kw)
 
+for dtype in (np.float16, BFLOAT16) if FORWARD_ONLY else ():
+    for d in (64, 96, 128, 200, 256):
+        q, k, v = arr((1, 200, 4, d), dtype), arr((1, 333, 2, d), dtype), arr((1, 333, 2, d), dtype)
+        for kw in ({}, {"causal": True}, {"causal": True, "window": (100, None), "softcap": 10.0}):
+            cuattn.attention(q, k, v, return_lse=True, **kw)
+
 # The 16-bit cases run twice on Hopper: the wgmma kernels (default), then the portable ones.
-cases = () if SMALL_ONLY else ((np.float16, "1"), (BFLOAT16, "1"), (np.float16, "0"), (BFLOAT16, "0"), (np.float32, "1"))
+cases = () if SMALL_ONLY or FORWARD_ONLY else ((np.float16, "1"), (BFLOAT16, "1"), (np.float16, "0"), (BFLOAT16, "0"), (np.float32, "1"))
 for dtype, wgmma in cases:
     os.environ["CUATTN_WGMMA"] = wgmma
     for d in (40, 128, 200, 240):
