@@ -45,7 +45,7 @@ def attention_backward(
     deterministic : bool. ``True`` gives bit-identical gradients across runs: dK and dV are
         summed over a GQA group in registers and dQ is computed by its own kernel, with no
         atomics. ``False`` (default) may sum dQ with fp32 atomics in one pass over the scores
-        (on Hopper, float16 / bfloat16, head_dim 33-64 and 97-128: one fp32 value per element
+        (on Hopper, float16 / bfloat16, head_dim 33-128: one fp32 value per element
         of ``q`` of extra memory), so its last bits can differ between runs; elsewhere it is
         the deterministic path.
 
@@ -236,12 +236,13 @@ def plan_backward(
     )
     fused = use_accum and backward.select_fused(c_type, bucket, softcap, ctx.arch(), layout=layout, sparse=sparse) is not None
     if use_accum and g.rows * g.heads_q:
-        shape, tile_strides = g.dq_accumulator(bucket)
+        columns = backward.hopper_bucket(bucket)  # the fused kernel's tile
+        shape, tile_strides = g.dq_accumulator(columns)
         accum = ctx.empty(shape, np.float32)
         if keep is not None:
             keep.append(accum)
         if fused:
-            p["dq_accum"], p["dq_accum_tile_strides"], p["dq_accum_cols"] = accum.ptr, tile_strides, bucket
+            p["dq_accum"], p["dq_accum_tile_strides"], p["dq_accum_cols"] = accum.ptr, tile_strides, columns
     return fused
 
 

@@ -6,7 +6,8 @@
 ``small``: only the one-launch backward of small calls (backward_small.cu); without it the
 backward kernels of larger calls serve the small cases too (CUATTN_SMALL_BACKWARD=0).
 ``forward``: only the forward, over several key blocks at every Hopper tile (the padded
-buckets included), so that its K/V rings and named barriers turn over.
+buckets included) and over contiguous and paged caches, so that its K/V rings, key-offset
+buffers and named barriers turn over.
 """
 
 import os
@@ -42,6 +43,12 @@ for dtype in (np.float16, BFLOAT16) if FORWARD_ONLY else ():
         q, k, v = arr((1, 200, 4, d), dtype), arr((1, 333, 2, d), dtype), arr((1, 333, 2, d), dtype)
         for kw in ({}, {"causal": True}, {"causal": True, "window": (100, None), "softcap": 10.0}):
             cuattn.attention(q, k, v, return_lse=True, **kw)
+        # Chunked prefill (the forward kernel over a cache): contiguous, then pages of 16 in a
+        # shuffled block table, where each key block's offsets come from shared memory.
+        q, lengths = arr((1, 128, 4, d), dtype), cupy.asarray([700], dtype=np.int32)
+        cuattn.attention_with_kvcache(q, arr((1, 704, 2, d), dtype), arr((1, 704, 2, d), dtype), cache_seqlens=lengths)
+        table = cupy.asarray(rng.permutation(48)[:44][None].astype(np.int32))
+        cuattn.attention_with_kvcache(q, arr((48, 16, 2, d), dtype), arr((48, 16, 2, d), dtype), cache_seqlens=lengths, block_table=table)
 
 # The 16-bit cases run twice on Hopper: the wgmma kernels (default), then the portable ones.
 cases = () if SMALL_ONLY or FORWARD_ONLY else ((np.float16, "1"), (BFLOAT16, "1"), (np.float16, "0"), (BFLOAT16, "0"), (np.float32, "1"))

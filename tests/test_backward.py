@@ -98,7 +98,7 @@ def test_backward_matches_reference(**drawn):
     sq=st.sampled_from([1, 17, 64, 113, 129, 300]),
     sk=st.sampled_from([1, 17, 113, 128, 256, 333]),
     heads=st.sampled_from([(1, 1), (4, 1), (6, 2)]),
-    d=st.sampled_from([40, 64, 104, 128]),
+    d=st.sampled_from([40, 64, 72, 96, 104, 128]),
     dtype=st.sampled_from(["float16", "bfloat16"]),
     **{**_OPTIONS, "path": st.sampled_from(["default", "deterministic"])},
 )

@@ -170,12 +170,19 @@ def test_backward_kernel_selection():
     assert fused("f16", 64, True, "sm_90a").uri.endswith("/softcap")
     assert fused("bf16", 128, False, "sm_90a", allow_wgmma=False) is None
     assert fused("bf16", 128, False, "sm_80") is None
-    assert fused("bf16", 96, False, "sm_90a") is None
+    assert fused("bf16", 160, False, "sm_90a") is None
     assert fused("float", 64, False, "sm_90a") is None
     select = backward.select
     assert select("backward_dq", "bf16", 128, False, "sm_90a").kernel == "backward_wgmma_dq"
     assert select("backward_dkdv", "bf16", 64, False, "sm_80").kernel == "backward_dkdv"
     assert not backward.fused_variant("bf16", 64, False).builds_for("sm_80")
+    # Bucket 96 runs the 128 tile on Hopper (zero-padded columns), its dQ accumulator 128 wide.
+    assert fused("bf16", 96, False, "sm_90a") == backward.fused_variant("bf16", 128, False)
+    for kernel in ("backward_dq", "backward_dkdv"):
+        assert select(kernel, "bf16", 96, False, "sm_90a") == backward.wgmma_variant(kernel, "bf16", 128, False)
+        assert select(kernel, "bf16", 96, False, "sm_80").kernel == kernel
+    grid = backward.BackwardGrid("dense", 1, 100, 100, 2, 2, 96, 100, 100)
+    assert grid.dq_accumulator(backward.hopper_bucket(96))[0][-1] == 128
 
 
 def test_small_backward_selection_and_grid():

@@ -98,7 +98,9 @@ PREFILL_CASES = [  # 64+ new tokens: the tiled forward kernel over the cache lay
     ([700, 0, 1500], 300, 8, 2, 128, "bfloat16", 16),
     ([513, 64], 64, 4, 4, 64, "float16", 1),
     ([1023, 200], 200, 8, 1, 256, "bfloat16", 256),
-    ([400, 131], 130, 6, 3, 96, "float16", 48),  # the portable kernel (no Hopper tile at 96), pages of 48
+    ([400, 131], 130, 6, 3, 96, "float16", 48),  # on Hopper the 128 tile, columns zero-padded; pages of 48
+    ([900, 333], 200, 4, 2, 256, "bfloat16", 16),  # many 64-key blocks of pages of 16
+    ([700, 65], 128, 4, 1, 192, "float16", 16),  # the 256 tile, padded, over pages of 16
     ([300, 90], 80, 2, 1, 40, "bfloat16", 7),  # head_dim below its bucket, a page size that divides nothing
     ([257, 1029], 129, 4, 2, 160, "float16", None),
 ]

@@ -37,6 +37,9 @@ WGMMA_TILES = {
     "backward_dkdv": {64: (64, 1, 2), 128: (64, 1, 2)},
 }
 WGMMA_FUSED_TILES = {64: (64, 1, 3), 128: (64, 2, 1)}
+# Buckets without a Hopper tile of their own that run the next wider one, as the forward's
+# (forward.WGMMA_WIDER): columns past head_dim zero-filled by the copies, never stored.
+WGMMA_WIDER = {96: 128}
 # Kernel and (bucket, softcap) whose dropout form needs more registers than its CTAs per SM
 # leave (spills): CTAs per SM.
 WGMMA_DROPOUT_CTAS = {
@@ -287,13 +290,20 @@ def fused_variant(c_type: str, bucket: int, softcap: bool, layout: str = "dense"
     return dataclasses.replace(v, contract=v.contract + (("cuattn::kDqTileRows", DQ_TILE_ROWS),))
 
 
+def hopper_bucket(bucket: int) -> int:
+    """The head-dim tile of the Hopper kernels that serve ``bucket`` (WGMMA_WIDER)."""
+    return WGMMA_WIDER.get(bucket, bucket)
+
+
 def select_fused(
     c_type: str, bucket: int, softcap: bool, arch: str, allow_wgmma: bool = True, layout: str = "dense", dropout: bool = False,
     sparse: bool = False,
 ) -> Variant | None:
-    """The one-pass backward (dQ by atomics) where it serves the problem on the target, else None."""
-    if allow_wgmma and arch == WGMMA_ARCH and c_type != "float" and fused_serves(bucket, softcap, sparse):
-        return fused_variant(c_type, bucket, softcap, layout, dropout, sparse)
+    """The one-pass backward (dQ by atomics) where it serves the problem on the target, else
+    None. Its dQ accumulator has hopper_bucket(bucket) columns."""
+    tile = hopper_bucket(bucket)
+    if allow_wgmma and arch == WGMMA_ARCH and c_type != "float" and fused_serves(tile, softcap, sparse):
+        return fused_variant(c_type, tile, softcap, layout, dropout, sparse)
     return None
 
 
@@ -305,10 +315,12 @@ def select(
     kernel: str, c_type: str, bucket: int, softcap: bool, arch: str, allow_wgmma: bool = True, smem_limit: int | None = None,
     layout: str = "dense", dropout: bool = False, sparse: bool = False,
 ) -> Variant:
-    """backward_dq or backward_dkdv for a problem on a target: the Hopper twin where one exists,
-    else the portable kernel tiled for ``smem_limit`` (default: the target's)."""
-    if allow_wgmma and arch == WGMMA_ARCH and c_type != "float" and wgmma_serves(kernel, bucket, softcap, layout, dropout, sparse):
-        return wgmma_variant(kernel, c_type, bucket, softcap, layout, dropout, sparse)
+    """backward_dq or backward_dkdv for a problem on a target: the Hopper twin where one exists
+    (for hopper_bucket(bucket)), else the portable kernel tiled for ``smem_limit`` (default: the
+    target's)."""
+    tile = hopper_bucket(bucket)
+    if allow_wgmma and arch == WGMMA_ARCH and c_type != "float" and wgmma_serves(kernel, tile, softcap, layout, dropout, sparse):
+        return wgmma_variant(kernel, c_type, tile, softcap, layout, dropout, sparse)
     return variant(kernel, c_type, bucket, softcap, arch_smem_limit(arch) if smem_limit is None else smem_limit, layout, dropout, sparse)
 
 

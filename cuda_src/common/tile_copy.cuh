@@ -74,7 +74,9 @@ __device__ __forceinline__ void load_tile_sw128(unsigned char* smem, const T* gm
 // computed (page_of_key), and at the next iteration, before the barrier that precedes the
 // copies, stores the key's element offsets in K and V into shared memory (store_key_offsets):
 // two blocks' offsets, by block parity. The copies then neither wait on the table nor compute
-// an address per chunk.
+// an address per chunk. Each half must be rewritten only after a barrier that follows every
+// copy reading it: a kernel that copies K and V of a block in different iterations
+// (forward_wgmma.cu) stores each one's offsets just before the barrier of its own copies.
 template <int BLOCK_N>
 constexpr int kPageAheadBytes = 2 * 2 * BLOCK_N * 8;  // two blocks, K and V, 64-bit offsets
 
@@ -84,14 +86,15 @@ __device__ __forceinline__ int page_of_key(const CacheRows<true>& cache, int n_b
   return threadIdx.x < BLOCK_N && n_block >= n_first && j < row_end ? cache.row_of(j) : 0;
 }
 
-// Offsets of block n_block's keys: s_offsets[(n_block & 1) * 2 * BLOCK_N + key] in K, + BLOCK_N in V.
-template <int BLOCK_N>
+// Offsets of block n_block's keys: s_offsets[(n_block & 1) * 2 * BLOCK_N + key] in K, + BLOCK_N in
+// V. KV: which of them to store, K (0), V (1) or both (2).
+template <int BLOCK_N, int KV = 2>
 __device__ __forceinline__ void store_key_offsets(i64* s_offsets, const AttnParams& p, const CacheRows<true>& cache, int n_block, int page) {
   if (threadIdx.x >= BLOCK_N) return;
   const i64 pos = cache.pos_of(max(n_block, 0) * BLOCK_N + int(threadIdx.x));
   i64* offsets = s_offsets + (n_block & 1) * 2 * BLOCK_N + threadIdx.x;
-  offsets[0] = page * p.k_strides[0] + pos * p.k_strides[1];
-  offsets[BLOCK_N] = page * p.v_strides[0] + pos * p.v_strides[1];
+  if (KV != 1) offsets[0] = page * p.k_strides[0] + pos * p.k_strides[1];
+  if (KV != 0) offsets[BLOCK_N] = page * p.v_strides[0] + pos * p.v_strides[1];
 }
 
 // Key rows [row0, row0 + ROWS) of one KV head of a paged cache (gmem: the head in page 0): row

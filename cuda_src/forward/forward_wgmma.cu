@@ -10,6 +10,8 @@
 // K_{j+1} and V_j, so V_{j-1} is still resident for the product issued at j. One CTA barrier per
 // block: after it the copies waited for have landed and every warpgroup is done with the slots
 // the new copies overwrite (K_{j-1}: its S product was waited for at j-1; V_{j-2}: its P V too).
+// A paged cache's key offsets (common/tile_copy.cuh) follow the same rule: before the barrier
+// of iteration j, the K offsets of block j+1 and the V offsets of block j.
 // Then the two warpgroups issue their products in turn (kIssueInTurn: warpgroup 1 waits at a
 // named barrier for warpgroup 0's), so that warpgroup 0's softmax runs while the tensor cores
 // work on warpgroup 1's products rather than both softmaxes at once; the copies of the next
@@ -83,10 +85,13 @@ __device__ __forceinline__ void forward_wgmma_block(const AttnParams& p, int seq
                                    p.head_dim);
     }
   };
-  int page_ahead = 0;  // paged: the page of this thread's key in the block after next
+  // Paged: the page of this thread's key in the block after next (its K offsets are stored at
+  // the next iteration) and in the next block (its V offsets, likewise).
+  int page_ahead = 0, page_next = 0;
   if (tiles.any()) {
     if constexpr (PAGED) {
-      store_key_offsets<BLOCK_N>(s_offsets, p, cache, n_last, page_of_key<BLOCK_N>(cache, n_last, n_first, span.seqlen_k));
+      page_next = page_of_key<BLOCK_N>(cache, n_last, n_first, span.seqlen_k);
+      store_key_offsets<BLOCK_N>(s_offsets, p, cache, n_last, page_next);
       page_ahead = page_of_key<BLOCK_N>(cache, n_last - 1, n_first, span.seqlen_k);
       __syncthreads();
     }
@@ -106,7 +111,11 @@ __device__ __forceinline__ void forward_wgmma_block(const AttnParams& p, int seq
   // Waits for K of block i (and V of the block before) to land.
   const auto landed = [&](int n_block) {
     cp_async_wait<0>();
-    if constexpr (PAGED) store_key_offsets<BLOCK_N>(s_offsets, p, cache, n_block - 1, page_ahead);  // read after the barrier
+    if constexpr (PAGED) {  // read after the barrier: K of the next block, V of this one
+      store_key_offsets<BLOCK_N, 0>(s_offsets, p, cache, n_block - 1, page_ahead);
+      store_key_offsets<BLOCK_N, 1>(s_offsets, p, cache, n_block, page_next);
+      page_next = page_ahead;
+    }
     fence_proxy_async();  // this thread's copies, visible to the tensor cores' async proxy
     __syncthreads();      // K[n_block], V of the block before (and Q) landed; the slots loaded next are free
   };
