@@ -180,7 +180,15 @@ class CallContext:
         self.stream``)."""
         from cuattn.loader import load_kernel
 
-        load_kernel(variant)(grid, block, (p,), shared_mem=variant.dynamic_smem)
+        kernel = load_kernel(variant)
+        if variant.dependent:
+            from cuattn import launch
+
+            grid, block = (tuple(grid) + (1, 1))[:3], (tuple(block) + (1, 1))[:3]
+            if launch.supported(self.device_id) and launch.launch_dependent(
+                    kernel.kernel, grid, block, variant.dynamic_smem, self.stream.ptr, p.tobytes()):
+                return
+        kernel(grid, block, (p,), shared_mem=variant.dynamic_smem)
 
     def zero(self, *arrays: DeviceArray) -> None:
         """Fills arrays this call allocated (contiguous) with zeros, on the call's stream."""

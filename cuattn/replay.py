@@ -87,6 +87,7 @@ class _Launch:
     block: tuple  # (x, y, z)
     shared_mem: int
     buffer: _Buffer
+    dependent: Any = None  # cuattn.launch.DependentLaunch where the variant is a programmatic dependent
     kernel_params: Any = None  # void*[1] -> buffer.data, as cuLaunchKernel takes it
 
     def __post_init__(self):
@@ -97,6 +98,8 @@ class _Launch:
         self.params_address = ctypes.addressof(self.kernel_params)
 
     def __call__(self, stream: int) -> None:
+        if self.dependent is not None and self.dependent(stream, self.params_address):
+            return
         try:
             _launch_kernel(*self.args, stream, self.params_address, 0)
         except _DriverError:
@@ -234,7 +237,7 @@ class _Recorder(boundary.CallContext):
 
         function = load_kernel(variant).kernel  # compiled and loaded for the current device
         grid, block = (tuple(grid) + (1, 1))[:3], (tuple(block) + (1, 1))[:3]
-        self.launches.append((function, grid, block, int(variant.dynamic_smem), p.tobytes()))
+        self.launches.append((function, grid, block, int(variant.dynamic_smem), p.tobytes(), variant.dependent))
 
     def result_index(self, x) -> int:
         if isinstance(x, boundary.DeviceArray) and id(x) in self.allocated:
@@ -269,6 +272,8 @@ def record(call, sources: list, framework: str, device_id: int, wrap, decisions=
 
     from cupy.cuda.function import CPointer
 
+    from cuattn import launch
+
     _driver_launch()
     # Renumber the allocations: returned ones first (in allocation order), then scratch.
     n_in = a.n_inputs
@@ -291,7 +296,10 @@ def record(call, sources: list, framework: str, device_id: int, wrap, decisions=
         if (template, slots) not in buffers:
             data = ctypes.create_string_buffer(template, len(template))
             buffers[template, slots] = _Buffer(data, slots, CPointer(ctypes.addressof(data)))
-        launches.append(_Launch(*la[:4], buffers[template, slots]))
+        dependent = None
+        if la[5] and launch.enabled() and launch.supported(device_id):
+            dependent = launch.DependentLaunch(*la[:4])
+        launches.append(_Launch(*la[:4], buffers[template, slots], dependent))
     spec = results[0]
     spec = tuple(renumber[i] for i in spec) if isinstance(spec, tuple) else renumber[spec]
     if spec == tuple(range(n_in, n_in + len(outputs))):

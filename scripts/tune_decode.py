@@ -3,12 +3,15 @@ PAGED_STAGES / WIDE_STAGES, MIN_BLOCKS_PER_SPLIT) on rows of the decode benchmar
 32:8, head_dim 128, L2-cold as `python -m benchmarks decode` times them: GB/s of K/V read for a
 contiguous cache and pages of 16 and 1, SDPA's cuDNN backend beside.
 
-    PYTHONPATH=. python scripts/tune_decode.py --stages 3,4 --min-blocks 1,2
+    PYTHONPATH=. python scripts/tune_decode.py --stages 3,4 --min-blocks 1,2 --pdl 0,1
+
+``--pdl`` sets CUATTN_PDL (the merge of the splits as a programmatic dependent launch, Hopper).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import sys
 
@@ -30,13 +33,15 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--stages", default="")
     parser.add_argument("--min-blocks", default=str(plan.MIN_BLOCKS_PER_SPLIT))
+    parser.add_argument("--pdl", default="1")
     parser.add_argument("--rows", default="1x1024,1x32768,4x8192,16x1024,16x131072,64x1024")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     rows = [tuple(map(int, r.split("x"))) for r in args.rows.split(",")]
-    configs = [(s, m) for s in (args.stages.split(",") if args.stages else [""]) for m in map(int, args.min_blocks.split(","))]
+    configs = [(s, m, pdl) for s in (args.stages.split(",") if args.stages else [""]) for m in map(int, args.min_blocks.split(","))
+               for pdl in args.pdl.split(",")]
     tables = {k: dict(getattr(plan, k)) for k in ("STAGES", "PAGED_STAGES", "WIDE_STAGES")}
-    print(f"{'row':>10} {'cudnn':>6}  " + "  ".join(f"{'stages %s minblk %d' % (s or '-', m):>20}" for s, m in configs)
+    print(f"{'row':>10} {'cudnn':>6}  " + "  ".join(f"{'st %s mb %d pdl %s' % (s or '-', m, pdl):>20}" for s, m, pdl in configs)
           + "   (contiguous/page16/page1 GB/s)")
     for batch, seqlen in rows:
         nbytes = 2 * batch * seqlen * HEADS_KV * HEAD_DIM * 2
@@ -52,7 +57,8 @@ def main() -> None:
                 return sdpa(*views[i], enable_gqa=True)
 
         cells, reference = [], None
-        for stages, min_blocks in configs:
+        for stages, min_blocks, pdl in configs:
+            os.environ["CUATTN_PDL"] = pdl
             plan.MIN_BLOCKS_PER_SPLIT = min_blocks
             for k, table in tables.items():
                 getattr(plan, k).update(table)

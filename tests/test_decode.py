@@ -466,3 +466,33 @@ def test_torch_compile_read_only_step_declares_no_write(paged):
     targets = [str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"]
     assert any("attention_with_kvcache_readonly" in t for t in targets), targets
     assert not any("copy_" in t or t.endswith("attention_with_kvcache.default") for t in targets), targets
+
+
+@gpu
+def test_merge_of_the_splits_as_a_dependent_launch_matches_the_ordinary_launch(monkeypatch):
+    """On Hopper the merge of the splits starts under the decode grid's tail (programmatic
+    dependent launch) and waits for it on the device: the same bits as an ordinary launch, on
+    the full path (first call) and on the replayed plan."""
+    import cupy
+
+    from cuattn import launch, replay
+
+    rng = np.random.default_rng(21)
+    k, v, table = _cache(rng, [3000, 1, 700], 2, 128, "bfloat16", 16)
+    q = randn(rng, (3, 1, 8, 128), "bfloat16")
+    args = [cupy.asarray(x) for x in (q, k, v)]
+    kw = {"cache_seqlens": cupy.asarray(np.array([3000, 1, 700], np.int32)), "block_table": cupy.asarray(table), "num_splits": 7}
+    results = []
+    for pdl in ("0", "1"):
+        monkeypatch.setenv("CUATTN_PDL", pdl)
+        for fast_path in (False, True):
+            monkeypatch.setattr(replay, "enabled", fast_path)
+            replay.clear()
+            results += [cuattn.attention_with_kvcache(*args, **kw, return_lse=True) for _ in range(2)]
+    first_out, first_lse = (x.get() for x in results[0])
+    for out, lse in results[1:]:
+        np.testing.assert_array_equal(out.get().view(np.uint16), first_out.view(np.uint16))
+        np.testing.assert_array_equal(lse.get(), first_lse)
+    if launch.supported(cupy.cuda.Device().id):
+        plan = next(p for p in replay._plans.values() if p is not None and len(p.launches) == 2)
+        assert plan.launches[0].dependent is None and plan.launches[1].dependent is not None

@@ -31,7 +31,7 @@ SM_SMEM = 228 * 1024  # shared memory per SM that resident CTAs share (1 KB of i
 
 
 def smem_bytes_for(bucket: int, ring: int) -> int:
-    row = bucket + 8
+    row = bucket if bucket % 64 == 0 else bucket + 8  # DecodeTraits: swizzled rows of whole 128-byte lines, else padded
     return (ROWS * row + 2 * ring * BLOCK_N * row) * 2 + 2 * BLOCK_N * 4  # + the page numbers of two blocks
 
 
@@ -87,6 +87,7 @@ def combine_variant(c_type: str, bucket: int) -> Variant:
         uri=f"decode_combine/{c_type}/d{bucket}",
         hot=True,
         threads=COMBINE_WARPS * 32,
+        dependent=True,  # starts under the decode grid's tail; waits for it on the device
         contract=(("cuattn::kCombineWarps", COMBINE_WARPS), ("cuattn::kCombineMaxSplits", MAX_SPLITS)),
     )
 

@@ -21,13 +21,13 @@ __device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool val
 __device__ __forceinline__ void cp_async_16(void* dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src));
 }
-// The same for data read once (a KV cache streamed by decoding): marked first to leave L2, and
-// the 256-byte sector group around it fetched with it (H100, decode: 2-4% more bandwidth than
-// plain cp.async.cg, paged caches up to 6%; benchmarks/NOTES.md).
+// The same for data read once (a KV cache streamed by decoding): marked first to leave L2. (The
+// .L2::256B prefetch hint beside it gained 2-4% on an H100 with padded shared rows, and capped a
+// plain read stream at 0.9x on an H200; benchmarks/NOTES.md.)
 __device__ __forceinline__ void cp_async_16_stream(void* dst, const void* src, bool valid) {
   u64 policy;
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, %2, %3;\n" ::"r"(smem_addr(dst)), "l"(src),
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(smem_addr(dst)), "l"(src),
                "r"(valid ? 16 : 0), "l"(policy));
 }
 // 4-byte copy through L1 (row vectors such as lse); src_bytes = 0 writes a zero.

@@ -5,7 +5,8 @@
 // Each of the 4 warps takes 16 keys of every 64-key block streamed through a cp.async ring; the
 // warps' softmax states are combined through shared memory at the end. With one split the CTA
 // writes out and lse; with several it writes its fp32 partial (normalized out and lse), which
-// decode_combine.cu merges by lse.
+// decode_combine.cu merges by lse (launched as a dependent grid on Hopper: common/dependent_launch.cuh).
+#include "common/dependent_launch.cuh"
 #include "common/mma.cuh"
 #include "common/params.cuh"
 #include "common/seq_layout.cuh"
@@ -21,7 +22,15 @@ template <int HEAD_DIM, int STAGES>
 struct DecodeTraits {
   static constexpr int kThreads = kDecodeWarps * 32;
   static constexpr int kStages = STAGES;           // K/V blocks in the cp.async ring
-  static constexpr int kRowStride = HEAD_DIM + 8;  // padded shared rows (elements)
+  // Shared rows of whole 128-byte lines (head_dim a multiple of 64) are unpadded, their 16-byte
+  // chunks swizzled by the row (chunk c of row r at c ^ (r % 8)): ldmatrix's 8 rows then hit 8
+  // different banks, and each row's cp.async writes whole lines. Padding the rows by 16 bytes
+  // instead cost 7-10% of the streaming rate (H200, benchmarks/NOTES.md). Other head dims keep
+  // the padded rows.
+  static constexpr bool kSwizzled = HEAD_DIM % 64 == 0;
+  static constexpr int kRowStride = kSwizzled ? HEAD_DIM : HEAD_DIM + 8;  // elements
+  // Offset (elements) of row r, column c (a multiple of 8) of a tile.
+  __device__ static __forceinline__ int at(int r, int c) { return r * kRowStride + (kSwizzled ? ((c >> 3) ^ (r & 7)) << 3 : c); }
   static constexpr int kChunksPerRow = HEAD_DIM / 8;
   static constexpr int kSmemQ = kDecodeRows * kRowStride;
   static constexpr int kSmemKV = kDecodeBlockN * kRowStride;
@@ -40,22 +49,25 @@ struct CacheBand {
   __device__ __forceinline__ int last(int t) const { return right < 0 ? length - 1 : min(length - 1, t + offset + right); }
 };
 
-// Keys n0 .. n0 + 63 of K and V into padded shared tiles; keys past `end` and columns past
-// head_dim read as zeros (no load issued). A thread copies one 16-byte column of every
-// kRowsPerRound-th row (threads past the last whole round idle). k and v point at the
-// sequence's head: in its cache row (contiguous), or at page 0 (paged: each key's page comes
-// from `rows`, looked up one block ahead by look_up_rows so that the block-table loads are in
-// flight while the previous block is computed). The row loop is not unrolled: unrolled, the
-// compiler keeps every row's address live across the key loop.
+// This warp's 16 keys of the block at n0 (keys n0 + 16 w .. n0 + 16 w + 15 of warp w, the only
+// warp that reads them) from K and V into the shared tiles; keys past `end` and columns past
+// head_dim read as zeros (no load issued). A lane copies one 16-byte column of every
+// kRowsPerRound-th row (lanes past the last whole round idle). k and v point at the sequence's
+// head: in its cache row (contiguous), or at page 0 (paged: each key's page comes from `rows`,
+// looked up one block ahead by look_up_rows so that the block-table loads are in flight while
+// the previous block is computed). The row loop is not unrolled: unrolled, the compiler keeps
+// every row's address live across the key loop.
 template <typename T, int HEAD_DIM, int STAGES, bool PAGED>
-__device__ __forceinline__ void load_kv_block(T* sK, T* sV, const DecodeParams& p, const CacheRows<PAGED>& cache, const T* k, const T* v,
-                                              int n0, int end, const int* rows) {
+__device__ __forceinline__ void load_kv_rows(T* sK, T* sV, const DecodeParams& p, const CacheRows<PAGED>& cache, const T* k, const T* v,
+                                             int n0, int end, const int* rows) {
   using Tr = DecodeTraits<HEAD_DIM, STAGES>;
-  constexpr int kRowsPerRound = Tr::kThreads / Tr::kChunksPerRow;
-  const int r0 = threadIdx.x / Tr::kChunksPerRow, c = threadIdx.x % Tr::kChunksPerRow * 8;
+  static_assert(Tr::kChunksPerRow <= 32, "a row per round at least");
+  constexpr int kRowsPerRound = 32 / Tr::kChunksPerRow;
+  const int lane = threadIdx.x % 32, first = threadIdx.x / 32 * 16;
+  const int r0 = lane / Tr::kChunksPerRow, c = lane % Tr::kChunksPerRow * 8;
   if (r0 >= kRowsPerRound) return;
 #pragma unroll 1
-  for (int r = r0; r < kDecodeBlockN; r += kRowsPerRound) {
+  for (int r = first + r0; r < first + 16; r += kRowsPerRound) {
     const int j = n0 + r;
     const bool valid = j < end && c < p.head_dim;
     i64 k_at = 0, v_at = 0;
@@ -64,23 +76,26 @@ __device__ __forceinline__ void load_kv_block(T* sK, T* sV, const DecodeParams& 
       k_at = at * p.k_strides[0] + pos * p.k_strides[1] + c;
       v_at = at * p.v_strides[0] + pos * p.v_strides[1] + c;
     }
-    cp_async_16_stream(sK + r * Tr::kRowStride + c, k + k_at, valid);
-    cp_async_16_stream(sV + r * Tr::kRowStride + c, v + v_at, valid);
+    cp_async_16_stream(sK + Tr::at(r, c), k + k_at, valid);
+    cp_async_16_stream(sV + Tr::at(r, c), v + v_at, valid);
   }
 }
 
-// The pages of keys n0 .. n0 + 63 (one thread each) into `rows` (0 past `end`).
+// The pages of this warp's 16 keys of the block at n0 (a lane each) into `rows` (0 past `end`).
 template <bool PAGED>
 __device__ __forceinline__ void look_up_rows(const CacheRows<PAGED>& cache, int n0, int end, int* rows) {
-  if (PAGED && threadIdx.x < kDecodeBlockN) rows[threadIdx.x] = n0 + int(threadIdx.x) < end ? cache.row_of(n0 + threadIdx.x) : 0;
+  const int lane = threadIdx.x % 32, r = threadIdx.x / 32 * 16 + lane;
+  if (PAGED && lane < 16) rows[r] = n0 + r < end ? cache.row_of(n0 + r) : 0;
 }
 
 template <typename T, int HEAD_DIM, int STAGES, bool PAGED, bool SOFTCAP>
-__global__ void __launch_bounds__(kDecodeWarps * 32) decode_kernel(const __grid_constant__ DecodeParams p) {
+__global__ void __launch_bounds__(kDecodeWarps * 32, 1) decode_kernel(const __grid_constant__ DecodeParams p) {
   using Tr = DecodeTraits<HEAD_DIM, STAGES>;
   constexpr int kDTiles = HEAD_DIM / 8;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   if (dynamic_smem_bytes() < Tr::kSmemBytes) __trap();  // launch contract
+  wait_for_previous_grid();  // the append (or the caller's kernel) wrote the cache and q
+  allow_next_grid();         // decode_combine's CTAs may take their places; they wait for this grid
   T* sQ = reinterpret_cast<T*>(smem_raw);
   T* sK_ring = sQ + Tr::kSmemQ;
   T* sV_ring = sK_ring + STAGES * Tr::kSmemKV;
@@ -119,8 +134,8 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) decode_kernel(const __grid_
     if (PAGED && n_block < b_end) look_up_rows<PAGED>(cache, n_block * kDecodeBlockN, length, s_rows + (n_block & 1) * kDecodeBlockN);
   };
   const auto load_block = [&](int n_block, int slot) {
-    load_kv_block<T, HEAD_DIM, STAGES, PAGED>(sK_ring + slot * Tr::kSmemKV, sV_ring + slot * Tr::kSmemKV, p, cache, k_seq, v_seq,
-                                              n_block * kDecodeBlockN, length, s_rows + (n_block & 1) * kDecodeBlockN);
+    load_kv_rows<T, HEAD_DIM, STAGES, PAGED>(sK_ring + slot * Tr::kSmemKV, sV_ring + slot * Tr::kSmemKV, p, cache, k_seq, v_seq,
+                                             n_block * kDecodeBlockN, length, s_rows + (n_block & 1) * kDecodeBlockN);
   };
 
   float acc[1][kDTiles][4];
@@ -134,27 +149,42 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) decode_kernel(const __grid_
 
   // The ring: blocks b_begin .. b_begin + STAGES - 2 in flight before the loop (Q with the
   // first); each iteration waits for its block and refills the slot freed one iteration ago.
+  // Each warp copies and reads only its own 16 keys of every block, so after Q the warps never
+  // wait for each other (a warp's barrier per block, not the CTA's).
   if (b_end > b_begin) {
     for (int i = threadIdx.x; i < kDecodeRows * Tr::kChunksPerRow; i += Tr::kThreads) {
       const int r = i / Tr::kChunksPerRow, c = (i % Tr::kChunksPerRow) * 8, row = row0 + r;
       const bool valid = row < rows && c < p.head_dim;
       const T* src = valid ? q + (row / group) * p.q_strides[1] + (kv_head * group + row % group) * p.q_strides[2] + c : q;
-      cp_async_16(sQ + r * Tr::kRowStride + c, src, valid);
+      cp_async_16(sQ + Tr::at(r, c), src, valid);
     }
   }
 #pragma unroll
   for (int i = 0; i < STAGES - 1; ++i) {
     look_up(b_begin + i);
-    if (PAGED) __syncthreads();  // the pages are in s_rows
+    if (PAGED) __syncwarp();  // the pages are in s_rows
     if (b_begin + i < b_end) load_block(b_begin + i, i);
     cp_async_commit();
-    if (PAGED) __syncthreads();  // every thread read them before the buffer is reused
+    if (PAGED) __syncwarp();  // every lane read them before the buffer is reused
   }
   look_up(b_begin + STAGES - 1);  // read after the loop's first barrier
 
+  // Q as A fragments, in registers for the whole key loop where they fit (kQInRegisters).
+  constexpr bool kQInRegisters = HEAD_DIM <= 160;
+  u32 q_frag[kQInRegisters ? HEAD_DIM / 16 : 1][4];
+  const auto q_fragment = [&](int kk, u32(&a)[4]) {
+    ldmatrix_x4(a, sQ + Tr::at((lane % 8) + ((lane / 8) % 2) * 8, kk + (lane / 16) * 8));
+  };
+  cp_async_wait<STAGES - 2>();
+  __syncthreads();  // Q (copied by every warp) landed
+  if (kQInRegisters && b_end > b_begin) {
+#pragma unroll
+    for (int kk = 0; kk < HEAD_DIM; kk += 16) q_fragment(kk, q_frag[kQInRegisters ? kk / 16 : 0]);
+  }
+
   for (int n_block = b_begin, slot = 0; n_block < b_end; ++n_block, slot = slot + 1 == STAGES ? 0 : slot + 1) {
     cp_async_wait<STAGES - 2>();
-    __syncthreads();  // block n_block (and Q) landed; every warp finished with the slot refilled next
+    __syncwarp();  // this warp's keys of block n_block landed; its lanes finished with the slot refilled next
     const int ahead = n_block + STAGES - 1;
     if (ahead < b_end) load_block(ahead, slot == 0 ? STAGES - 1 : slot - 1);
     cp_async_commit();
@@ -164,15 +194,22 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) decode_kernel(const __grid_
     const T* sK = sK_ring + slot * Tr::kSmemKV + warp * 16 * Tr::kRowStride;
     const T* sV = sV_ring + slot * Tr::kSmemKV + warp * 16 * Tr::kRowStride;
 
-    float s[1][2][4] = {};
+    // S = Q K^T as two independent chains of products (even and odd 16-column steps), summed.
+    float s[1][2][4] = {}, s_odd[2][4] = {};
 #pragma unroll
     for (int kk = 0; kk < HEAD_DIM; kk += 16) {
-      u32 a[4], b[4];
-      ldmatrix_x4(a, sQ + ((lane % 8) + ((lane / 8) % 2) * 8) * Tr::kRowStride + kk + (lane / 16) * 8);
-      ldmatrix_x4(b, sK + ((lane % 8) + (lane / 16) * 8) * Tr::kRowStride + kk + ((lane / 8) % 2) * 8);
-      mma_16816<T>(s[0][0], a, b[0], b[1]);
-      mma_16816<T>(s[0][1], a, b[2], b[3]);
+      u32 a_loaded[4], b[4];
+      if (!kQInRegisters) q_fragment(kk, a_loaded);
+      const u32(&a)[4] = kQInRegisters ? q_frag[kQInRegisters ? kk / 16 : 0] : a_loaded;
+      ldmatrix_x4(b, sK + Tr::at((lane % 8) + (lane / 16) * 8, kk + ((lane / 8) % 2) * 8));
+      float(&chain)[2][4] = (kk / 16) % 2 == 0 ? s[0] : s_odd;
+      mma_16816<T>(chain[0], a, b[0], b[1]);
+      mma_16816<T>(chain[1], a, b[2], b[3]);
     }
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[0][nt][e] += s_odd[nt][e];
     if (SOFTCAP) {
       const float pre = p.scale / p.softcap;
 #pragma unroll
@@ -201,7 +238,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) decode_kernel(const __grid_
 #pragma unroll
     for (int dt = 0; dt < kDTiles; dt += 2) {
       u32 b[4];
-      ldmatrix_x4_trans(b, sV + ((lane % 8) + ((lane / 8) % 2) * 8) * Tr::kRowStride + dt * 8 + (lane / 16) * 8);
+      ldmatrix_x4_trans(b, sV + Tr::at((lane % 8) + ((lane / 8) % 2) * 8, dt * 8 + (lane / 16) * 8));
       mma_16816<T>(acc[0][dt], a, b[0], b[1]);
       mma_16816<T>(acc[0][dt + 1], a, b[2], b[3]);
     }

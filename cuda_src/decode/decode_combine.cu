@@ -5,6 +5,7 @@
 // flight per warp (4 columns per lane), and the warps' sums are added through shared memory.
 // The row's latency is that of two dependent reads, not one per split. The head's sink, if
 // any, joins here as one more term of the denominator (common/sink.cuh).
+#include "common/dependent_launch.cuh"
 #include "common/dtypes.cuh"
 #include "common/params.cuh"
 #include "common/sink.cuh"
@@ -23,6 +24,7 @@ __global__ void __launch_bounds__(kCombineWarps * 32) decode_combine_kernel(cons
   __shared__ float s_reduce[kCombineWarps];
   __shared__ __align__(16) float s_out[kCombineWarps][HEAD_DIM];
 
+  wait_for_previous_grid();  // launched while decode.cu's grid may still run (cuattn/launch.py)
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const i64 row = blockIdx.x;  // (seq, token, head)
   const i64 rows = i64(p.batch) * p.seqlen_q * p.heads_q;

@@ -1,0 +1,79 @@
+"""Programmatic dependent launch (Hopper): a kernel launched while the one before it on the
+stream is still running, through the driver's ``cuLaunchKernelEx`` (CuPy's launch has no launch
+attributes). The kernel waits for the earlier grid itself (``common/dependent_launch.cuh``), so
+only its launch latency and prologue overlap that grid's tail. Variants marked ``dependent``
+take this launch on devices of compute capability 9.0 and newer; ``CUATTN_PDL=0`` turns it off
+(to compare), and any failure of the driver call falls back to the ordinary launch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import sys
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+class _Attribute(ctypes.Structure):  # CUlaunchAttribute: an enum, padding, a 64-byte value union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int), ("rest", ctypes.c_char * 60)]
+
+
+class _Config(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [
+        ("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem", ctypes.c_uint), ("stream", ctypes.c_void_p),
+        ("attrs", ctypes.POINTER(_Attribute)), ("num_attrs", ctypes.c_uint),
+    ]
+
+
+def enabled() -> bool:
+    return os.environ.get("CUATTN_PDL", "1") != "0"
+
+
+@functools.cache
+def _driver_entry():
+    """``cuLaunchKernelEx`` of the loaded driver, or None where it cannot be had."""
+    try:
+        lib = ctypes.CDLL("nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1")
+        entry = lib.cuLaunchKernelEx
+    except (OSError, AttributeError):
+        return None
+    entry.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+    entry.restype = ctypes.c_int
+    return entry
+
+
+@functools.cache
+def supported(device_id: int) -> bool:
+    import cupy
+
+    return int(cupy.cuda.Device(device_id).compute_capability) >= 90 and _driver_entry() is not None
+
+
+class DependentLaunch:
+    """One kernel's launch configuration with the programmatic-serialization attribute set;
+    calling it launches on a stream with a ``void*[]`` of kernel arguments at an address."""
+
+    def __init__(self, function, grid: tuple, block: tuple, shared_mem: int):
+        self._attribute = _Attribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+        self._config = _Config((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared_mem, None,
+                               ctypes.pointer(self._attribute), 1)
+        self._config_address = ctypes.addressof(self._config)
+        self._function = function.ptr
+        self._entry = _driver_entry()
+
+    def __call__(self, stream: int, params_address: int) -> bool:
+        """Whether the driver took the launch (False: the caller launches the ordinary way)."""
+        self._config.stream = stream or None
+        return self._entry(self._config_address, self._function, params_address, None) == 0
+
+
+def launch_dependent(function, grid: tuple, block: tuple, shared_mem: int, stream: int, params: bytes) -> bool:
+    """Launches ``function`` as a programmatic dependent of the stream's previous grid with the
+    parameter struct ``params`` (its one argument); False where that is off or unsupported."""
+    if not enabled():
+        return False
+    data = ctypes.create_string_buffer(params, len(params))
+    args = (ctypes.c_void_p * 1)(ctypes.addressof(data))
+    return DependentLaunch(function, grid, block, shared_mem)(stream, ctypes.addressof(args))
