@@ -469,10 +469,10 @@ def test_torch_compile_read_only_step_declares_no_write(paged):
 
 
 @gpu
-def test_merge_of_the_splits_as_a_dependent_launch_matches_the_ordinary_launch(monkeypatch):
-    """On Hopper the merge of the splits starts under the decode grid's tail (programmatic
-    dependent launch) and waits for it on the device: the same bits as an ordinary launch, on
-    the full path (first call) and on the replayed plan."""
+def test_dependent_launches_match_ordinary_launches(monkeypatch):
+    """On Hopper the decode kernel and the merge of its splits start under the tail of the grid
+    before them (programmatic dependent launch) and wait for it on the device: the same bits as
+    ordinary launches, on the full path and on the replayed plan."""
     import cupy
 
     from cuattn import launch, replay
@@ -495,4 +495,36 @@ def test_merge_of_the_splits_as_a_dependent_launch_matches_the_ordinary_launch(m
         np.testing.assert_array_equal(lse.get(), first_lse)
     if launch.supported(cupy.cuda.Device().id):
         plan = next(p for p in replay._plans.values() if p is not None and len(p.launches) == 2)
-        assert plan.launches[0].dependent is None and plan.launches[1].dependent is not None
+        assert all(launch_.dependent is not None for launch_ in plan.launches)  # the decode kernel and the merge
+
+
+@gpu
+def test_graph_with_copies_and_kernels_before_the_decode_step_matches_eager():
+    """Dependent launches inside a captured graph: the step's inputs are written by a copy (a
+    memcpy node) and by a kernel right before the decode kernels, which must see both."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(22)
+    k, v, table = _cache(rng, [0, 0, 0], 4, 128, "bfloat16", page_size=16, capacity=2048, spare_pages=4)
+    kd, vd = (torch.tensor(x.astype(np.float32), device="cuda").bfloat16() for x in (k, v))
+    table_d = torch.tensor(table, device="cuda")
+    q_src = torch.randn(3, 1, 16, 128, device="cuda", dtype=torch.bfloat16)
+    lengths_src = torch.tensor([5, 2000, 700], dtype=torch.int32, device="cuda")
+    q, seqlens = torch.empty_like(q_src), torch.empty_like(lengths_src)
+
+    def step():
+        seqlens.copy_(lengths_src)  # same dtype and layout: a memcpy
+        torch.mul(q_src, 2, out=q)  # a kernel
+        return cuattn.attention_with_kvcache(q, kd, vd, cache_seqlens=seqlens, block_table=table_d, num_splits=6)
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for lengths in ([2000, 1, 64], [0, 1500, 2048]):
+        lengths_src.copy_(torch.tensor(lengths, dtype=torch.int32))
+        q_src.normal_()
+        graph.replay()
+        torch.cuda.synchronize()
+        replayed = captured.clone()
+        torch.testing.assert_close(replayed, step(), rtol=0, atol=0)

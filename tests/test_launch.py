@@ -16,9 +16,13 @@ def test_launch_structures_match_the_driver_abi():
     assert launch._PROGRAMMATIC_STREAM_SERIALIZATION == 6
 
 
-def test_only_the_merge_of_the_splits_is_a_dependent_launch():
-    variants = decode.variants()
-    assert {v.kernel for v in variants if v.dependent} == {"decode_combine"}
+def test_the_decode_family_takes_dependent_launches():
+    """Each kernel of the family waits for the grid before it (common/dependent_launch.cuh), so
+    every one may take the programmatic launch; no kernel of another family does (they do not wait)."""
+    from cuattn.kernels import all_variants
+
+    dependent = {v.kernel for v in all_variants() if v.dependent}
+    assert dependent == {"decode", "decode_combine", "append_kv"}
 
 
 def test_pdl_switch(monkeypatch):
@@ -27,3 +31,16 @@ def test_pdl_switch(monkeypatch):
     assert launch.launch_dependent(None, (1, 1, 1), (32, 1, 1), 0, 0, b"") is False
     monkeypatch.setenv("CUATTN_PDL", "1")
     assert launch.enabled()
+
+
+def test_every_dependent_kernel_waits_for_the_grid_before_it():
+    """A kernel marked dependent starts while the one before it on the stream may still run: its
+    source must wait for it (wait_for_previous_grid) before touching memory."""
+    import pathlib
+
+    from cuattn.kernels import all_variants
+    from cuattn.loader import source_dir
+
+    for v in {v.source: v for v in all_variants() if v.dependent}.values():
+        text = (pathlib.Path(source_dir()) / v.source).read_text()
+        assert "wait_for_previous_grid();" in text, v.source

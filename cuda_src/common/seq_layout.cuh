@@ -60,11 +60,15 @@ struct CacheRows {
   // index of strides[0]. Paged, a load of the block table: issue it ahead of its use.
   __device__ __forceinline__ int row_of(int j) const {
     if constexpr (PAGED) {
-      return min(max(table[page_of(j)], 0), last_row);
+      return clamp_row(table_entry(j));
     } else {
       return row;
     }
   }
+  // row_of in two steps, so that a kernel can keep the load in flight and clamp at the use:
+  // the block table's entry for key j (paged), then that entry clamped into the cache.
+  __device__ __forceinline__ int table_entry(int j) const { return table[page_of(j)]; }
+  __device__ __forceinline__ int clamp_row(int entry) const { return min(max(entry, 0), last_row); }
   // The position of key j within that row or page: the index of strides[1].
   __device__ __forceinline__ int pos_of(int j) const {
     if constexpr (PAGED) {

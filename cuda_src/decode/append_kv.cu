@@ -3,6 +3,7 @@
 // pages as needed). Positions past the capacity and pages outside the cache are skipped, never
 // written: a bad device value cannot write outside the sequence's own cache. One warp per
 // (sequence, new row, KV head), 16-byte chunks.
+#include "common/dependent_launch.cuh"
 #include "common/params.cuh"
 #include "common/seq_layout.cuh"
 
@@ -12,6 +13,8 @@ constexpr int kAppendWarps = 8;
 
 template <typename T, bool PAGED>
 __global__ void __launch_bounds__(kAppendWarps * 32) append_kv_kernel(const __grid_constant__ DecodeParams p) {
+  wait_for_previous_grid();  // a dependent launch (cuattn/launch.py): the caller's kernels wrote k_new, v_new
+  allow_next_grid();         // the attention kernel may launch; it waits for this grid
   const i64 row = i64(blockIdx.x) * kAppendWarps + threadIdx.x / 32;  // (seq, t, head)
   if (row >= i64(p.batch) * p.seqlen_new * p.heads_kv) return;
   const int head = int(row % p.heads_kv), t = int(row / p.heads_kv % p.seqlen_new), seq = int(row / p.heads_kv / p.seqlen_new);

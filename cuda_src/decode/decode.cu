@@ -54,7 +54,7 @@ struct CacheBand {
 // head_dim read as zeros (no load issued). A lane copies one 16-byte column of every
 // kRowsPerRound-th row (lanes past the last whole round idle). k and v point at the sequence's
 // head: in its cache row (contiguous), or at page 0 (paged: each key's page comes from `rows`,
-// looked up one block ahead by look_up_rows so that the block-table loads are in flight while
+// loaded one block ahead by table_entry and stored by store_rows, so that the table loads are in flight while
 // the previous block is computed). The row loop is not unrolled: unrolled, the compiler keeps
 // every row's address live across the key loop.
 template <typename T, int HEAD_DIM, int STAGES, bool PAGED>
@@ -81,11 +81,18 @@ __device__ __forceinline__ void load_kv_rows(T* sK, T* sV, const DecodeParams& p
   }
 }
 
-// The pages of this warp's 16 keys of the block at n0 (a lane each) into `rows` (0 past `end`).
+// The block-table entry of this lane's key among its warp's 16 of the block at n0 (0 past `end`
+// and for lanes 16-31), loaded a block ahead of its store by store_rows, which clamps it.
 template <bool PAGED>
-__device__ __forceinline__ void look_up_rows(const CacheRows<PAGED>& cache, int n0, int end, int* rows) {
+__device__ __forceinline__ int table_entry(const CacheRows<PAGED>& cache, int n0, int end) {
   const int lane = threadIdx.x % 32, r = threadIdx.x / 32 * 16 + lane;
-  if (PAGED && lane < 16) rows[r] = n0 + r < end ? cache.row_of(n0 + r) : 0;
+  if constexpr (PAGED) return lane < 16 && n0 + r < end ? cache.table_entry(n0 + r) : 0;
+  return 0;
+}
+template <bool PAGED>
+__device__ __forceinline__ void store_rows(const CacheRows<PAGED>& cache, int entry, int* rows) {
+  const int lane = threadIdx.x % 32;
+  if (PAGED && lane < 16) rows[threadIdx.x / 32 * 16 + lane] = cache.clamp_row(entry);
 }
 
 template <typename T, int HEAD_DIM, int STAGES, bool PAGED, bool SOFTCAP>
@@ -130,9 +137,10 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, 1) decode_kernel(const __gr
   const T* k_seq = static_cast<const T*>(p.k) + (cache_row * p.k_strides[0] + kv_head * p.k_strides[2]);
   const T* v_seq = static_cast<const T*>(p.v) + (cache_row * p.v_strides[0] + kv_head * p.v_strides[2]);
   int* s_rows = reinterpret_cast<int*>(sV_ring + STAGES * Tr::kSmemKV);  // two buffers, by block parity
-  const auto look_up = [&](int n_block) {
-    if (PAGED && n_block < b_end) look_up_rows<PAGED>(cache, n_block * kDecodeBlockN, length, s_rows + (n_block & 1) * kDecodeBlockN);
+  const auto look_up = [&](int n_block) {  // paged: a table load, to be stored (store_up) a block later
+    return PAGED && n_block < b_end ? table_entry<PAGED>(cache, n_block * kDecodeBlockN, length) : 0;
   };
+  const auto store_up = [&](int n_block, int entry) { store_rows<PAGED>(cache, entry, s_rows + (n_block & 1) * kDecodeBlockN); };
   const auto load_block = [&](int n_block, int slot) {
     load_kv_rows<T, HEAD_DIM, STAGES, PAGED>(sK_ring + slot * Tr::kSmemKV, sV_ring + slot * Tr::kSmemKV, p, cache, k_seq, v_seq,
                                              n_block * kDecodeBlockN, length, s_rows + (n_block & 1) * kDecodeBlockN);
@@ -161,13 +169,15 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, 1) decode_kernel(const __gr
   }
 #pragma unroll
   for (int i = 0; i < STAGES - 1; ++i) {
-    look_up(b_begin + i);
-    if (PAGED) __syncwarp();  // the pages are in s_rows
+    if (PAGED) {
+      store_up(b_begin + i, look_up(b_begin + i));
+      __syncwarp();  // the pages are in s_rows
+    }
     if (b_begin + i < b_end) load_block(b_begin + i, i);
     cp_async_commit();
     if (PAGED) __syncwarp();  // every lane read them before the buffer is reused
   }
-  look_up(b_begin + STAGES - 1);  // read after the loop's first barrier
+  int entry_ahead = look_up(b_begin + STAGES - 1);  // stored at the loop's first iteration
 
   // Q as A fragments, in registers for the whole key loop where they fit (kQInRegisters).
   constexpr bool kQInRegisters = HEAD_DIM <= 160;
@@ -186,9 +196,13 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, 1) decode_kernel(const __gr
     cp_async_wait<STAGES - 2>();
     __syncwarp();  // this warp's keys of block n_block landed; its lanes finished with the slot refilled next
     const int ahead = n_block + STAGES - 1;
+    if (PAGED && ahead < b_end) {
+      store_up(ahead, entry_ahead);  // loaded an iteration ago
+      __syncwarp();
+    }
     if (ahead < b_end) load_block(ahead, slot == 0 ? STAGES - 1 : slot - 1);
     cp_async_commit();
-    look_up(ahead + 1);
+    entry_ahead = look_up(ahead + 1);  // in flight while this block is computed
     const int n0 = n_block * kDecodeBlockN + warp * 16;  // this warp's 16 keys
     if (n0 > key_last || n0 + 16 <= key_first) continue;
     const T* sK = sK_ring + slot * Tr::kSmemKV + warp * 16 * Tr::kRowStride;

@@ -25,6 +25,7 @@ __global__ void __launch_bounds__(kCombineWarps * 32) decode_combine_kernel(cons
   __shared__ __align__(16) float s_out[kCombineWarps][HEAD_DIM];
 
   wait_for_previous_grid();  // launched while decode.cu's grid may still run (cuattn/launch.py)
+  allow_next_grid();
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const i64 row = blockIdx.x;  // (seq, token, head)
   const i64 rows = i64(p.batch) * p.seqlen_q * p.heads_q;
