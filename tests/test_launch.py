@@ -4,7 +4,6 @@ kernels take the programmatic dependent launch (no GPU needed)."""
 import ctypes
 
 from cuattn import launch
-from cuattn.kernels import decode
 
 
 def test_launch_structures_match_the_driver_abi():
