@@ -40,7 +40,12 @@ def cuattn_impl(case: Case, inputs):
     import cuattn
 
     kw = dict(causal=case.causal)
-    if case.mode in ("fwd", "decode"):
+    if case.mode == "decode":  # the decode call: the cache read once per KV head, split over the keys
+        import torch
+
+        lengths = torch.full((case.batch,), case.seqlen_k, dtype=torch.int32, device=inputs[0][0].device)
+        return (lambda i: cuattn.attention_with_kvcache(*inputs[i][:3], cache_seqlens=lengths, **kw)), "torch"
+    if case.mode == "fwd":
         return (lambda i: cuattn.attention(*inputs[i][:3], **kw)), "torch"
     saved = [cuattn.attention(*x[:3], return_lse=True, **kw) for x in inputs]
     if case.mode == "bwd":

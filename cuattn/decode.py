@@ -11,7 +11,7 @@ from cuattn.attention import NO_LSE, attn_params, check_sink, launch_forward, re
 from cuattn.kernels import decode as plan
 from cuattn.kernels import forward
 from cuattn.kernels.variant import head_dim_bucket
-from cuattn.loader import device_sm_count, device_smem_limit
+from cuattn.loader import device_arch, device_sm_count, device_smem_limit, wgmma_enabled
 from cuattn.options import AttnOptions
 from cuattn.validation import check_bool
 
@@ -105,7 +105,9 @@ def attention_with_kvcache(
         c_type = validation.check_dtype("q", a["q"], _DTYPES)
         paged = a["block_table"] is not None
         if plan.prefill_by_forward(seqlen_q):
-            tiles = forward.variant(c_type, head_dim_bucket(head_dim), options.softcap > 0, "paged_cache" if paged else "cache")
+            layout = "paged_cache" if paged else "cache"
+            tiles = forward.select(  # the kernel launch_forward takes, checked before the append
+                c_type, head_dim_bucket(head_dim), options.softcap > 0, device_arch(ctx.device_index()), wgmma_enabled(), layout)
             if tiles.dynamic_smem > device_smem_limit(ctx.device_index()):
                 raise ValueError(
                     f"attention_with_kvcache of {seqlen_q} new tokens at head_dim {head_dim} needs {tiles.dynamic_smem} bytes of shared "
@@ -115,7 +117,7 @@ def attention_with_kvcache(
             p = _forward_params(a, dst, lse, options, cache)
             if cache["seqlen_new"]:
                 _append_only(ctx, a, cache, batch, heads_kv, head_dim)
-            launch_forward(ctx, c_type, p, seqlen_q, heads_q, batch, layout="paged_cache" if paged else "cache")
+            launch_forward(ctx, c_type, p, seqlen_q, heads_q, batch, layout=layout)
         else:
             _launch_decode(ctx, c_type, a, dst, lse, options, cache, splits)
     result = out if out is not None else ctx.export(dst)
