@@ -5,7 +5,8 @@ contiguous cache and pages of 16 and 1, SDPA's cuDNN backend beside.
 
     PYTHONPATH=. python scripts/tune_decode.py --stages 3,4 --min-blocks 1,2 --pdl 0,1
 
-``--pdl`` sets CUATTN_PDL (the merge of the splits as a programmatic dependent launch, Hopper).
+``--pdl`` sets CUATTN_PDL (the decode family's programmatic dependent launches on Hopper: the
+decode kernel, its merge and append_kv).
 """
 
 from __future__ import annotations
