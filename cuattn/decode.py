@@ -11,7 +11,7 @@ from cuattn.attention import NO_LSE, attn_params, check_sink, launch_forward, re
 from cuattn.kernels import decode as plan
 from cuattn.kernels import forward
 from cuattn.kernels.variant import head_dim_bucket
-from cuattn.loader import device_arch, device_sm_count, device_smem_limit, wgmma_enabled
+from cuattn.loader import device_arch, device_sm_count, device_smem_limit, resident_ctas, wgmma_enabled
 from cuattn.options import AttnOptions
 from cuattn.validation import check_bool
 
@@ -138,10 +138,9 @@ def _launch_decode(ctx, c_type: str, a: dict, dst, lse, options: AttnOptions, ca
             f"per block; this GPU has {smem_limit}"
         )
     wide = plan.wide_grid(batch, heads_kv, row_blocks, sm_count)
-    splits = ctx.decide(
-        "decode_splits", lambda: splits or plan.num_splits(bucket, paged, batch, heads_kv, row_blocks, cache["capacity"], sm_count, smem_limit, wide),
-    )
     attend = plan.variant(c_type, bucket, paged, options.softcap > 0, smem_limit, wide)
+    splits = ctx.decide("decode_splits", lambda: splits or plan.num_splits(
+        bucket, paged, batch, heads_kv, row_blocks, cache["capacity"], sm_count, smem_limit, wide, resident_ctas(attend, device)))
     grid = plan.grid(splits, heads_kv, row_blocks, batch)  # may raise: before the cache is written
     partial_out = partial_lse = NO_LSE
     if splits > 1:

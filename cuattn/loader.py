@@ -155,3 +155,15 @@ def _kernel_loader():
 def load_kernel(variant: Variant):
     """The ``cupy.RawKernel`` of a variant on the current device, compiled once per device."""
     return _kernel_loader()(variant)
+
+
+@functools.cache
+def resident_ctas(variant: Variant, device: int) -> int:
+    """CTAs of ``variant`` one SM of ``device`` holds at once (its registers, shared memory and
+    threads counted by the driver)."""
+    import cupy
+    from cupy_backends.cuda.api import driver
+
+    with cupy.cuda.Device(device):
+        kernel = load_kernel(variant)
+        return driver.occupancyMaxActiveBlocksPerMultiprocessor(kernel.kernel.ptr, variant.threads, variant.dynamic_smem)

@@ -148,6 +148,28 @@ def test_grid_of_more_ctas_than_sms_takes_the_wide_ring():
 
 
 @gpu
+@pytest.mark.parametrize("head_dim, paged, softcap", [(96, True, None), (128, True, 30.0), (128, False, None), (64, True, None)])
+def test_default_splits_fill_one_wave_of_resident_ctas(monkeypatch, head_dim, paged, softcap):
+    """The split count chosen for a batch-1 step fits the SMs at once as the driver counts the
+    kernel's CTAs per SM (registers included: paged d96 and paged d128 with softcap hold fewer
+    than their shared memory allows), and fills at least half of that."""
+    import cupy
+
+    from cuattn import replay
+    from cuattn.kernels import decode as plan
+    from cuattn.loader import device_sm_count, device_smem_limit, resident_ctas
+
+    replay.clear()  # the call plans afresh (a saved plan would not ask for the grid)
+    grids = []
+    grid = plan.grid
+    monkeypatch.setattr(plan, "grid", lambda *a: grids.append(grid(*a)) or grids[-1])
+    _run(np.random.default_rng(15), [8000], 1, 32, 8, head_dim, "bfloat16", 16 if paged else None, **({} if softcap is None else {"softcap": softcap}))
+    variant = plan.variant("bf16", head_dim, paged, softcap is not None, device_smem_limit(0), False)
+    ctas, fit = int(np.prod(grids[0])), resident_ctas(variant, cupy.cuda.runtime.getDevice()) * device_sm_count(0)
+    assert fit // 2 < ctas <= fit, (grids, fit)
+
+
+@gpu
 @pytest.mark.parametrize("splits", [1, 3, 33, 128])
 def test_explicit_splits_agree_with_the_reference(splits):
     _run(np.random.default_rng(9), [2000, 0, 129], 1, 8, 2, 128, "bfloat16", 16, num_splits=splits)
@@ -359,6 +381,19 @@ def test_append_kv_refuses_rows_that_are_not_whole_16_byte_chunks():
     cache = np.ones((2, 32, 2, 16), np.float16)[..., :12]
     with pytest.raises(ValueError, match=r"head_dim 12 is not supported"):
         cuattn.append_kv(k_new, k_new.copy(), cache, cache.copy(), cache_seqlens=np.array([1, 2], np.int32))
+
+
+def test_split_count_takes_the_resident_ctas_the_driver_counts():
+    """Registers can hold fewer CTAs per SM than shared memory would: the split count follows
+    the lower number, never the higher."""
+    from cuattn.kernels import decode as plan
+
+    by_smem = plan.ctas_per_sm(96, True)
+    assert by_smem == 4
+    assert plan.num_splits(96, True, 1, 8, 1, 8192, 132) == by_smem * 132 // 8
+    assert plan.num_splits(96, True, 1, 8, 1, 8192, 132, resident=3) == 3 * 132 // 8
+    assert plan.num_splits(96, True, 1, 8, 1, 8192, 132, resident=9) == by_smem * 132 // 8
+    assert plan.num_splits(96, True, 1, 8, 1, 8192, 132, resident=0) == 132 // 8
 
 
 def test_reference_reads_pages_like_a_contiguous_cache():

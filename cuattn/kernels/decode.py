@@ -112,15 +112,19 @@ def append_grid(rows: int) -> tuple[int, int, int]:
 
 
 def num_splits(bucket: int, paged: bool, batch: int, heads_kv: int, row_blocks: int, capacity: int, sm_count: int,
-               smem_limit: int = MAX_SMEM_OPTIN, wide: bool = False) -> int:
+               smem_limit: int = MAX_SMEM_OPTIN, wide: bool = False, resident: int | None = None) -> int:
     """Key splits per (sequence, KV head, row block), from host shapes only (so that one CUDA
     graph serves any lengths): as many CTAs as fit on the SMs at once (never a partial second
     wave), and at most one
     split per MIN_BLOCKS_PER_SPLIT key blocks of the cache's capacity. Each sequence's keys are
     then divided into that many equal ranges on the device, so a skewed batch still spreads every
-    sequence."""
+    sequence. ``resident``: the CTAs per SM the loaded kernel's registers allow, where known
+    (the shared-memory count alone overstates it for some variants)."""
     ctas = max(1, batch * heads_kv * row_blocks)
-    wanted = max(1, ctas_per_sm(bucket, paged, smem_limit, wide) * sm_count // ctas)  # rounded down: no partial second wave
+    per_sm = ctas_per_sm(bucket, paged, smem_limit, wide)
+    if resident is not None:
+        per_sm = max(1, min(per_sm, resident))
+    wanted = max(1, per_sm * sm_count // ctas)  # rounded down: no partial second wave
     return max(1, min(wanted, -(-capacity // (MIN_BLOCKS_PER_SPLIT * BLOCK_N)), MAX_SPLITS))
 
 
