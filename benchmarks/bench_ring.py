@@ -6,7 +6,11 @@ For T tokens per rank (W T in all), rank 0 first times single-GPU attention forw
 over the whole W T tokens; then every rank times its part of the ring (``cuattn.dist``, with the
 ranks started together by a barrier, the slowest rank's time kept). Efficiency = (single-GPU
 time / W) / ring time: 1.0 when the ring's work splits evenly and its exchange hides under
-compute. ``exchange_ms``: the same transfers alone, one after another (the forward's K/V for
+compute. ``ring_ms`` / ``single_gpu_ms``: each call started alone, its host work included
+(the GPU idles until the first kernel is queued); ``*_queued_ms``: ``--queued`` calls issued back
+to back between two events, per call (a training loop's steady state, where the host runs ahead
+of the GPU; ring-flash-attention's benchmark times its iterations so), with
+``efficiency_queued`` from them. ``exchange_ms``: the same transfers alone, one after another (the forward's K/V for
 W - 1 steps, the backward's K/V again, its fp32 dK / dV accumulators for W - 1 hops and the
 rounded sums for the last), for judging how much of the ring's time they could account for. TFLOP/s by the FlashAttention convention (causal halved, backward x2.5).
 ``--backend gloo`` stages each exchange through host memory (for a smoke test on one GPU;
@@ -43,6 +47,30 @@ def _ms(fn, repeat: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _queued_ms(fn, calls: int, repeat: int, distributed: bool = True) -> float:
+    """Median over ``repeat`` runs of ``calls`` back-to-back calls' time per call (over the
+    ranks' slowest when ``distributed``)."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        torch.cuda.synchronize()
+        if distributed:
+            dist.barrier()
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        stop.record()
+        stop.synchronize()
+        t = start.elapsed_time(stop) / calls
+        if distributed:
+            t = torch.tensor([t], device="cuda")
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            t = t.item()
+        times.append(t)
+    return sorted(times)[len(times) // 2]
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens-per-rank", default="8192,16384,32768")
@@ -53,6 +81,7 @@ def main(argv=None) -> None:
     parser.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--backend", default="nccl", choices=["nccl", "gloo"])
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--queued", type=int, default=4, help="calls issued back to back for the *_queued_ms columns")
     parser.add_argument("--csv", default="results/ring.csv")
     args = parser.parse_args(argv)
     dist.init_process_group(args.backend)
@@ -66,13 +95,14 @@ def main(argv=None) -> None:
         full = [torch.randn(1, total, h, args.head_dim, device="cuda", generator=gen, dtype=dtype)
                 for h in (args.heads, args.kv_heads, args.kv_heads)]
         dout_full = torch.randn(1, total, args.heads, args.head_dim, device="cuda", generator=gen, dtype=dtype)
-        single_ms = float("nan")
+        single_ms = single_queued_ms = float("nan")
         if rank == 0:
             def single():
                 out, lse = cuattn.attention(*full, causal=args.causal, return_lse=True)
                 cuattn.attention_backward(dout_full, *full, out, lse, causal=args.causal)
 
             single_ms = _single_ms(single, args.repeat)
+            single_queued_ms = _queued_ms(single, args.queued, args.repeat, distributed=False)
         dist.barrier()
         for layout in args.layouts.split(","):
             q, k, v, dout = (cuattn.dist.shard(x, world, rank, layout).contiguous() for x in (*full, dout_full))
@@ -82,17 +112,20 @@ def main(argv=None) -> None:
                 cuattn.dist.ring_attention_backward(dout, q, k, v, out, lse, comm=group, layout=layout, causal=args.causal)
 
             ring_ms = _ms(ring, args.repeat)
+            ring_queued_ms = _queued_ms(ring, args.queued, args.repeat)
             accs = (k.float(), v.float())
             exchange_ms = _ms(lambda: _exchanges((k, v), accs, group), args.repeat)
-            t = torch.tensor([single_ms], device="cuda")
+            t = torch.tensor([single_ms, single_queued_ms], device="cuda")
             dist.broadcast(t, 0)
-            single_ms_all = t.item()
+            single_ms_all, single_queued_all = t.tolist()
             flops = 4 * total * total * args.heads * args.head_dim * (0.5 if args.causal else 1.0) * 3.5
             row = {
                 "world": world, "backend": args.backend, "layout": layout, "tokens_per_rank": tokens, "heads": args.heads,
                 "kv_heads": args.kv_heads, "head_dim": args.head_dim, "causal": args.causal, "ring_ms": round(ring_ms, 3),
                 "exchange_ms": round(exchange_ms, 3),
                 "single_gpu_ms": round(single_ms_all, 3), "efficiency": round(single_ms_all / world / ring_ms, 3),
+                "ring_queued_ms": round(ring_queued_ms, 3), "single_gpu_queued_ms": round(single_queued_all, 3),
+                "efficiency_queued": round(single_queued_all / world / ring_queued_ms, 3),
                 "ring_tflops_per_gpu": round(flops / world / ring_ms / 1e9, 1), "gpu": torch.cuda.get_device_name(),
             }
             rows.append(row)
