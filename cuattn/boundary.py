@@ -185,8 +185,7 @@ class CallContext:
             from cuattn import launch
 
             grid, block = (tuple(grid) + (1, 1))[:3], (tuple(block) + (1, 1))[:3]
-            if launch.supported(self.device_id) and launch.launch_dependent(
-                    kernel.kernel, grid, block, variant.dynamic_smem, self.stream.ptr, p.tobytes()):
+            if launch.launch_dependent(kernel.kernel, grid, block, variant.dynamic_smem, self.stream.ptr, p.tobytes(), self.device_id):
                 return
         kernel(grid, block, (p,), shared_mem=variant.dynamic_smem)
 

@@ -3,7 +3,10 @@ stream is still running, through the driver's ``cuLaunchKernelEx`` (CuPy's launc
 attributes). The kernel waits for the earlier grid itself (``common/dependent_launch.cuh``), so
 only its launch latency and prologue overlap that grid's tail. Variants marked ``dependent``
 take this launch on devices of compute capability 9.0 and newer; ``CUATTN_PDL=0`` turns it off
-(to compare), and any failure of the driver call falls back to the ordinary launch.
+(to compare; read when a call is planned, so a replayed plan keeps the launch it was recorded
+with until ``cuattn.replay.clear()``). If the driver refuses a dependent launch, the kernel is
+launched the ordinary way, a ``RuntimeWarning`` names the driver's error once, and dependent
+launches stay off for the process. ``taken`` counts the launches the driver accepted.
 """
 
 from __future__ import annotations
@@ -12,8 +15,11 @@ import ctypes
 import functools
 import os
 import sys
+import warnings
 
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+taken = 0  # dependent launches the driver accepted in this process
+refused: int | None = None  # the driver's error code once it refused one; then all are off
 
 
 class _Attribute(ctypes.Structure):  # CUlaunchAttribute: an enum, padding, a 64-byte value union
@@ -28,7 +34,7 @@ class _Config(ctypes.Structure):  # CUlaunchConfig
 
 
 def enabled() -> bool:
-    return os.environ.get("CUATTN_PDL", "1") != "0"
+    return refused is None and os.environ.get("CUATTN_PDL", "1") != "0"
 
 
 @functools.cache
@@ -65,15 +71,38 @@ class DependentLaunch:
 
     def __call__(self, stream: int, params_address: int) -> bool:
         """Whether the driver took the launch (False: the caller launches the ordinary way)."""
+        global taken
+        if refused is not None:
+            return False
         self._config.stream = stream or None
-        return self._entry(self._config_address, self._function, params_address, None) == 0
+        code = self._entry(self._config_address, self._function, params_address, None)
+        if code == 0:
+            taken += 1
+            return True
+        _refuse(code)
+        return False
 
 
-def launch_dependent(function, grid: tuple, block: tuple, shared_mem: int, stream: int, params: bytes) -> bool:
+def _refuse(code: int) -> None:
+    global refused
+    refused = code
+    warnings.warn(f"cuattn: cuLaunchKernelEx refused a programmatic dependent launch (CUresult {code}); "
+                  "kernels are launched the ordinary way from now on in this process", RuntimeWarning, stacklevel=3)
+
+
+def prepared(function, grid: tuple, block: tuple, shared_mem: int, device_id: int) -> DependentLaunch | None:
+    """The dependent launch of ``function`` on ``device_id``; None where it is off or unsupported
+    (the caller launches the ordinary way)."""
+    return DependentLaunch(function, grid, block, shared_mem) if enabled() and supported(device_id) else None
+
+
+def launch_dependent(function, grid: tuple, block: tuple, shared_mem: int, stream: int, params: bytes, device_id: int) -> bool:
     """Launches ``function`` as a programmatic dependent of the stream's previous grid with the
-    parameter struct ``params`` (its one argument); False where that is off or unsupported."""
-    if not enabled():
+    parameter struct ``params`` (its one argument); False where that is off, unsupported or
+    refused."""
+    dependent = prepared(function, grid, block, shared_mem, device_id)
+    if dependent is None:
         return False
     data = ctypes.create_string_buffer(params, len(params))
     args = (ctypes.c_void_p * 1)(ctypes.addressof(data))
-    return DependentLaunch(function, grid, block, shared_mem)(stream, ctypes.addressof(args))
+    return dependent(stream, ctypes.addressof(args))

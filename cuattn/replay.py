@@ -296,9 +296,7 @@ def record(call, sources: list, framework: str, device_id: int, wrap, decisions=
         if (template, slots) not in buffers:
             data = ctypes.create_string_buffer(template, len(template))
             buffers[template, slots] = _Buffer(data, slots, CPointer(ctypes.addressof(data)))
-        dependent = None
-        if la[5] and launch.enabled() and launch.supported(device_id):
-            dependent = launch.DependentLaunch(*la[:4])
+        dependent = launch.prepared(*la[:4], device_id) if la[5] else None
         launches.append(_Launch(*la[:4], buffers[template, slots], dependent))
     spec = results[0]
     spec = tuple(renumber[i] for i in spec) if isinstance(spec, tuple) else renumber[spec]

@@ -517,13 +517,17 @@ def test_dependent_launches_match_ordinary_launches(monkeypatch):
     q = randn(rng, (3, 1, 8, 128), "bfloat16")
     args = [cupy.asarray(x) for x in (q, k, v)]
     kw = {"cache_seqlens": cupy.asarray(np.array([3000, 1, 700], np.int32)), "block_table": cupy.asarray(table), "num_splits": 7}
-    results = []
+    results, taken = [], {}
     for pdl in ("0", "1"):
         monkeypatch.setenv("CUATTN_PDL", pdl)
+        before = launch.taken
         for fast_path in (False, True):
             monkeypatch.setattr(replay, "enabled", fast_path)
             replay.clear()
             results += [cuattn.attention_with_kvcache(*args, **kw, return_lse=True) for _ in range(2)]
+        taken[pdl] = launch.taken - before
+    # Two kernels a call, four calls: every one a dependent launch the driver took, where supported.
+    assert taken == {"0": 0, "1": 8 if launch.supported(cupy.cuda.Device().id) else 0}, taken
     first_out, first_lse = (x.get() for x in results[0])
     for out, lse in results[1:]:
         np.testing.assert_array_equal(out.get().view(np.uint16), first_out.view(np.uint16))
@@ -531,6 +535,7 @@ def test_dependent_launches_match_ordinary_launches(monkeypatch):
     if launch.supported(cupy.cuda.Device().id):
         plan = next(p for p in replay._plans.values() if p is not None and len(p.launches) == 2)
         assert all(launch_.dependent is not None for launch_ in plan.launches)  # the decode kernel and the merge
+    assert launch.refused is None
 
 
 @gpu

@@ -27,9 +27,40 @@ def test_the_decode_family_takes_dependent_launches():
 def test_pdl_switch(monkeypatch):
     monkeypatch.setenv("CUATTN_PDL", "0")
     assert not launch.enabled()
-    assert launch.launch_dependent(None, (1, 1, 1), (32, 1, 1), 0, 0, b"") is False
+    assert launch.launch_dependent(None, (1, 1, 1), (32, 1, 1), 0, 0, b"", 0) is False
     monkeypatch.setenv("CUATTN_PDL", "1")
     assert launch.enabled()
+
+
+def test_a_refused_dependent_launch_warns_once_and_turns_them_off(monkeypatch):
+    """The driver's refusal is not silent: one RuntimeWarning with its code, then every later
+    launch goes the ordinary way without asking the driver again."""
+    import warnings
+
+    import pytest
+
+    calls = []
+
+    def refusing_entry(config, function, params, extra):
+        calls.append(function)
+        return 801  # CUDA_ERROR_NOT_SUPPORTED
+
+    class Function:
+        ptr = 1234
+
+    monkeypatch.setattr(launch, "refused", None)
+    monkeypatch.setattr(launch, "_driver_entry", lambda: refusing_entry)
+    monkeypatch.setattr(launch, "supported", lambda device_id: True)
+    monkeypatch.setenv("CUATTN_PDL", "1")
+    taken = launch.taken
+    with pytest.warns(RuntimeWarning, match=r"CUresult 801"):
+        assert launch.launch_dependent(Function(), (1, 1, 1), (32, 1, 1), 0, 0, b"\0" * 8, 0) is False
+    assert launch.refused == 801 and not launch.enabled()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert launch.launch_dependent(Function(), (1, 1, 1), (32, 1, 1), 0, 0, b"\0" * 8, 0) is False
+        assert launch.DependentLaunch(Function(), (1, 1, 1), (32, 1, 1), 0)(0, 0) is False
+    assert calls == [1234] and launch.taken == taken
 
 
 def test_every_dependent_kernel_waits_for_the_grid_before_it():

@@ -56,17 +56,9 @@ struct CacheRows {
     row = PAGED || p.cache_batch_idx == nullptr ? seq : min(max(p.cache_batch_idx[seq], 0), last_row);
   }
   __device__ __forceinline__ int page_of(int j) const { return page_shift >= 0 ? j >> page_shift : j / page_size; }
-  // The cache row (contiguous) or page (paged) holding key position j (0 <= j < capacity): the
-  // index of strides[0]. Paged, a load of the block table: issue it ahead of its use.
-  __device__ __forceinline__ int row_of(int j) const {
-    if constexpr (PAGED) {
-      return clamp_row(table_entry(j));
-    } else {
-      return row;
-    }
-  }
-  // row_of in two steps, so that a kernel can keep the load in flight and clamp at the use:
-  // the block table's entry for key j (paged), then that entry clamped into the cache.
+  // Paged, in two steps so that a kernel can keep the load in flight and clamp at the use: the
+  // block table's entry for key j (0 <= j < capacity), then that entry clamped into the cache
+  // (the page: the index of strides[0]; contiguous caches use `row`).
   __device__ __forceinline__ int table_entry(int j) const { return table[page_of(j)]; }
   __device__ __forceinline__ int clamp_row(int entry) const { return min(max(entry, 0), last_row); }
   // The position of key j within that row or page: the index of strides[1].

@@ -54,8 +54,8 @@ struct CacheBand {
 // head_dim read as zeros (no load issued). A lane copies one 16-byte column of every
 // kRowsPerRound-th row (lanes past the last whole round idle). k and v point at the sequence's
 // head: in its cache row (contiguous), or at page 0 (paged: each key's page comes from `rows`,
-// loaded one block ahead by table_entry and stored by store_rows, so that the table loads are in flight while
-// the previous block is computed). The row loop is not unrolled: unrolled, the compiler keeps
+// loaded one block ahead by lane_table_entry and stored by store_rows, so that the table loads
+// are in flight while the previous block is computed). The row loop is not unrolled: unrolled, the compiler keeps
 // every row's address live across the key loop.
 template <typename T, int HEAD_DIM, int STAGES, bool PAGED>
 __device__ __forceinline__ void load_kv_rows(T* sK, T* sV, const DecodeParams& p, const CacheRows<PAGED>& cache, const T* k, const T* v,
@@ -84,7 +84,7 @@ __device__ __forceinline__ void load_kv_rows(T* sK, T* sV, const DecodeParams& p
 // The block-table entry of this lane's key among its warp's 16 of the block at n0 (0 past `end`
 // and for lanes 16-31), loaded a block ahead of its store by store_rows, which clamps it.
 template <bool PAGED>
-__device__ __forceinline__ int table_entry(const CacheRows<PAGED>& cache, int n0, int end) {
+__device__ __forceinline__ int lane_table_entry(const CacheRows<PAGED>& cache, int n0, int end) {
   const int lane = threadIdx.x % 32, r = threadIdx.x / 32 * 16 + lane;
   if constexpr (PAGED) return lane < 16 && n0 + r < end ? cache.table_entry(n0 + r) : 0;
   return 0;
@@ -102,7 +102,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, 1) decode_kernel(const __gr
   extern __shared__ __align__(16) unsigned char smem_raw[];
   if (dynamic_smem_bytes() < Tr::kSmemBytes) __trap();  // launch contract
   wait_for_previous_grid();  // the append (or the caller's kernel) wrote the cache and q
-  allow_next_grid();         // decode_combine's CTAs may take their places; they wait for this grid
+  allow_next_grid();         // decode_combine may launch now; its CTAs wait for this grid to finish
   T* sQ = reinterpret_cast<T*>(smem_raw);
   T* sK_ring = sQ + Tr::kSmemQ;
   T* sV_ring = sK_ring + STAGES * Tr::kSmemKV;
@@ -138,7 +138,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, 1) decode_kernel(const __gr
   const T* v_seq = static_cast<const T*>(p.v) + (cache_row * p.v_strides[0] + kv_head * p.v_strides[2]);
   int* s_rows = reinterpret_cast<int*>(sV_ring + STAGES * Tr::kSmemKV);  // two buffers, by block parity
   const auto look_up = [&](int n_block) {  // paged: a table load, to be stored (store_up) a block later
-    return PAGED && n_block < b_end ? table_entry<PAGED>(cache, n_block * kDecodeBlockN, length) : 0;
+    return PAGED && n_block < b_end ? lane_table_entry<PAGED>(cache, n_block * kDecodeBlockN, length) : 0;
   };
   const auto store_up = [&](int n_block, int entry) { store_rows<PAGED>(cache, entry, s_rows + (n_block & 1) * kDecodeBlockN); };
   const auto load_block = [&](int n_block, int slot) {

@@ -1,10 +1,11 @@
 // The last step of a split decode (decode.cu): each row's fp32 partials (normalized out, lse),
 // one per key split, merged by their lse into out (the input dtype) and lse. One CTA per row:
-// the threads read the splits' lse together (split s in thread s), so every weight is known
-// before a partial output is read; warp w then sums splits w, w + 4, ..., four partial rows in
-// flight per warp (4 columns per lane), and the warps' sums are added through shared memory.
-// The row's latency is that of two dependent reads, not one per split. The head's sink, if
-// any, joins here as one more term of the denominator (common/sink.cuh).
+// the threads read the splits' lse together (split s in thread s) while warp w reads the
+// partial rows of splits w, w + 4, ..., w + 12 (4 columns per lane); the weights are formed
+// from the lses, and each warp sums its partial rows (four more in flight per further round
+// past 16 splits); the warps' sums are added through shared memory. The row's latency is that
+// of one read for up to 16 splits, not one per split. The head's sink, if any, joins here as one
+// more term of the denominator (common/sink.cuh).
 #include "common/dependent_launch.cuh"
 #include "common/dtypes.cuh"
 #include "common/params.cuh"
@@ -33,8 +34,26 @@ __global__ void __launch_bounds__(kCombineWarps * 32) decode_combine_kernel(cons
   const i64 lse_at = (i64(seq) * p.heads_q + head) * p.seqlen_q + token, lse_split = i64(p.batch) * p.heads_q * p.seqlen_q;
   const int splits = min(p.num_splits, kCombineMaxSplits);
 
-  // lse: max over the splits, then weights exp(lse_s - max) and their sum.
+  // Every split's partial row is written (zeros where it saw no key): loaded whatever its weight.
+  const float* part = p.partial_out + row * p.head_dim;
+  const i64 split_stride = rows * p.head_dim;
+  float4 x[kInFlight][kChunks];
+  const auto load_round = [&](int s0) {
+#pragma unroll
+    for (int j = 0; j < kInFlight; ++j) {
+      const int s = s0 + j * kCombineWarps;
+#pragma unroll
+      for (int i = 0; i < kChunks; ++i) {
+        const int c = (i * 32 + lane) * 4;
+        x[j][i] = s < splits && c < p.head_dim ? *reinterpret_cast<const float4*>(part + s * split_stride + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+    }
+  };
+
+  // lse: max over the splits, then weights exp(lse_s - max) and their sum; the first round of
+  // partial rows is loaded together with the lses.
   const float lse = int(threadIdx.x) < splits ? p.partial_lse[threadIdx.x * lse_split + lse_at] : neg_inf();
+  load_round(warp);
   float shift = lse;
 #pragma unroll
   for (int d = 16; d > 0; d /= 2) shift = fmaxf(shift, __shfl_xor_sync(0xffffffff, shift, d));
@@ -53,19 +72,8 @@ __global__ void __launch_bounds__(kCombineWarps * 32) decode_combine_kernel(cons
   float4 o[kChunks];
 #pragma unroll
   for (int i = 0; i < kChunks; ++i) o[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-  const float* part = p.partial_out + row * p.head_dim;
-  const i64 split_stride = rows * p.head_dim;
   for (int s0 = warp; s0 < splits; s0 += kCombineWarps * kInFlight) {
-    float4 x[kInFlight][kChunks];
-#pragma unroll
-    for (int j = 0; j < kInFlight; ++j) {  // every load first: all partial rows are written (zeros where a split saw no key)
-      const int s = s0 + j * kCombineWarps;
-#pragma unroll
-      for (int i = 0; i < kChunks; ++i) {
-        const int c = (i * 32 + lane) * 4;
-        x[j][i] = s < splits && c < p.head_dim ? *reinterpret_cast<const float4*>(part + s * split_stride + c) : make_float4(0.f, 0.f, 0.f, 0.f);
-      }
-    }
+    if (s0 != warp) load_round(s0);
 #pragma unroll
     for (int j = 0; j < kInFlight; ++j) {
       const int s = s0 + j * kCombineWarps;
