@@ -12,9 +12,14 @@ from cuattn.kernels.variant import HEAD_DIM_BUCKETS, MAX_GRID_YZ, MAX_SMEM_OPTIN
 FAMILY = "decode"
 ROWS, WARPS, BLOCK_N = 16, 4, 64  # packed query rows per CTA, warps, keys per ring slot
 # Ring slots per head-dim bucket (scripts/tune_decode.py, H100, d128): a contiguous cache streams
-# best from deep rings (4 slots, one CTA per SM); a paged one from more CTAs per SM (2 slots,
-# three CTAs), whose block-table loads then overlap.
-STAGES = {32: 4, 64: 4, 96: 4, 128: 4, 160: 2, 192: 2, 224: 2, 256: 2}
+# best from deep rings and one CTA per SM (3-4 slots); a paged one from more CTAs per SM (2
+# slots, three CTAs), whose block-table loads then overlap.
+STAGES = {32: 4, 64: 4, 96: 4, 128: 3, 160: 2, 192: 2, 224: 2, 256: 2}
+# CTAs per SM the split count plans for with those rings, where fewer than their shared memory
+# allows: at d128 one CTA per SM streams faster from 3 slots than from 4 (H100, the same split
+# counts: b16 8k 3060 against 3022 GB/s, b4 32k 3008 against 2958; 1k rows within 1%), though
+# two such CTAs would fit (more splits then lose: b1 32k 2028 against 2225).
+PLANNED_CTAS = {128: 1}
 PAGED_STAGES = {32: 2, 64: 2, 96: 2, 128: 2, 160: 2, 192: 2, 224: 2, 256: 2}
 # A contiguous cache with more CTAs than SMs (several waves of one deep-ring CTA per SM): 3 slots,
 # two CTAs per SM (b64 8k: 2978 GB/s against 2911 with 4).
@@ -50,7 +55,10 @@ def smem_bytes(bucket: int, paged: bool, smem_limit: int = MAX_SMEM_OPTIN, wide:
 
 
 def ctas_per_sm(bucket: int, paged: bool, smem_limit: int = MAX_SMEM_OPTIN, wide: bool = False) -> int:
-    return max(1, min(4, SM_SMEM // (smem_bytes(bucket, paged, smem_limit, wide) + 1024)))
+    """CTAs per SM the split count plans for: what shared memory holds (at most 4), or fewer
+    where PLANNED_CTAS says so (a contiguous cache whose grid fits the SMs)."""
+    fit = max(1, min(4, SM_SMEM // (smem_bytes(bucket, paged, smem_limit, wide) + 1024)))
+    return fit if paged or wide else min(fit, PLANNED_CTAS.get(bucket, fit))
 
 
 def wide_grid(batch: int, heads_kv: int, row_blocks: int, sm_count: int) -> bool:
