@@ -138,11 +138,9 @@ def _launch_decode(ctx, c_type: str, a: dict, dst, lse, options: AttnOptions, ca
             f"per block; this GPU has {smem_limit}"
         )
     wide = plan.wide_grid(batch, heads_kv, row_blocks, sm_count)
-    planned = plan.variant(c_type, bucket, paged, options.softcap > 0, smem_limit, wide)
+    attend = plan.variant(c_type, bucket, paged, options.softcap > 0, smem_limit, wide)
     splits = ctx.decide("decode_splits", lambda: splits or plan.num_splits(
-        bucket, paged, batch, heads_kv, row_blocks, cache["capacity"], sm_count, smem_limit, wide, resident_ctas(planned, device)))
-    long = plan.long_stream(bucket, paged, wide, cache["capacity"], splits)
-    attend = plan.variant(c_type, bucket, paged, options.softcap > 0, smem_limit, wide, long)  # a long stream's ring is no larger
+        bucket, paged, batch, heads_kv, row_blocks, cache["capacity"], sm_count, smem_limit, wide, resident_ctas(attend, device)))
     grid = plan.grid(splits, heads_kv, row_blocks, batch)  # may raise: before the cache is written
     partial_out = partial_lse = NO_LSE
     if splits > 1:

@@ -12,15 +12,9 @@ from cuattn.kernels.variant import HEAD_DIM_BUCKETS, MAX_GRID_YZ, MAX_SMEM_OPTIN
 FAMILY = "decode"
 ROWS, WARPS, BLOCK_N = 16, 4, 64  # packed query rows per CTA, warps, keys per ring slot
 # Ring slots per head-dim bucket (scripts/tune_decode.py, H100, d128): a contiguous cache streams
-# best from deep rings and one CTA per SM (3-4 slots); a paged one from more CTAs per SM (2
-# slots, three CTAs), whose block-table loads then overlap.
+# best from deep rings (4 slots, one CTA per SM); a paged one from more CTAs per SM (2 slots,
+# three CTAs), whose block-table loads then overlap.
 STAGES = {32: 4, 64: 4, 96: 4, 128: 4, 160: 2, 192: 2, 224: 2, 256: 2}
-# A contiguous cache's CTA (grid within the SMs) that streams more than LONG_BLOCKS key blocks of
-# the capacity: at d128 3 slots at the same split count stream faster than 4 (H100: b16 8k 3046
-# against 3019 GB/s, b4 32k 3008 against 2958), while 16 blocks or fewer start faster from 4
-# (b16 1k 2457 against 2419).
-LONG_STAGES = {128: 3}
-LONG_BLOCKS = 16
 PAGED_STAGES = {32: 2, 64: 2, 96: 2, 128: 2, 160: 2, 192: 2, 224: 2, 256: 2}
 # A contiguous cache with more CTAs than SMs (several waves of one deep-ring CTA per SM): 3 slots,
 # two CTAs per SM (b64 8k: 2978 GB/s against 2911 with 4).
@@ -41,12 +35,11 @@ def smem_bytes_for(bucket: int, ring: int) -> int:
     return (ROWS * row + 2 * ring * BLOCK_N * row) * 2 + 2 * BLOCK_N * 4  # + the page numbers of two blocks
 
 
-def stages(bucket: int, paged: bool, smem_limit: int = MAX_SMEM_OPTIN, wide: bool = False, long: bool = False) -> int | None:
-    """Ring slots: the table's (``wide``: a grid of more CTAs than SMs; ``long``: see
-    :func:`long_stream`), fewer where the per-block shared memory is smaller (99 KB parts), None
-    where even two slots do not fit (head_dim above 160 on those)."""
-    table = PAGED_STAGES if paged else WIDE_STAGES if wide else LONG_STAGES if long and bucket in LONG_STAGES else STAGES
-    ring = table[bucket]
+def stages(bucket: int, paged: bool, smem_limit: int = MAX_SMEM_OPTIN, wide: bool = False) -> int | None:
+    """Ring slots: the table's (``wide``: a grid of more CTAs than SMs), fewer where the
+    per-block shared memory is smaller (99 KB parts), None where even two slots do not fit
+    (head_dim above 160 on those)."""
+    ring = (PAGED_STAGES if paged else WIDE_STAGES if wide else STAGES)[bucket]
     while ring >= 2 and smem_bytes_for(bucket, ring) > smem_limit:
         ring -= 1
     return ring if ring >= 2 else None
@@ -57,16 +50,7 @@ def smem_bytes(bucket: int, paged: bool, smem_limit: int = MAX_SMEM_OPTIN, wide:
 
 
 def ctas_per_sm(bucket: int, paged: bool, smem_limit: int = MAX_SMEM_OPTIN, wide: bool = False) -> int:
-    """CTAs per SM that the ring's shared memory allows (at most 4): the split count plans for
-    it (with the ring of a short stream; a long stream's is no larger)."""
     return max(1, min(4, SM_SMEM // (smem_bytes(bucket, paged, smem_limit, wide) + 1024)))
-
-
-def long_stream(bucket: int, paged: bool, wide: bool, capacity: int, splits: int) -> bool:
-    """Whether each CTA of a contiguous cache's grid (within the SMs) streams more than
-    LONG_BLOCKS key blocks of the capacity (a host shape: one CUDA graph keeps the choice)."""
-    blocks = -(-capacity // BLOCK_N)
-    return not paged and not wide and bucket in LONG_STAGES and -(-blocks // splits) > LONG_BLOCKS
 
 
 def wide_grid(batch: int, heads_kv: int, row_blocks: int, sm_count: int) -> bool:
@@ -75,11 +59,10 @@ def wide_grid(batch: int, heads_kv: int, row_blocks: int, sm_count: int) -> bool
 
 
 @functools.cache
-def variant(c_type: str, bucket: int, paged: bool, softcap: bool, smem_limit: int = MAX_SMEM_OPTIN, wide: bool = False,
-            long: bool = False) -> Variant:
+def variant(c_type: str, bucket: int, paged: bool, softcap: bool, smem_limit: int = MAX_SMEM_OPTIN, wide: bool = False) -> Variant:
     """The decode kernel with the ring that fits ``smem_limit`` bytes per block (callers check
     :func:`stages` is not None first)."""
-    ring = stages(bucket, paged, smem_limit, wide, long)
+    ring = stages(bucket, paged, smem_limit, wide)
     traits = f"cuattn::DecodeTraits<{bucket}, {ring}>"
     return Variant(
         family=FAMILY, kernel="decode",
@@ -171,9 +154,9 @@ def variants(arch: str | None = None) -> list[Variant]:
                 if stages(bucket, paged, smem_limit) is None:
                     continue
                 for softcap in (False, True):
-                    forms = {variant(c_type, bucket, paged, softcap, smem_limit, wide, long).uri: (wide, long)
-                             for wide, long in ((False, False), (True, False), (False, True)) if not paged or not (wide or long)}
-                    out.extend(variant(c_type, bucket, paged, softcap, smem_limit, *form) for form in forms.values())
+                    out.append(variant(c_type, bucket, paged, softcap, smem_limit))
+                    if not paged and stages(bucket, paged, smem_limit, True) != stages(bucket, paged, smem_limit):
+                        out.append(variant(c_type, bucket, paged, softcap, smem_limit, True))
             out.append(combine_variant(c_type, bucket))
         for paged in (False, True):
             out.append(append_variant(c_type, paged))
