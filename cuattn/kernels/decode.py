@@ -19,6 +19,10 @@ PAGED_STAGES = {32: 2, 64: 2, 96: 2, 128: 2, 160: 2, 192: 2, 224: 2, 256: 2}
 # A contiguous cache with more CTAs than SMs (several waves of one deep-ring CTA per SM): 3 slots,
 # two CTAs per SM (b64 8k: 2978 GB/s against 2911 with 4).
 WIDE_STAGES = {32: 3, 64: 3, 96: 3, 128: 3, 160: 2, 192: 2, 224: 2, 256: 2}
+# A paged cache with more CTAs than SMs, where measured (d128): 3 slots, two CTAs per SM (b64 1k
+# page 16: 2729 GB/s against 2406 with 2 slots and three CTAs per SM, whose 512 CTAs make 1.3
+# waves of 396); other buckets keep PAGED_STAGES.
+WIDE_PAGED_STAGES = {128: 3}
 MIN_BLOCKS_PER_SPLIT = 1  # key blocks of the capacity per split, at least
 COMBINE_WARPS = 4  # one row per CTA, the splits dealt to the warps
 APPEND_WARPS = 8  # one (sequence, new row, KV head) per warp
@@ -39,7 +43,10 @@ def stages(bucket: int, paged: bool, smem_limit: int = MAX_SMEM_OPTIN, wide: boo
     """Ring slots: the table's (``wide``: a grid of more CTAs than SMs), fewer where the
     per-block shared memory is smaller (99 KB parts), None where even two slots do not fit
     (head_dim above 160 on those)."""
-    ring = (PAGED_STAGES if paged else WIDE_STAGES if wide else STAGES)[bucket]
+    if paged:
+        ring = WIDE_PAGED_STAGES.get(bucket, PAGED_STAGES[bucket]) if wide else PAGED_STAGES[bucket]
+    else:
+        ring = (WIDE_STAGES if wide else STAGES)[bucket]
     while ring >= 2 and smem_bytes_for(bucket, ring) > smem_limit:
         ring -= 1
     return ring if ring >= 2 else None
@@ -155,7 +162,7 @@ def variants(arch: str | None = None) -> list[Variant]:
                     continue
                 for softcap in (False, True):
                     out.append(variant(c_type, bucket, paged, softcap, smem_limit))
-                    if not paged and stages(bucket, paged, smem_limit, True) != stages(bucket, paged, smem_limit):
+                    if stages(bucket, paged, smem_limit, True) != stages(bucket, paged, smem_limit):
                         out.append(variant(c_type, bucket, paged, softcap, smem_limit, True))
             out.append(combine_variant(c_type, bucket))
         for paged in (False, True):
