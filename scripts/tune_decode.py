@@ -1,5 +1,5 @@
 """Times forms of the decode kernel (cuattn.kernels.decode: the ring depths STAGES /
-PAGED_STAGES / WIDE_STAGES / WIDE_PAGED_STAGES, MIN_BLOCKS_PER_SPLIT) on rows of the decode benchmark, bf16, GQA
+PAGED_STAGES / WIDE_STAGES, MIN_BLOCKS_PER_SPLIT) on rows of the decode benchmark, bf16, GQA
 32:8, head_dim 128, L2-cold as `python -m benchmarks decode` times them: GB/s of K/V read for a
 contiguous cache and pages of 16 and 1, SDPA's cuDNN backend beside.
 
@@ -41,7 +41,7 @@ def main() -> None:
     rows = [tuple(map(int, r.split("x"))) for r in args.rows.split(",")]
     configs = [(s, m, pdl) for s in (args.stages.split(",") if args.stages else [""]) for m in map(int, args.min_blocks.split(","))
                for pdl in args.pdl.split(",")]
-    tables = {k: dict(getattr(plan, k)) for k in ("STAGES", "PAGED_STAGES", "WIDE_STAGES", "WIDE_PAGED_STAGES")}
+    tables = {k: dict(getattr(plan, k)) for k in ("STAGES", "PAGED_STAGES", "WIDE_STAGES")}
     print(f"{'row':>10} {'cudnn':>6}  " + "  ".join(f"{'st %s mb %d pdl %s' % (s or '-', m, pdl):>20}" for s, m, pdl in configs)
           + "   (contiguous/page16/page1 GB/s)")
     for batch, seqlen in rows:

@@ -12,17 +12,15 @@ from cuattn.kernels.variant import HEAD_DIM_BUCKETS, MAX_GRID_YZ, MAX_SMEM_OPTIN
 FAMILY = "decode"
 ROWS, WARPS, BLOCK_N = 16, 4, 64  # packed query rows per CTA, warps, keys per ring slot
 # Ring slots per head-dim bucket (scripts/tune_decode.py, H100, d128): a contiguous cache streams
-# best from deep rings (4 slots, one CTA per SM); a paged one from more CTAs per SM (2 slots,
-# three CTAs), whose block-table loads then overlap.
+# best from deep rings (4 slots, one CTA per SM); a paged one from more CTAs per SM (3 slots, two
+# CTAs), whose block-table loads then overlap (page 16 against 2 slots and three CTAs: b1 8k
+# 1646 / 1441 GB/s, b4 1k 1190 / 991, b64 8k 2995 / 2540, b16 32k 2941 / 2982). Other buckets
+# are not re-measured since 2 slots.
 STAGES = {32: 4, 64: 4, 96: 4, 128: 4, 160: 2, 192: 2, 224: 2, 256: 2}
-PAGED_STAGES = {32: 2, 64: 2, 96: 2, 128: 2, 160: 2, 192: 2, 224: 2, 256: 2}
+PAGED_STAGES = {32: 2, 64: 2, 96: 2, 128: 3, 160: 2, 192: 2, 224: 2, 256: 2}
 # A contiguous cache with more CTAs than SMs (several waves of one deep-ring CTA per SM): 3 slots,
 # two CTAs per SM (b64 8k: 2978 GB/s against 2911 with 4).
 WIDE_STAGES = {32: 3, 64: 3, 96: 3, 128: 3, 160: 2, 192: 2, 224: 2, 256: 2}
-# A paged cache with more CTAs than SMs, where measured (d128): 3 slots, two CTAs per SM (b64 1k
-# page 16: 2729 GB/s against 2406 with 2 slots and three CTAs per SM, whose 512 CTAs make 1.3
-# waves of 396); other buckets keep PAGED_STAGES.
-WIDE_PAGED_STAGES = {128: 3}
 MIN_BLOCKS_PER_SPLIT = 1  # key blocks of the capacity per split, at least
 COMBINE_WARPS = 4  # one row per CTA, the splits dealt to the warps
 APPEND_WARPS = 8  # one (sequence, new row, KV head) per warp
@@ -43,10 +41,7 @@ def stages(bucket: int, paged: bool, smem_limit: int = MAX_SMEM_OPTIN, wide: boo
     """Ring slots: the table's (``wide``: a grid of more CTAs than SMs), fewer where the
     per-block shared memory is smaller (99 KB parts), None where even two slots do not fit
     (head_dim above 160 on those)."""
-    if paged:
-        ring = WIDE_PAGED_STAGES.get(bucket, PAGED_STAGES[bucket]) if wide else PAGED_STAGES[bucket]
-    else:
-        ring = (WIDE_STAGES if wide else STAGES)[bucket]
+    ring = (PAGED_STAGES if paged else WIDE_STAGES if wide else STAGES)[bucket]
     while ring >= 2 and smem_bytes_for(bucket, ring) > smem_limit:
         ring -= 1
     return ring if ring >= 2 else None
