@@ -51,10 +51,10 @@ def _paged(k, v, page_size: int, rng):
     b, s = k.shape[:2]
     per_seq = s // page_size
     order = torch.from_numpy(rng.permutation(b * per_seq).astype(np.int64)).to(k.device)
-    pages_k = torch.empty((b * per_seq, page_size, HEADS_KV, HEAD_DIM), dtype=k.dtype, device=k.device)
+    pages_k = torch.empty((b * per_seq, page_size, *k.shape[2:]), dtype=k.dtype, device=k.device)
     pages_v = torch.empty_like(pages_k)
-    pages_k[order] = k.reshape(b * per_seq, page_size, HEADS_KV, HEAD_DIM)
-    pages_v[order] = v.reshape(b * per_seq, page_size, HEADS_KV, HEAD_DIM)
+    pages_k[order] = k.reshape(b * per_seq, page_size, *k.shape[2:])
+    pages_v[order] = v.reshape(b * per_seq, page_size, *v.shape[2:])
     table = order.reshape(b, per_seq).to(torch.int32)
     return pages_k, pages_v, table
 

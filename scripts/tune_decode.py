@@ -1,6 +1,6 @@
 """Times forms of the decode kernel (cuattn.kernels.decode: the ring depths STAGES /
 PAGED_STAGES / WIDE_STAGES, MIN_BLOCKS_PER_SPLIT) on rows of the decode benchmark, bf16, GQA
-32:8, head_dim 128, L2-cold as `python -m benchmarks decode` times them: GB/s of K/V read for a
+32:8, head_dim 128 (``--head-dim``), L2-cold as `python -m benchmarks decode` times them: GB/s of K/V read for a
 contiguous cache and pages of 16 and 1, SDPA's cuDNN backend beside.
 
     PYTHONPATH=. python scripts/tune_decode.py --stages 3,4 --min-blocks 1,2 --pdl 0,1
@@ -24,6 +24,7 @@ import cuattn  # noqa: E402
 from benchmarks.bench_decode import HEAD_DIM, HEADS_KV, HEADS_Q, ROTATE_BYTES, _gbs, _paged  # noqa: E402
 from cuattn import replay  # noqa: E402
 from cuattn.kernels import decode as plan  # noqa: E402
+from cuattn.kernels.variant import head_dim_bucket  # noqa: E402
 
 
 def main() -> None:
@@ -36,7 +37,10 @@ def main() -> None:
     parser.add_argument("--min-blocks", default=str(plan.MIN_BLOCKS_PER_SPLIT))
     parser.add_argument("--pdl", default="1")
     parser.add_argument("--rows", default="1x1024,1x32768,4x8192,16x1024,16x131072,64x1024")
+    parser.add_argument("--head-dim", type=int, default=HEAD_DIM)
     args = parser.parse_args()
+    head_dim = args.head_dim
+    plan_bucket = head_dim_bucket(head_dim)
     rng = np.random.default_rng(0)
     rows = [tuple(map(int, r.split("x"))) for r in args.rows.split(",")]
     configs = [(s, m, pdl) for s in (args.stages.split(",") if args.stages else [""]) for m in map(int, args.min_blocks.split(","))
@@ -45,10 +49,10 @@ def main() -> None:
     print(f"{'row':>10} {'cudnn':>6}  " + "  ".join(f"{'st %s mb %d pdl %s' % (s or '-', m, pdl):>20}" for s, m, pdl in configs)
           + "   (contiguous/page16/page1 GB/s)")
     for batch, seqlen in rows:
-        nbytes = 2 * batch * seqlen * HEADS_KV * HEAD_DIM * 2
+        nbytes = 2 * batch * seqlen * HEADS_KV * head_dim * 2
         sets = max(1, -(-ROTATE_BYTES // nbytes))
-        q = [torch.randn(batch, 1, HEADS_Q, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
-        kv = [tuple(torch.randn(batch, seqlen, HEADS_KV, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(2)) for _ in range(sets)]
+        q = [torch.randn(batch, 1, HEADS_Q, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
+        kv = [tuple(torch.randn(batch, seqlen, HEADS_KV, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2)) for _ in range(sets)]
         lengths = torch.full((batch,), seqlen, dtype=torch.int32, device="cuda")
         paged = {ps: [_paged(k, v, ps, rng) for k, v in kv] for ps in (16, 1)}
         views = [[x.transpose(1, 2) for x in (q[i], *kv[i])] for i in range(sets)]
@@ -64,7 +68,7 @@ def main() -> None:
             for k, table in tables.items():
                 getattr(plan, k).update(table)
                 if stages:
-                    getattr(plan, k)[HEAD_DIM] = int(stages)
+                    getattr(plan, k)[plan_bucket] = int(stages)
             plan.variant.cache_clear()
             replay.clear()
             out = cuattn.attention_with_kvcache(q[0], *paged[1][0][:2], cache_seqlens=lengths, block_table=paged[1][0][2]).float()

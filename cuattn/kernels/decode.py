@@ -14,10 +14,10 @@ ROWS, WARPS, BLOCK_N = 16, 4, 64  # packed query rows per CTA, warps, keys per r
 # Ring slots per head-dim bucket (scripts/tune_decode.py, H100, d128): a contiguous cache streams
 # best from deep rings (4 slots, one CTA per SM); a paged one from more CTAs per SM (3 slots, two
 # CTAs), whose block-table loads then overlap (page 16 against 2 slots and three CTAs: b1 8k
-# 1646 / 1441 GB/s, b4 1k 1190 / 991, b64 8k 2995 / 2540, b16 32k 2941 / 2982). Other buckets
-# are not re-measured since 2 slots.
+# 1646 / 1441 GB/s, b4 1k 1190 / 991, b64 8k 2995 / 2540, b16 32k 2941 / 2982); so at d256 (one
+# CTA per SM either way; page 16 b64 8k 2751 / 2522), not at d64 (b1 32k 2049 / 2107).
 STAGES = {32: 4, 64: 4, 96: 4, 128: 4, 160: 2, 192: 2, 224: 2, 256: 2}
-PAGED_STAGES = {32: 2, 64: 2, 96: 2, 128: 3, 160: 2, 192: 2, 224: 2, 256: 2}
+PAGED_STAGES = {32: 2, 64: 2, 96: 2, 128: 3, 160: 2, 192: 2, 224: 2, 256: 3}
 # A contiguous cache with more CTAs than SMs (several waves of one deep-ring CTA per SM): 3 slots,
 # two CTAs per SM (b64 8k: 2978 GB/s against 2911 with 4).
 WIDE_STAGES = {32: 3, 64: 3, 96: 3, 128: 3, 160: 2, 192: 2, 224: 2, 256: 2}
