@@ -33,9 +33,8 @@ ROTATE_BYTES = 256 << 20  # smaller caches are timed over copies of this much to
 def _gbs(nbytes: int, fn, sets: int = 0) -> float:
     """GB/s of ``nbytes`` per call; with ``sets``, ``fn(i)`` cycles over that many input sets,
     every one read once per sample (so that together they are not served from L2). A first
-    timing is dropped: timed first on arrays allocated right after a large row's were freed,
-    the contiguous cache (timed first in each row) read b64 x 1k at 2435 GB/s after the b16 x
-    128k row against 2814 alone and 2792 the time after (H100, old and new trees alike)."""
+    timing is dropped: the first one on arrays allocated right after a large row's were freed
+    can run slow (benchmarks/NOTES.md, KV-cache decoding)."""
     try:
         torch_kernel_ms(fn, repeat=max(10, sets), input_sets=sets)
         return round(nbytes / torch_kernel_ms(fn, repeat=max(10, sets), input_sets=sets) / 1e6, 1)

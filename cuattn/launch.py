@@ -4,9 +4,11 @@ attributes). The kernel waits for the earlier grid itself (``common/dependent_la
 only its launch latency and prologue overlap that grid's tail. Variants marked ``dependent``
 take this launch on devices of compute capability 9.0 and newer; ``CUATTN_PDL=0`` turns it off
 (to compare; read when a call is planned, so a replayed plan keeps the launch it was recorded
-with until ``cuattn.replay.clear()``). If the driver refuses a dependent launch, the kernel is
-launched the ordinary way, a ``RuntimeWarning`` names the driver's error once, and dependent
-launches stay off for the process. ``taken`` counts the launches the driver accepted.
+with until ``cuattn.replay.clear()``). Any failure of the driver call launches that kernel the
+ordinary way (which raises if the error was real; a thread without a current CUDA context gets
+one there). If the driver says the launch form is unsupported (``_UNSUPPORTED``), a
+``RuntimeWarning`` names its error once and dependent launches stay off for the process, on
+every device. ``taken`` counts the launches the driver accepted.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ import warnings
 
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 taken = 0  # dependent launches the driver accepted in this process
-refused: int | None = None  # the driver's error code once it refused one; then all are off
+refused: int | None = None  # the driver's error code once it refused the form; then all are off
+# CUDA_ERROR_NOT_SUPPORTED, CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED: the form itself is refused.
+_UNSUPPORTED = frozenset({801, 900})
 
 
 class _Attribute(ctypes.Structure):  # CUlaunchAttribute: an enum, padding, a 64-byte value union
@@ -79,7 +83,8 @@ class DependentLaunch:
         if code == 0:
             taken += 1
             return True
-        _refuse(code)
+        if code in _UNSUPPORTED:
+            _refuse(code)
         return False
 
 
@@ -87,7 +92,7 @@ def _refuse(code: int) -> None:
     global refused
     refused = code
     warnings.warn(f"cuattn: cuLaunchKernelEx refused a programmatic dependent launch (CUresult {code}); "
-                  "kernels are launched the ordinary way from now on in this process", RuntimeWarning, stacklevel=3)
+                  "kernels are launched the ordinary way from now on in this process", RuntimeWarning, stacklevel=2)
 
 
 def prepared(function, grid: tuple, block: tuple, shared_mem: int, device_id: int) -> DependentLaunch | None:

@@ -160,7 +160,8 @@ def load_kernel(variant: Variant):
 @functools.cache
 def resident_ctas(variant: Variant, device: int) -> int:
     """CTAs of ``variant`` one SM of ``device`` holds at once (its registers, shared memory and
-    threads counted by the driver)."""
+    threads counted by the driver). Loads the kernel on ``device``, compiling it if need be,
+    also when a traced call (JAX) sizes its outputs by it."""
     import cupy
     from cupy_backends.cuda.api import driver
 

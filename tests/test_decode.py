@@ -155,8 +155,8 @@ def test_grid_of_more_ctas_than_sms_takes_the_wide_ring(page_size):
 @pytest.mark.parametrize("head_dim, paged, softcap", [(96, True, None), (128, True, 30.0), (128, False, None), (64, True, None)])
 def test_default_splits_fill_one_wave_of_resident_ctas(monkeypatch, head_dim, paged, softcap):
     """The split count chosen for a batch-1 step fits the SMs at once as the driver counts the
-    kernel's CTAs per SM (registers included: paged d96 and paged d128 with softcap hold fewer
-    than their shared memory allows), and fills at least half of that."""
+    kernel's CTAs per SM (registers included: paged d96 holds fewer than its shared memory
+    allows), and fills at least half of that."""
     import cupy
 
     from cuattn import replay

@@ -63,6 +63,30 @@ def test_a_refused_dependent_launch_warns_once_and_turns_them_off(monkeypatch):
     assert calls == [1234] and launch.taken == taken
 
 
+def test_other_driver_failures_fall_back_for_that_launch_only(monkeypatch):
+    """A failure that is not a refusal of the launch form (here CUDA_ERROR_INVALID_CONTEXT, a
+    thread without a current context) launches that kernel the ordinary way, silently, and the
+    next launch asks the driver again."""
+    import warnings
+
+    codes = iter([201, 0])
+
+    class Function:
+        ptr = 1234
+
+    monkeypatch.setattr(launch, "refused", None)
+    monkeypatch.setattr(launch, "_driver_entry", lambda: lambda config, function, params, extra: next(codes))
+    monkeypatch.setattr(launch, "supported", lambda device_id: True)
+    monkeypatch.setenv("CUATTN_PDL", "1")
+    taken = launch.taken
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert launch.launch_dependent(Function(), (1, 1, 1), (32, 1, 1), 0, 0, b"\0" * 8, 0) is False
+    assert launch.refused is None and launch.enabled()
+    assert launch.launch_dependent(Function(), (1, 1, 1), (32, 1, 1), 0, 0, b"\0" * 8, 0) is True
+    assert launch.taken == taken + 1
+
+
 def test_every_dependent_kernel_waits_for_the_grid_before_it():
     """A kernel marked dependent starts while the one before it on the stream may still run: its
     source must wait for it (wait_for_previous_grid) before touching memory."""

@@ -38,7 +38,8 @@ def smem_bytes_for(bucket: int, ring: int) -> int:
 
 
 def stages(bucket: int, paged: bool, smem_limit: int = MAX_SMEM_OPTIN, wide: bool = False) -> int | None:
-    """Ring slots: the table's (``wide``: a grid of more CTAs than SMs), fewer where the
+    """Ring slots: the table's (``wide``: a contiguous cache's grid of more CTAs than SMs;
+    paged caches have one ring), fewer where the
     per-block shared memory is smaller (99 KB parts), None where even two slots do not fit
     (head_dim above 160 on those)."""
     ring = (PAGED_STAGES if paged else WIDE_STAGES if wide else STAGES)[bucket]
@@ -157,7 +158,7 @@ def variants(arch: str | None = None) -> list[Variant]:
                     continue
                 for softcap in (False, True):
                     out.append(variant(c_type, bucket, paged, softcap, smem_limit))
-                    if stages(bucket, paged, smem_limit, True) != stages(bucket, paged, smem_limit):
+                    if not paged and stages(bucket, paged, smem_limit, True) != stages(bucket, paged, smem_limit):
                         out.append(variant(c_type, bucket, paged, softcap, smem_limit, True))
             out.append(combine_variant(c_type, bucket))
         for paged in (False, True):
