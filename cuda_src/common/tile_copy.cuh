@@ -101,55 +101,24 @@ __device__ __forceinline__ void store_key_offsets(i64* s_offsets, const AttnPara
 
 // Key rows [row0, row0 + ROWS) of one KV head of a paged cache (gmem: the head in page 0): row
 // row0 + r at gmem + row_offsets[r] (store_key_offsets). Into a padded tile (load_tile's layout)
-// or, with SW128, the swizzled one of load_tile_sw128. Where each thread keeps one chunk column
-// (and one swizzle phase), its destination is computed once and its rows' offsets are all read
-// before the first copy: computed per chunk, between shared loads, the paged copies took half
-// again the instructions of the contiguous ones (H200, chunked prefill: 0.70x the dense forward).
+// or, with SW128, the swizzled one of load_tile_sw128.
 template <typename Tr, int ROWS, bool SW128, typename T, typename Smem>
 __device__ __forceinline__ void load_paged_tile(Smem* smem, const T* gmem, const i64* row_offsets, int row0, int row_end, int head_dim) {
-  constexpr int kRowsPerRound = Tr::kThreads / Tr::kChunksPerRow;
-  if constexpr (Tr::kThreads % Tr::kChunksPerRow == 0 && (!SW128 || kRowsPerRound % 8 == 0)) {
-    constexpr int kRounds = (ROWS + kRowsPerRound - 1) / kRowsPerRound;
-    const int r = threadIdx.x / Tr::kChunksPerRow, c = threadIdx.x % Tr::kChunksPerRow;
+  constexpr int kChunks = ROWS * Tr::kChunksPerRow;
+  constexpr int kRounds = (kChunks + Tr::kThreads - 1) / Tr::kThreads;
+#pragma unroll
+  for (int i = 0; i < kRounds; ++i) {
+    const int chunk = i * Tr::kThreads + threadIdx.x;
+    if (kChunks % Tr::kThreads != 0 && chunk >= kChunks) break;  // the last round is partial
+    const int tile_row = chunk / Tr::kChunksPerRow, c = chunk % Tr::kChunksPerRow;
+    const bool valid = row0 + tile_row < row_end && c * 8 < head_dim;
     unsigned char* dst;
-    int round_bytes;
     if constexpr (SW128) {
-      dst = reinterpret_cast<unsigned char*>(smem) + (c / 8) * (ROWS * kSwizzleRowBytes) + swizzled_chunk(r, c % 8);
-      round_bytes = kRowsPerRound * kSwizzleRowBytes;
+      dst = reinterpret_cast<unsigned char*>(smem) + (c / 8) * (ROWS * kSwizzleRowBytes) + swizzled_chunk(tile_row, c % 8);
     } else {
-      dst = reinterpret_cast<unsigned char*>(smem + r * Tr::kRowStride + c * 8);
-      round_bytes = kRowsPerRound * Tr::kRowStride * int(sizeof(Smem));
+      dst = reinterpret_cast<unsigned char*>(smem + tile_row * Tr::kRowStride + c * 8);
     }
-    i64 offset[kRounds];
-    bool valid[kRounds];
-#pragma unroll
-    for (int i = 0; i < kRounds; ++i) {
-      const int tile_row = r + i * kRowsPerRound;
-      valid[i] = (ROWS % kRowsPerRound == 0 || tile_row < ROWS) && row0 + tile_row < row_end && c * 8 < head_dim;
-      offset[i] = valid[i] ? row_offsets[tile_row] + c * 8 : 0;
-    }
-#pragma unroll
-    for (int i = 0; i < kRounds; ++i) {
-      if (ROWS % kRowsPerRound != 0 && r + i * kRowsPerRound >= ROWS) break;  // the short last round
-      cp_async_16(dst + i * round_bytes, gmem + offset[i], valid[i]);
-    }
-  } else {
-    constexpr int kChunks = ROWS * Tr::kChunksPerRow;
-    constexpr int kRounds = (kChunks + Tr::kThreads - 1) / Tr::kThreads;
-#pragma unroll
-    for (int i = 0; i < kRounds; ++i) {
-      const int chunk = i * Tr::kThreads + threadIdx.x;
-      if (kChunks % Tr::kThreads != 0 && chunk >= kChunks) break;  // the last round is partial
-      const int tile_row = chunk / Tr::kChunksPerRow, c = chunk % Tr::kChunksPerRow;
-      const bool valid = row0 + tile_row < row_end && c * 8 < head_dim;
-      unsigned char* dst;
-      if constexpr (SW128) {
-        dst = reinterpret_cast<unsigned char*>(smem) + (c / 8) * (ROWS * kSwizzleRowBytes) + swizzled_chunk(tile_row, c % 8);
-      } else {
-        dst = reinterpret_cast<unsigned char*>(smem + tile_row * Tr::kRowStride + c * 8);
-      }
-      cp_async_16(dst, gmem + (valid ? row_offsets[tile_row] + c * 8 : 0), valid);
-    }
+    cp_async_16(dst, gmem + (valid ? row_offsets[tile_row] + c * 8 : 0), valid);
   }
 }
 

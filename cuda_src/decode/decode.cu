@@ -55,8 +55,8 @@ struct CacheBand {
 // kRowsPerRound-th row (lanes past the last whole round idle). k and v point at the sequence's
 // head: in its cache row (contiguous), or at page 0 (paged: each key's page comes from `rows`,
 // loaded one block ahead by lane_table_entry and stored by store_rows, so that the table loads
-// are in flight while the previous block is computed). The row loop is not unrolled: unrolled, the compiler keeps
-// every row's address live across the key loop.
+// are in flight while the previous block is computed). The row loop is not unrolled: unrolled,
+// the compiler keeps every row's address live across the key loop.
 template <typename T, int HEAD_DIM, int STAGES, bool PAGED>
 __device__ __forceinline__ void load_kv_rows(T* sK, T* sV, const DecodeParams& p, const CacheRows<PAGED>& cache, const T* k, const T* v,
                                              int n0, int end, const int* rows) {
