@@ -4,8 +4,9 @@ FLOPs follow FlashAttention: 4 * batch * heads * seqlen^2 * head_dim, halved whe
 Grid: head_dim 64 / 128, seqlen 1k / 4k / 16k with batch * seqlen = 16k tokens and
 heads = 2048 / head_dim, causal or not, bf16.
 
-On Hopper the default kernel is the wgmma one; the column ``mma.sync`` times the portable
-kernel (``CUATTN_WGMMA=0``) on the same inputs.
+On Hopper the default kernel for head dims 64 / 128 / 256 is the TMA one (forward_tma.cu); the
+column ``copying`` times the wgmma kernel that copies its own tiles (``CUATTN_TMA=0``) and
+``mma.sync`` the portable kernel (``CUATTN_WGMMA=0``), on the same inputs.
 
     PYTHONPATH=. python benchmarks/bench_forward.py [--csv results/forward.csv]
 """
@@ -14,7 +15,9 @@ from __future__ import annotations
 
 import cuattn
 from cuattn import loader
-from benchmarks.timing import environment, grid_arguments, grid_configs, portable, print_comparison, torch_tflops, write_csv
+from benchmarks.timing import (
+    copying, environment, grid_arguments, grid_configs, portable, print_comparison, torch_tflops, write_csv,
+)
 
 
 def main() -> None:
@@ -34,6 +37,7 @@ def main() -> None:
         row = {"head_dim": d, "seqlen": s, "batch": b, "heads": h, "causal": causal}
         impls = {"cuattn": lambda: cuattn.attention(q, k, v, causal=causal)}
         if hopper:
+            impls["cuattn_copying"] = copying(impls["cuattn"])
             impls["cuattn_mma_sync"] = portable(impls["cuattn"])
         for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
             def run(backend=backend):

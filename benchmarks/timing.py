@@ -81,17 +81,27 @@ def torch_tflops(flops: float, fn) -> float:
         return float("nan")
 
 
-def portable(fn):
-    """``fn`` run with cuattn's Hopper kernels switched off (``CUATTN_WGMMA=0``)."""
+def with_env(fn, name: str, value: str = "0"):
+    """``fn`` run with the environment variable ``name`` set to ``value``."""
 
     def run():
-        os.environ["CUATTN_WGMMA"] = "0"
+        os.environ[name] = value
         try:
             return fn()
         finally:
-            del os.environ["CUATTN_WGMMA"]
+            del os.environ[name]
 
     return run
+
+
+def portable(fn):
+    """``fn`` run with cuattn's Hopper kernels switched off (``CUATTN_WGMMA=0``)."""
+    return with_env(fn, "CUATTN_WGMMA")
+
+
+def copying(fn):
+    """``fn`` run with the Hopper forward that copies its own tiles (``CUATTN_TMA=0``)."""
+    return with_env(fn, "CUATTN_TMA")
 
 
 def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:

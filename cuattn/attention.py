@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from cuattn import block_mask as block_mask_, boundary, dropout as dropout_, params, replay, validation
+from cuattn import block_mask as block_mask_, boundary, dropout as dropout_, params, replay, tensor_map, validation
 from cuattn.kernels import forward
 from cuattn.kernels.variant import HEAD_DIM_BUCKETS, head_dim_bucket
-from cuattn.loader import device_arch, wgmma_enabled
+from cuattn.loader import device_arch, tma_enabled, wgmma_enabled
 from cuattn.options import AttnOptions
 from cuattn.validation import check_bool
 
@@ -258,6 +258,15 @@ def launch_forward(ctx, c_type, p, rows, heads_q, batch, layout="dense", sparse=
     schedule = block_mask_.schedule_buffer(ctx, p, "q", batch) if sparse else None
     with ctx.device, ctx.stream:
         arch = device_arch(ctx.device.id)
+        head_dim = int(p["head_dim"])
+        if forward.tma_serves(c_type, head_dim, arch, wgmma_enabled() and tma_enabled(), layout, fold, dropout, sparse):
+            tp = tma_params(c_type, p)
+            if tp is not None:
+                variant = forward.tma_variant(c_type, forward.tma_tile(head_dim), p["softcap"] > 0)
+                for grid, block, batch_offset in forward.launches(variant, rows, heads_q, batch):
+                    tp["attn"]["batch_offset"] = batch_offset
+                    ctx.launch(variant, grid, block, tp)
+                return
         variant = forward.select(
             c_type, head_dim_bucket(int(p["head_dim"])), p["softcap"] > 0, arch, wgmma_enabled(), layout, fold, dropout, sparse,
         )
@@ -267,3 +276,20 @@ def launch_forward(ctx, c_type, p, rows, heads_q, batch, layout="dense", sparse=
         for grid, block, batch_offset in plan:
             p["batch_offset"] = batch_offset
             ctx.launch(variant, grid, block, p)
+
+
+def tma_params(c_type: str, p: np.void) -> np.void | None:
+    """``p`` with the tensor maps of q, k and v (forward/forward_tma.cu), or None where one of
+    them cannot be described (cuattn/tensor_map.py)."""
+    tp = params.new(params.TMA_ATTN_PARAMS)
+    tp["attn"] = p
+    block_n = forward.TMA_TILES[forward.tma_tile(int(p["head_dim"]))][0]
+    q_shape = (int(p["batch"]), int(p["seqlen_q"]), int(p["heads_q"]), int(p["head_dim"]))
+    kv_shape = (int(p["batch"]), int(p["seqlen_k"]), int(p["heads_kv"]), int(p["head_dim"]))
+    for name, shape, rows in (("q", q_shape, forward.TMA_BLOCK_M), ("k", kv_shape, block_n), ("v", kv_shape, block_n)):
+        strides = tuple(int(s) for s in p[f"{name}_strides"]) + (1,)
+        encoded = tensor_map.encode(c_type, int(p[name]), shape, strides, rows)
+        if encoded is None:
+            return None
+        tp[f"{name}_map"] = np.frombuffer(encoded, np.uint8)
+    return tp

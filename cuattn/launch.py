@@ -16,8 +16,9 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-import sys
 import warnings
+
+from cuattn import driver
 
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 taken = 0  # dependent launches the driver accepted in this process
@@ -41,17 +42,9 @@ def enabled() -> bool:
     return refused is None and os.environ.get("CUATTN_PDL", "1") != "0"
 
 
-@functools.cache
 def _driver_entry():
     """``cuLaunchKernelEx`` of the loaded driver, or None where it cannot be had."""
-    try:
-        lib = ctypes.CDLL("nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1")
-        entry = lib.cuLaunchKernelEx
-    except (OSError, AttributeError):
-        return None
-    entry.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
-    entry.restype = ctypes.c_int
-    return entry
+    return driver.function("cuLaunchKernelEx", (ctypes.c_void_p,) * 4)
 
 
 @functools.cache

@@ -95,6 +95,12 @@ def wgmma_enabled() -> bool:
     return os.environ.get("CUATTN_WGMMA", "1") != "0"
 
 
+def tma_enabled() -> bool:
+    """Whether dense 16-bit forwards on Hopper take the TMA kernel (forward/forward_tma.cu);
+    ``CUATTN_TMA=0`` keeps them on the wgmma kernel that copies for itself."""
+    return os.environ.get("CUATTN_TMA", "1") != "0"
+
+
 def small_backward_enabled() -> bool:
     """Whether small backward calls take the one-launch kernel (backward_small.cu);
     ``CUATTN_SMALL_BACKWARD=0`` gives them the kernels of larger calls (to compare the two)."""

@@ -199,10 +199,25 @@ OFFSET_CHECK_PARAMS = np.dtype(
     align=True,
 )
 
+def _tma_attn_params() -> np.dtype:
+    """TmaAttnParams: AttnParams, then three 64-byte-aligned 128-byte tensor maps."""
+    names, formats, offsets = ["attn"], [ATTN_PARAMS], [0]
+    offset = -(-ATTN_PARAMS.itemsize // 64) * 64
+    for name in ("q_map", "k_map", "v_map"):
+        names.append(name)
+        formats.append((np.uint8, (128,)))
+        offsets.append(offset)
+        offset += 128
+    return np.dtype({"names": names, "formats": formats, "offsets": offsets, "itemsize": offset})
+
+
+TMA_ATTN_PARAMS = _tma_attn_params()
+
+
 # C struct name for each host mirror, for the layout check.
 C_STRUCTS = {
     "MergeParams": MERGE_PARAMS, "SumParams": SUM_PARAMS, "AttnParams": ATTN_PARAMS, "BackwardParams": BACKWARD_PARAMS,
-    "OffsetCheckParams": OFFSET_CHECK_PARAMS, "DecodeParams": DECODE_PARAMS, "BlockScheduleParams": BLOCK_SCHEDULE_PARAMS,
+    "OffsetCheckParams": OFFSET_CHECK_PARAMS, "TmaAttnParams": TMA_ATTN_PARAMS, "DecodeParams": DECODE_PARAMS, "BlockScheduleParams": BLOCK_SCHEDULE_PARAMS,
 }
 
 

@@ -6,8 +6,8 @@
 ``small``: only the one-launch backward of small calls (backward_small.cu); without it the
 backward kernels of larger calls serve the small cases too (CUATTN_SMALL_BACKWARD=0).
 ``forward``: only the forward, over several key blocks at every Hopper tile (the padded
-buckets included) and over contiguous and paged caches, so that its K/V rings, key-offset
-buffers and named barriers turn over.
+buckets included), dense by both Hopper kernels (TMA and copying) and over contiguous and paged
+caches, so that its K/V rings, mbarriers, key-offset buffers and named barriers turn over.
 """
 
 import os
@@ -41,8 +41,11 @@ for dtype in (np.float16, BFLOAT16) if SMALL_ONLY else ():
 for dtype in (np.float16, BFLOAT16) if FORWARD_ONLY else ():
     for d in (64, 96, 128, 200, 256):
         q, k, v = arr((1, 200, 4, d), dtype), arr((1, 333, 2, d), dtype), arr((1, 333, 2, d), dtype)
-        for kw in ({}, {"causal": True}, {"causal": True, "window": (100, None), "softcap": 10.0}):
-            cuattn.attention(q, k, v, return_lse=True, **kw)
+        for tma in ("1", "0"):  # the TMA kernel (forward_tma.cu), then the one that copies its own tiles
+            os.environ["CUATTN_TMA"] = tma
+            for kw in ({}, {"causal": True}, {"causal": True, "window": (100, None), "softcap": 10.0}):
+                cuattn.attention(q, k, v, return_lse=True, **kw)
+        del os.environ["CUATTN_TMA"]
         # Chunked prefill (the forward kernel over a cache): contiguous, then pages of 16 in a
         # shuffled block table, where each key block's offsets come from shared memory.
         q, lengths = arr((1, 128, 4, d), dtype), cupy.asarray([700], dtype=np.int32)

@@ -168,9 +168,13 @@ def torch_attention_grads(fn, q, k, v, w):
 # kernel on Hopper for f16/bf16 head dims 33-64 and 97-128) for problems of any size;
 # "portable" switches the Hopper kernels off, so the mma.sync kernels run there too; "small"
 # lets small backward calls take their one-launch kernel (backward_small.cu), which the other
-# paths switch off so that their kernels are the ones tested on small problems.
+# paths switch off so that their kernels are the ones tested on small problems; "copying" keeps
+# dense Hopper forwards on the wgmma kernel that copies its own tiles instead of the TMA kernel.
 KERNEL_PATHS = ("default", "portable")
-_PATH_ENV = {"CUATTN_WGMMA": {"portable": "0"}, "CUATTN_SMALL_BACKWARD": {"default": "0", "deterministic": "0", "portable": "0"}}
+_PATH_ENV = {
+    "CUATTN_WGMMA": {"portable": "0"}, "CUATTN_TMA": {"copying": "0"},
+    "CUATTN_SMALL_BACKWARD": {"default": "0", "deterministic": "0", "portable": "0", "copying": "0"},
+}
 
 
 @contextlib.contextmanager

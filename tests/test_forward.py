@@ -46,7 +46,7 @@ def _run(rng, batch, sq, sk, hq, hk, d, dtype, scale_inputs=1.0, path="default",
     window=st.sampled_from([None, None, (16, 0), (40, 8), (None, 5), (0, 0), (2**31 - 1, None), (None, 2**31 - 1)]),
     align=st.sampled_from(["bottom_right", "top_left"]),
     softcap=st.sampled_from([None, None, 5.0]),
-    path=st.sampled_from(KERNEL_PATHS),
+    path=st.sampled_from(KERNEL_PATHS + ("copying",)),
     seed=st.integers(0, 2**32 - 1),
 )
 def test_attention_matches_reference(batch, sq, sk, heads, d, dtype, causal, window, align, softcap, path, seed):
@@ -72,6 +72,45 @@ def test_hopper_kernel_buckets_match_reference(batch, sq, sk, heads, d, dtype, c
     _run(np.random.default_rng(seed), batch, sq, sk, *heads, d, dtype, causal=causal, window=window, align=align, softcap=softcap)
 
 
+def test_hopper_dense_forwards_take_the_tma_kernel(monkeypatch):
+    """On Hopper, dense 16-bit calls at head dims above 32 run forward_tma.cu; a replayed
+    plan (recorded with stand-in addresses, cuattn/tensor_map.py) launches it with each call's
+    own addresses and gives the same bits as the full path."""
+    import cupy
+
+    from cuattn import loader, replay
+    from cuattn.kernels import forward
+
+    if loader.device_arch() != "sm_90a":
+        pytest.skip("the TMA kernel is Hopper's")
+    launched = []
+    original = forward.tma_variant
+    monkeypatch.setattr(forward, "tma_variant", lambda *args: launched.append(args) or original(*args))
+    rng = np.random.default_rng(3)
+    for d, tile in ((64, 64), (128, 128), (256, 256), (40, 64), (96, 128), (200, 256)):
+        q, k, v = (randn(rng, (2, 300, 4, d), "bfloat16") for _ in range(3))
+        k, v = k[:, :, :2], v[:, :, :2]  # GQA 4:2
+        monkeypatch.setattr(replay, "enabled", False)  # the op's own path, once per call
+        launched.clear()
+        out = cuattn.attention(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), causal=True)
+        assert launched == [("bf16", tile, False)]
+        monkeypatch.setattr(replay, "enabled", True)
+        replay.clear()
+        replays = replay.counters.replays
+        for _ in range(2):  # recorded on the first call, replayed on both
+            again = cuattn.attention(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), causal=True)
+            cupy.testing.assert_array_equal(again, out)
+        assert replay.counters.replays == replays + 2
+        assert launched == [("bf16", tile, False)] * 3  # the two recordings planned the TMA kernel too
+        ref = reference.attention(q, k, v, causal=True)
+        assert_attention_accuracy(out.get(), ref, naive_attention(q, k, v, "bfloat16", causal=True), floor=1e-5)
+        # Addresses 16 bytes past an allocation's start, through a plan recorded on aligned ones.
+        shifted = [cupy.empty(x.size + 8, cupy.asarray(x).dtype)[8:].reshape(x.shape) for x in (q, k, v)]
+        for dst, x in zip(shifted, (q, k, v)):
+            dst[...] = cupy.asarray(x)
+        cupy.testing.assert_array_equal(cuattn.attention(*shifted, causal=True), out)
+
+
 def test_hopper_devices_run_the_wgmma_kernel():
     from cuattn import loader
     from cuattn.kernels import forward
@@ -84,7 +123,7 @@ def test_hopper_devices_run_the_wgmma_kernel():
         assert forward.select("bf16", 128, False, arch, loader.wgmma_enabled()).kernel == "forward"
 
 
-@pytest.mark.parametrize("path", KERNEL_PATHS)
+@pytest.mark.parametrize("path", KERNEL_PATHS + ("copying",))
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("d", [64, 128, 192, 256])
 @pytest.mark.parametrize("causal", [False, True])

@@ -37,6 +37,11 @@ WGMMA_TILES = {64: (64, 2, 2), 128: (128, 2, 1), 256: (64, 2, 1)}
 # wasted work, and still 1.2-2x the portable kernel (NOTES, "Hopper forward"; at 32 the
 # portable kernel is faster).
 WGMMA_WIDER = {96: 128, 160: 256, 192: 256, 224: 256}
+# The TMA forward (forward_tma.cu, dense layout; head dims above 32 on the narrowest tile that
+# holds them, tma_tile): (BLOCK_N, STAGES) per tile; 128 query rows, two consumer warpgroups and a producer warpgroup, one CTA per SM.
+TMA_TILES = {64: (128, 2), 128: (128, 2), 256: (64, 2)}
+TMA_THREADS = 384
+TMA_BLOCK_M = 128
 # (bucket, softcap) whose dropout form needs more registers than its CTAs per SM leave: CTAs per SM.
 WGMMA_DROPOUT_CTAS = {(64, True): 1}
 
@@ -131,6 +136,46 @@ def wgmma_variant(
     )
 
 
+def tma_smem_bytes(head_dim: int) -> int:
+    block_n, stages = TMA_TILES[head_dim]
+    barriers = 1 + 4 * stages
+    return (TMA_BLOCK_M + 2 * stages * block_n) * head_dim * 2 + 1024 + barriers * 8
+
+
+@functools.cache
+def tma_variant(c_type: str, head_dim: int, softcap: bool) -> Variant:
+    block_n, stages = TMA_TILES[head_dim]
+    traits = f"cuattn::TmaForwardTraits<{head_dim}, {block_n}, {stages}>"
+    return Variant(
+        family=FAMILY, kernel="forward_tma",
+        expression=f"cuattn::forward_tma_kernel<{cxx_type(c_type)}, {head_dim}, {block_n}, {stages}, {softcap_arg(softcap)}>",
+        uri=f"forward_tma/{c_type}/d{head_dim}/n{block_n}s{stages}" + softcap_uri(softcap),
+        hot=True,
+        dynamic_smem=tma_smem_bytes(head_dim),
+        threads=TMA_THREADS,
+        block_m=TMA_BLOCK_M,
+        archs=(WGMMA_ARCH,),
+        contract=(
+            (f"{traits}::kSmemBytes", tma_smem_bytes(head_dim)), (f"{traits}::kThreads", TMA_THREADS),
+            (f"{traits}::kBlockM", TMA_BLOCK_M),
+        ),
+    )
+
+
+def tma_tile(head_dim: int) -> int | None:
+    """The TMA tile of a head dim: the narrowest that holds it (its columns past head_dim
+    zero-filled by the TMA unit and never stored, as WGMMA_WIDER does), None at 32 and below,
+    where the portable kernel is faster."""
+    return next((tile for tile in sorted(TMA_TILES) if tile >= head_dim), None) if head_dim > 32 else None
+
+
+def tma_serves(c_type: str, head_dim: int, arch: str, allow: bool, layout: str, fold: bool, dropout: bool, sparse: bool) -> bool:
+    """Whether the TMA forward takes a call of these kinds (its tensors' maps decide the rest:
+    cuattn/tensor_map.py)."""
+    return (allow and arch == WGMMA_ARCH and c_type in ("f16", "bf16") and tma_tile(head_dim) is not None and layout == "dense"
+            and not (fold or dropout or sparse))
+
+
 def select(
     c_type: str, bucket: int, softcap: bool, arch: str, allow_wgmma: bool = True, layout: str = "dense", fold: bool = False,
     dropout: bool = False, sparse: bool = False,
@@ -173,6 +218,10 @@ def variants(arch: str | None = None) -> list[Variant]:
                     out.append(variant(c_type, bucket, softcap, layout, dropout=True))
                     if bucket in WGMMA_TILES and c_type != "float":
                         out.append(wgmma_variant(c_type, bucket, softcap, layout, dropout=True))
+    for c_type in ("f16", "bf16"):
+        for head_dim in TMA_TILES:
+            for softcap in (False, True):
+                out.append(tma_variant(c_type, head_dim, softcap))
     for layout in SEQ_LAYOUTS + CACHE_LAYOUTS:
         for c_type in ("f16", "bf16") + (("float",) if layout in SEQ_LAYOUTS else ()):
             for bucket in HEAD_DIM_BUCKETS:

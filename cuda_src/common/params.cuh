@@ -211,6 +211,21 @@ struct DecodeParams {
   float exp2_scale;
 };
 
+// A CUtensorMap: the TMA unit's descriptor of a tensor and of the box one load copies, encoded
+// by the driver on the host (cuattn/tensor_map.py); opaque here.
+struct alignas(64) TensorMap {
+  u64 words[16];
+};
+
+// The Hopper TMA forward (forward/forward_tma.cu): the attention parameters and the tensor maps of
+// q, k and v, each 4-D (head_dim, seqlen, heads, batch) with a box of 64 columns.
+struct TmaAttnParams {
+  AttnParams attn;
+  TensorMap q_map;
+  TensorMap k_map;
+  TensorMap v_map;
+};
+
 // The packed-sequence offsets of a varlen call, checked on the device (packed/check_offsets.cu):
 // the first bad entry is reported into a word of pinned host memory.
 struct OffsetCheckParams {

@@ -28,6 +28,8 @@
 #include "common/wgmma.cuh"
 #include "forward/accumulate.cuh"
 #include "forward/online_softmax.cuh"
+#include "forward/staged_out.cuh"
+#include "forward/values_step.cuh"
 #include "forward/wgmma_traits.cuh"
 
 namespace cuattn {
@@ -171,13 +173,7 @@ __device__ __forceinline__ void forward_wgmma_block(const AttnParams& p, int seq
       wgmma_wait<1>();  // S only: groups complete in order
       const bool rescale = probabilities(n * BLOCK_N, alpha);
       wgmma_wait<0>();
-      fence_registers(acc[0]);
-      fence_registers(probs);
-      if (rescale) {
-        rescale_row(acc, 0, 0, alpha[0][0]);
-        rescale_row(acc, 0, 1, alpha[0][1]);
-      }
-      pack_a_operands<T, BLOCK_N>(probs, s[0]);
+      rescale_and_pack<T, BLOCK_N>(acc, probs, s, rescale, alpha);
     }
     cp_async_wait<0>();  // V of the last block
     fence_proxy_async();
@@ -189,21 +185,14 @@ __device__ __forceinline__ void forward_wgmma_block(const AttnParams& p, int seq
   }
 
   // Epilogue: normalize (folding into the accumulator when there is one: forward/accumulate.cuh),
-  // stage the warpgroup's rows of out in its own rows of sQ (no other warpgroup reads them; its
-  // own matmuls are done), then store them in 16-byte chunks.
+  // stage the warpgroup's rows of out in sQ and store them (forward/staged_out.cuh).
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     RowTotal total = finish_row(row_max[0][h], row_sum[0][h], p.exp2_scale, head_view.sink);
     if constexpr (DROPOUT) total.inv *= p.dropout_scale;  // kept probabilities, scaled up
     const int r = wg * 64 + warp * 16 + g + h * 8;  // row of the CTA's tile
     if constexpr (!FOLD) {
-#pragma unroll
-      for (int dt = 0; dt < Tr::kDTiles; ++dt) {
-        const int col = dt * 8 + 2 * t;
-        unsigned char* dst = sQ + (col / kSwizzleBlockElems) * Tr::kBlockM * kSwizzleRowBytes +
-                             swizzled_chunk(r, col % kSwizzleBlockElems / 8) + (col % 8) * 2;
-        *reinterpret_cast<u32*>(dst) = pack2<T>(acc[0][dt][2 * h] * total.inv, acc[0][dt][2 * h + 1] * total.inv);
-      }
+      stage_out_row<T, Tr::kBlockM>(sQ, acc[0], h, r, total.inv);
       if (t == 0 && m0 + r < span.seqlen_q && head_view.lse != nullptr) head_view.lse[m0 + r] = total.lse;
     } else {  // the same for the whole CTA; the quad's first lane reads and writes lse
       const int row = m0 + r;
@@ -231,17 +220,7 @@ __device__ __forceinline__ void forward_wgmma_block(const AttnParams& p, int seq
       if (t == 0 && in_range && head_view.lse != nullptr) head_view.lse[row] = fold.lse;
     }
   }
-  named_barrier_sync(1 + wg, 128);  // this warpgroup's rows staged
-  constexpr int kOutChunks = 64 * Tr::kChunksPerRow;
-#pragma unroll
-  for (int i = 0; i < kOutChunks / 128; ++i) {
-    const int chunk = i * 128 + threadIdx.x % 128;
-    const int r = wg * 64 + chunk / Tr::kChunksPerRow, c = chunk % Tr::kChunksPerRow;
-    if (m0 + r < span.seqlen_q && c * 8 < p.head_dim && (!FOLD || p.out != nullptr)) {
-      *reinterpret_cast<uint4*>(head_view.out + (m0 + r) * p.out_strides[1] + c * 8) = *reinterpret_cast<const uint4*>(
-          sQ + (c / 8) * Tr::kBlockM * kSwizzleRowBytes + swizzled_chunk(r, c % 8));
-    }
-  }
+  if (!FOLD || p.out != nullptr) store_staged_rows<T, Tr::kBlockM, HEAD_DIM>(sQ, head_view.out, p.out_strides[1], m0, wg, span.seqlen_q, p.head_dim);
 }
 
 /// \brief Attention forward: one CTA per (block of query rows, head, sequence)

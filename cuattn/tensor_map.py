@@ -1,0 +1,87 @@
+"""Tensor maps (``CUtensorMap``) for the Hopper TMA kernels, encoded by the driver's
+``cuTensorMapEncodeTiled`` (CuPy has no binding for it).
+
+A map describes one (batch, seqlen, heads, head_dim) tensor as 4-D with head_dim innermost,
+(head_dim, seqlen, heads, batch), and a box of 64 columns x ``box_rows`` rows of one head, stored
+with the 128-byte swizzle that ``common/wgmma.cuh`` reads; the TMA unit zero-fills what lies past
+the tensor. :func:`encode` returns None where a tensor cannot be described (an address or a
+stride that is not a multiple of 16 bytes, a negative stride, no driver), and the caller then
+takes a kernel that copies for itself.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+from cuattn import driver
+
+MAP_BYTES = 128
+BOX_COLUMNS = 64  # 16-bit elements: one 128-byte swizzle row
+_DATA_TYPES = {"f16": 6, "bf16": 9}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16, _BFLOAT16
+_SWIZZLE_128B = 3
+_L2_PROMOTION_256B = 3
+_MAX_STRIDE = 1 << 40
+
+
+def _encoder():
+    """The driver's ``cuTensorMapEncodeTiled``, or None where it cannot be had."""
+    u64p, u32p = ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint32)
+    return driver.function("cuTensorMapEncodeTiled", (
+        ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64p, u64p, u32p, u32p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+    ))
+
+
+def describable(ptr: int, shape: tuple, strides: tuple, itemsize: int = 2) -> bool:
+    """Whether a (batch, seqlen, heads, head_dim) tensor with unit last stride can be mapped."""
+    if ptr % 16 or any(s < 0 for s in strides) or strides[3] != 1:
+        return False
+    return all((s * itemsize) % 16 == 0 and s * itemsize < _MAX_STRIDE for s in strides[:3])
+
+
+def _encode_at(c_type: str, ptr: int, shape: tuple, strides: tuple, box_rows: int) -> bytes | None:
+    entry = _encoder()
+    if entry is None:
+        return None
+    batch, seqlen, heads, head_dim = (max(1, int(n)) for n in shape)
+    dims = (ctypes.c_uint64 * 4)(head_dim, seqlen, heads, batch)
+    byte_strides = (ctypes.c_uint64 * 3)(strides[1] * 2, strides[2] * 2, strides[0] * 2)
+    box = (ctypes.c_uint32 * 4)(BOX_COLUMNS, box_rows, 1, 1)
+    ones = (ctypes.c_uint32 * 4)(1, 1, 1, 1)
+    out = ctypes.create_string_buffer(MAP_BYTES + 64)
+    aligned = (ctypes.addressof(out) + 63) // 64 * 64  # the driver wants the map 64-byte aligned
+    code = entry(aligned, _DATA_TYPES[c_type], 4, ptr, dims, byte_strides, box, ones, 0, _SWIZZLE_128B, _L2_PROMOTION_256B, 0)
+    return ctypes.string_at(aligned, MAP_BYTES) if code == 0 else None
+
+
+_STAND_IN = 1 << 40  # an address the driver accepts, for maps whose address is written afterwards
+_TAGGED = 1 << 48  # device pointers lie below
+
+
+@functools.cache
+def _address_is_first_word() -> bool:
+    """Whether this driver's maps hold the tensor's address as their first word and nowhere
+    else (two maps that differ only in the address differ only there)."""
+    shape, strides = (2, 100, 3, 64), (100 * 3 * 64, 3 * 64, 64, 1)
+    a, b = _STAND_IN, _STAND_IN + (1 << 36) + 4096 + 16
+    ma, mb = _encode_at("bf16", a, shape, strides, 64), _encode_at("bf16", b, shape, strides, 64)
+    if ma is None or mb is None:
+        return False
+    return ma[8:] == mb[8:] and int.from_bytes(ma[:8], "little") == a and int.from_bytes(mb[:8], "little") == b
+
+
+def encode(c_type: str, ptr: int, shape: tuple, strides: tuple, box_rows: int) -> bytes | None:
+    """The 128 bytes of the map of a (batch, seqlen, heads, head_dim) tensor of 16-bit elements
+    (strides in elements), or None where it cannot be encoded.
+
+    An address past the 48-bit range of device pointers (the tagged stand-ins of
+    cuattn/replay.py's recordings, which the driver refuses) is written into a map encoded at an
+    address it accepts, where the driver keeps the address in the map's first word alone
+    (checked once per process); the plan's replay then writes each call's address there like
+    any other parameter word."""
+    if c_type not in _DATA_TYPES or not describable(ptr, shape, strides):
+        return None
+    if ptr < _TAGGED:
+        return _encode_at(c_type, ptr, shape, strides, box_rows)
+    stand_in = _encode_at(c_type, _STAND_IN, shape, strides, box_rows) if _address_is_first_word() else None
+    return None if stand_in is None else ptr.to_bytes(8, "little") + stand_in[8:]

@@ -1,0 +1,71 @@
+"""Which tensors and calls the Hopper TMA forward takes (no GPU needed)."""
+
+import pytest
+
+from cuattn import tensor_map
+from cuattn.kernels import forward
+
+SHAPE = (2, 300, 4, 128)
+CONTIGUOUS = (300 * 4 * 128, 4 * 128, 128, 1)
+
+
+def test_describable_tensors_have_16_byte_addresses_and_strides():
+    assert tensor_map.describable(1 << 20, SHAPE, CONTIGUOUS)
+    assert tensor_map.describable(1 << 20, SHAPE, (128, 300 * 128, 300 * 4 * 128, 1))  # (batch, heads, seqlen) memory
+    assert not tensor_map.describable((1 << 20) + 8, SHAPE, CONTIGUOUS)
+    assert not tensor_map.describable(1 << 20, SHAPE, (300 * 4 * 132, 4 * 132, 132, 1))  # rows 264 bytes apart
+    assert not tensor_map.describable(1 << 20, SHAPE, (-300 * 4 * 128, 4 * 128, 128, 1))
+    assert not tensor_map.describable(1 << 20, SHAPE, (300 * 4 * 256, 4 * 256, 256, 2))
+
+
+def test_only_dense_plain_16_bit_calls_on_hopper_take_the_tma_forward():
+    serves = forward.tma_serves
+    assert serves("bf16", 128, "sm_90a", True, "dense", False, False, False)
+    assert serves("f16", 64, "sm_90a", True, "dense", False, False, False)
+    assert serves("bf16", 256, "sm_90a", True, "dense", False, False, False)
+    assert not serves("bf16", 128, "sm_80", True, "dense", False, False, False)
+    assert not serves("bf16", 128, "sm_90a", False, "dense", False, False, False)
+    assert not serves("float", 128, "sm_90a", True, "dense", False, False, False)
+    assert serves("bf16", 96, "sm_90a", True, "dense", False, False, False)  # on the 128 tile, zero-filled
+    assert [forward.tma_tile(d) for d in (8, 32, 40, 64, 72, 128, 136, 256)] == [None, None, 64, 64, 128, 128, 256, 256]
+    assert not serves("bf16", 32, "sm_90a", True, "dense", False, False, False)
+    for layout in ("packed", "cache", "paged_cache"):
+        assert not serves("bf16", 128, "sm_90a", True, layout, False, False, False)
+    for fold, dropout, sparse in ((True, False, False), (False, True, False), (False, False, True)):
+        assert not serves("bf16", 128, "sm_90a", True, "dense", fold, dropout, sparse)
+
+
+def test_tma_variants_are_compiled_for_hopper_only():
+    variants = [v for v in forward.variants() if v.kernel == "forward_tma"]
+    assert len(variants) == 2 * len(forward.TMA_TILES) * 2
+    assert all(v.archs == ("sm_90a",) and v.threads == forward.TMA_THREADS for v in variants)
+    assert not [v for v in forward.variants("sm_80") if v.kernel == "forward_tma" and v.builds_for("sm_80")]
+
+
+@pytest.mark.parametrize("first_word", [True, False])
+def test_tagged_addresses_are_written_into_a_stand_in_map(monkeypatch, first_word):
+    """A recording's tagged address (past 48 bits, refused by the driver) goes into the first
+    word of a map encoded at an accepted address, only where the driver keeps addresses there."""
+    calls = []
+
+    def fake_driver(c_type, ptr, shape, strides, box_rows):
+        calls.append(ptr)
+        if ptr >= 1 << 48:
+            return None
+        body = bytes(range(120)) if first_word else ptr.to_bytes(8, "little")[::-1] + bytes(112)
+        return ptr.to_bytes(8, "little") + body
+
+    monkeypatch.setattr(tensor_map, "_encode_at", fake_driver)
+    tensor_map._address_is_first_word.cache_clear()
+    try:
+        real = tensor_map.encode("bf16", 1 << 20, SHAPE, CONTIGUOUS, 128)
+        assert real[:8] == (1 << 20).to_bytes(8, "little") and calls == [1 << 20]
+        tagged = (0x5EED << 48) + (1 << 39)
+        encoded = tensor_map.encode("bf16", tagged, SHAPE, CONTIGUOUS, 128)
+        assert all(ptr < 1 << 48 for ptr in calls)  # the driver never sees the tag
+        if first_word:
+            assert encoded == tagged.to_bytes(8, "little") + bytes(range(120))
+        else:
+            assert encoded is None
+    finally:
+        tensor_map._address_is_first_word.cache_clear()
