@@ -283,10 +283,10 @@ def tma_params(c_type: str, p: np.void) -> np.void | None:
     them cannot be described (cuattn/tensor_map.py)."""
     tp = params.new(params.TMA_ATTN_PARAMS)
     tp["attn"] = p
-    block_n = forward.TMA_TILES[forward.tma_tile(int(p["head_dim"]))][0]
+    block_n, _, consumers = forward.tma_tiling(forward.tma_tile(int(p["head_dim"])), p["softcap"] > 0)
     q_shape = (int(p["batch"]), int(p["seqlen_q"]), int(p["heads_q"]), int(p["head_dim"]))
     kv_shape = (int(p["batch"]), int(p["seqlen_k"]), int(p["heads_kv"]), int(p["head_dim"]))
-    for name, shape, rows in (("q", q_shape, forward.TMA_BLOCK_M), ("k", kv_shape, block_n), ("v", kv_shape, block_n)):
+    for name, shape, rows in (("q", q_shape, 64 * consumers), ("k", kv_shape, block_n), ("v", kv_shape, block_n)):
         strides = tuple(int(s) for s in p[f"{name}_strides"]) + (1,)
         encoded = tensor_map.encode(c_type, int(p[name]), shape, strides, rows)
         if encoded is None:

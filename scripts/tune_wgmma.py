@@ -1,6 +1,7 @@
 """Times candidate tilings of the Hopper kernels on the bench_forward / bench_backward grid, to
-choose cuattn.kernels.forward.WGMMA_TILES and cuattn.kernels.backward.WGMMA_TILES / WGMMA_FUSED_TILES. A candidate is
-``table:head_dim:tiles``: ``forward:64:64,2,2`` (BLOCK_N, WARPGROUPS, CTAS_PER_SM), or
+choose cuattn.kernels.forward.WGMMA_TILES / TMA_TILES and cuattn.kernels.backward.WGMMA_TILES / WGMMA_FUSED_TILES. A
+candidate is ``table:head_dim:tiles``: ``forward:64:64,2,2`` (BLOCK_N, WARPGROUPS, CTAS_PER_SM),
+``tma:128:128,2`` (the TMA forward's BLOCK_N, STAGES; head_dim is its tile), or
 ``backward_dq:128:64,2,1`` / ``backward_dkdv:128:64,1,2`` (stream rows, WARPGROUPS, CTAS_PER_SM;
 timed with deterministic=True) / ``backward_fused:128:64,1,2`` (the default backward's one-pass
 kernel). Each row prints TFLOP/s of the forward or of the whole backward, and SDPA flash.
@@ -16,6 +17,7 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import cuattn  # noqa: E402
+from cuattn import replay  # noqa: E402
 from cuattn.kernels import backward as backward_plan, forward as forward_plan  # noqa: E402
 from benchmarks.timing import grid_arguments, grid_configs, torch_tflops  # noqa: E402
 
@@ -23,13 +25,17 @@ from benchmarks.timing import grid_arguments, grid_configs, torch_tflops  # noqa
 def _table(name: str) -> dict:
     if name == "forward":
         return forward_plan.WGMMA_TILES
+    if name == "tma":
+        return forward_plan.TMA_TILES
     return backward_plan.WGMMA_FUSED_TILES if name == "backward_fused" else backward_plan.WGMMA_TILES[name]
 
 
 def _clear() -> None:
     forward_plan.wgmma_variant.cache_clear()
+    forward_plan.tma_variant.cache_clear()
     backward_plan.wgmma_variant.cache_clear()
     backward_plan.fused_variant.cache_clear()
+    replay.clear()  # plans hold the variants they were recorded with
 
 
 def main() -> None:
@@ -41,7 +47,7 @@ def main() -> None:
     parser.add_argument("--candidates", required=True)
     args = parser.parse_args()
     candidates = [(name, int(d), tuple(map(int, tiles.split(",")))) for name, d, tiles in (c.split(":") for c in args.candidates.split(";"))]
-    backward = any(name != "forward" for name, _, _ in candidates)
+    backward = any(name not in ("forward", "tma") for name, _, _ in candidates)
     dims = sorted({d for _, d, _ in candidates})
     args.head_dims = ",".join(map(str, dims))
     for d, s, causal, b, h in grid_configs(args):
@@ -52,7 +58,7 @@ def main() -> None:
         for name, cd, tiles in candidates:
             if cd != d:
                 continue
-            if name == "forward":
+            if name in ("forward", "tma"):
                 ours = lambda: cuattn.attention(q, k, v, causal=causal)  # noqa: E731
             else:
                 deterministic = name != "backward_fused"

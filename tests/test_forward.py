@@ -87,7 +87,7 @@ def test_hopper_dense_forwards_take_the_tma_kernel(monkeypatch):
     original = forward.tma_variant
     monkeypatch.setattr(forward, "tma_variant", lambda *args: launched.append(args) or original(*args))
     rng = np.random.default_rng(3)
-    for d, tile in ((64, 64), (128, 128), (256, 256), (40, 64), (96, 128), (200, 256)):
+    for d, tile in ((64, 64), (128, 128), (256, 256), (40, 64), (96, 128), (160, 192), (200, 256)):
         q, k, v = (randn(rng, (2, 300, 4, d), "bfloat16") for _ in range(3))
         k, v = k[:, :, :2], v[:, :, :2]  # GQA 4:2
         monkeypatch.setattr(replay, "enabled", False)  # the op's own path, once per call

@@ -27,7 +27,7 @@ def test_only_dense_plain_16_bit_calls_on_hopper_take_the_tma_forward():
     assert not serves("bf16", 128, "sm_90a", False, "dense", False, False, False)
     assert not serves("float", 128, "sm_90a", True, "dense", False, False, False)
     assert serves("bf16", 96, "sm_90a", True, "dense", False, False, False)  # on the 128 tile, zero-filled
-    assert [forward.tma_tile(d) for d in (8, 32, 40, 64, 72, 128, 136, 256)] == [None, None, 64, 64, 128, 128, 256, 256]
+    assert [forward.tma_tile(d) for d in (8, 32, 40, 64, 72, 128, 136, 192, 200, 256)] == [None, None, 64, 64, 128, 128, 192, 192, 256, 256]
     assert not serves("bf16", 32, "sm_90a", True, "dense", False, False, False)
     for layout in ("packed", "cache", "paged_cache"):
         assert not serves("bf16", 128, "sm_90a", True, layout, False, False, False)
@@ -38,7 +38,7 @@ def test_only_dense_plain_16_bit_calls_on_hopper_take_the_tma_forward():
 def test_tma_variants_are_compiled_for_hopper_only():
     variants = [v for v in forward.variants() if v.kernel == "forward_tma"]
     assert len(variants) == 2 * len(forward.TMA_TILES) * 2
-    assert all(v.archs == ("sm_90a",) and v.threads == forward.TMA_THREADS for v in variants)
+    assert all(v.archs == ("sm_90a",) and v.threads == 2 * v.block_m + 128 for v in variants)
     assert not [v for v in forward.variants("sm_80") if v.kernel == "forward_tma" and v.builds_for("sm_80")]
 
 

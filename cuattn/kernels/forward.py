@@ -38,10 +38,11 @@ WGMMA_TILES = {64: (64, 2, 2), 128: (128, 2, 1), 256: (64, 2, 1)}
 # portable kernel is faster).
 WGMMA_WIDER = {96: 128, 160: 256, 192: 256, 224: 256}
 # The TMA forward (forward_tma.cu, dense layout; head dims above 32 on the narrowest tile that
-# holds them, tma_tile): (BLOCK_N, STAGES) per tile; 128 query rows, two consumer warpgroups and a producer warpgroup, one CTA per SM.
-TMA_TILES = {64: (128, 2), 128: (128, 2), 256: (64, 2)}
-TMA_THREADS = 384
-TMA_BLOCK_M = 128
+# holds them, tma_tile): (BLOCK_N, STAGES, CONSUMERS) per tile; 64 query rows per consumer
+# warpgroup and a producer warpgroup, one CTA per SM (scripts/tune_wgmma.py, tma candidates).
+TMA_TILES = {64: (128, 2, 3), 128: (128, 2, 2), 192: (64, 2, 2), 256: (64, 2, 2)}
+# Softcap forms whose tile above spills (the tanh's registers: 56 bytes at 160 per consumer): theirs.
+TMA_SOFTCAP_TILES = {64: (128, 2, 2)}
 # (bucket, softcap) whose dropout form needs more registers than its CTAs per SM leave: CTAs per SM.
 WGMMA_DROPOUT_CTAS = {(64, True): 1}
 
@@ -136,28 +137,34 @@ def wgmma_variant(
     )
 
 
-def tma_smem_bytes(head_dim: int) -> int:
-    block_n, stages = TMA_TILES[head_dim]
+def tma_tiling(tile: int, softcap: bool) -> tuple[int, int, int]:
+    """(BLOCK_N, STAGES, CONSUMERS) of the TMA forward at a tile."""
+    return TMA_SOFTCAP_TILES.get(tile, TMA_TILES[tile]) if softcap else TMA_TILES[tile]
+
+
+def tma_smem_bytes(tile: int, softcap: bool = False) -> int:
+    block_n, stages, consumers = tma_tiling(tile, softcap)
     barriers = 1 + 4 * stages
-    return (TMA_BLOCK_M + 2 * stages * block_n) * head_dim * 2 + 1024 + barriers * 8
+    return (64 * consumers + 2 * stages * block_n) * tile * 2 + 1024 + barriers * 8
 
 
 @functools.cache
-def tma_variant(c_type: str, head_dim: int, softcap: bool) -> Variant:
-    block_n, stages = TMA_TILES[head_dim]
-    traits = f"cuattn::TmaForwardTraits<{head_dim}, {block_n}, {stages}>"
+def tma_variant(c_type: str, tile: int, softcap: bool) -> Variant:
+    block_n, stages, consumers = tma_tiling(tile, softcap)
+    traits = f"cuattn::TmaForwardTraits<{tile}, {block_n}, {stages}, {consumers}>"
+    threads, block_m = 128 * (consumers + 1), 64 * consumers
     return Variant(
         family=FAMILY, kernel="forward_tma",
-        expression=f"cuattn::forward_tma_kernel<{cxx_type(c_type)}, {head_dim}, {block_n}, {stages}, {softcap_arg(softcap)}>",
-        uri=f"forward_tma/{c_type}/d{head_dim}/n{block_n}s{stages}" + softcap_uri(softcap),
+        expression=f"cuattn::forward_tma_kernel<{cxx_type(c_type)}, {tile}, {block_n}, {stages}, {consumers}, {softcap_arg(softcap)}>",
+        uri=f"forward_tma/{c_type}/d{tile}/n{block_n}s{stages}c{consumers}" + softcap_uri(softcap),
         hot=True,
-        dynamic_smem=tma_smem_bytes(head_dim),
-        threads=TMA_THREADS,
-        block_m=TMA_BLOCK_M,
+        dynamic_smem=tma_smem_bytes(tile, softcap),
+        threads=threads,
+        block_m=block_m,
         archs=(WGMMA_ARCH,),
         contract=(
-            (f"{traits}::kSmemBytes", tma_smem_bytes(head_dim)), (f"{traits}::kThreads", TMA_THREADS),
-            (f"{traits}::kBlockM", TMA_BLOCK_M),
+            (f"{traits}::kSmemBytes", tma_smem_bytes(tile, softcap)), (f"{traits}::kThreads", threads),
+            (f"{traits}::kBlockM", block_m),
         ),
     )
 

@@ -136,11 +136,12 @@ __device__ __forceinline__ void pack_a_operands(u32 (&a)[K / 16][4], const float
 // Issues acc (64 x D) += A B: A (64 x K) as packed register operands (pack_a_operands), B the
 // K x D tile at b_tile (K rows, head dim contiguous). The registers of `a` are read
 // asynchronously: keep them (fence_registers) until the wait.
-// D above 128 runs as products of 128 columns (two column blocks of B each).
+// D above 128 runs as products of 128 columns (two column blocks of B each), or of 64 where D
+// is an odd number of column blocks (192).
 template <typename T, int K, int D>
 __device__ __forceinline__ void wgmma_regs_by_tile(float (&acc)[D / 8][4], const u32 (&a)[K / 16][4], u32 b_tile) {
-  constexpr int kN = D > 128 ? 128 : D;
-  static_assert(D % kN == 0, "D: 64, 128 or a multiple of 128");
+  constexpr int kN = D % 128 != 0 ? 64 : D > 128 ? 128 : D;
+  static_assert(D % kN == 0 && D % 64 == 0, "D: a multiple of 64");
 #pragma unroll
   for (int kk = 0; kk < K / 16; ++kk)
 #pragma unroll

@@ -1,11 +1,11 @@
 // Attention forward for Hopper (sm_90a) with a producer warp: the tiles come in by TMA, so the
 // warpgroups that compute never copy, compute addresses or meet at a CTA barrier.
 //
-// A CTA has 128 query rows and three warpgroups:
-// - warps 0-7, two consumer warpgroups of 64 rows each, run forward_wgmma.cu's loop: at key
+// A CTA has 64 query rows per consumer warpgroup (CONSUMERS: 2 or 3) and one producer warpgroup:
+// - the consumer warpgroups run forward_wgmma.cu's loop: at key
 //   block j a warpgroup issues S_j = Q K_j^T and O += P_{j-1} V_{j-1}, waits for S_j only, and
 //   runs the softmax of block j while the P V product is still on the tensor cores;
-// - warpgroup 2, the producer, gives its registers to the others (setmaxnreg); one of its
+// - the last warpgroup, the producer, gives its registers to the others (setmaxnreg); one of its
 //   threads loads Q once, then K and V of each key block into rings of
 //   kStages slots (K_{j+1} before V_j, the order the consumers need them), each load one TMA
 //   box per 64 columns.
@@ -14,9 +14,9 @@
 // before S_j, and an "empty" barrier every consumer thread arrives at once S_j has completed,
 // which the producer waits on before it reloads the slot; the V ring likewise with P V. Q has a
 // full barrier of its own. The parity of a slot's k-th use is k & 1.
-// The two warpgroups issue their products in turn (named barriers kBarTurn + wg): warpgroup 0's
-// products, then warpgroup 1's, then warpgroup 0's next ..., so one warpgroup's softmax runs
-// while the tensor cores work on the other's products.
+// The consumer warpgroups issue their products in turn (named barriers kBarTurn + wg): warpgroup
+// 0's products, then warpgroup 1's, ..., then warpgroup 0's next, so that one warpgroup's
+// softmax runs while the tensor cores work on another's products.
 // Rows and keys past the tensors are zero-filled by the TMA unit; the band mask (KeyBand) hides
 // keys past seqlen_k. Dense layout only (the cache, packed, fold, dropout and block-sparse forms
 // stay on forward_wgmma.cu).
@@ -34,13 +34,15 @@
 
 namespace cuattn {
 
-template <int HEAD_DIM, int BLOCK_N, int STAGES>
+template <int HEAD_DIM, int BLOCK_N, int STAGES, int CONSUMERS>
 struct TmaForwardTraits {
-  static constexpr int kBlockM = 128;                       // two consumer warpgroups of 64 rows
-  static constexpr int kConsumerThreads = 256;
+  static constexpr int kConsumers = CONSUMERS;              // warpgroups of 64 query rows
+  static constexpr int kBlockM = 64 * CONSUMERS;
+  static constexpr int kConsumerThreads = 128 * CONSUMERS;
   static constexpr int kThreads = kConsumerThreads + 128;   // + the producer warpgroup (one thread issues)
-  static constexpr int kProducerRegisters = 24;             // setmaxnreg: 128 x 24 + 256 x 240 <= 65536
-  static constexpr int kConsumerRegisters = 240;
+  // setmaxnreg: 128 x producer + kConsumerThreads x consumer registers <= 65536
+  static constexpr int kProducerRegisters = CONSUMERS == 2 ? 24 : 32;
+  static constexpr int kConsumerRegisters = CONSUMERS == 2 ? 240 : 160;
   static constexpr int kStages = STAGES;
   static constexpr int kNTiles = BLOCK_N / 8;
   static constexpr int kDTiles = HEAD_DIM / 8;
@@ -52,16 +54,17 @@ struct TmaForwardTraits {
   // +1024: the dynamic shared memory is realigned to the swizzle period inside the kernel.
   static constexpr int kSmemBytes = kQBytes + 2 * STAGES * kKVBytes + kSwizzleAtomBytes + kBarriers * 8;
 
-  static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256, "wgmma N of P V");
+  static_assert(HEAD_DIM % 64 == 0 && HEAD_DIM <= 256, "whole column blocks (wgmma N of P V: common/wgmma.cuh)");
   static_assert(BLOCK_N == 64 || BLOCK_N == 128, "wgmma N of Q K^T");
+  static_assert(CONSUMERS == 2 || CONSUMERS == 3, "the register split above");
 };
 
 constexpr int kBarTurn = 4;  // + warpgroup: its turn to issue (1 + wg: the epilogue's)
 
-template <typename T, int HEAD_DIM, int BLOCK_N, int STAGES, bool SOFTCAP>
+template <typename T, int HEAD_DIM, int BLOCK_N, int STAGES, int CONSUMERS, bool SOFTCAP>
 __device__ __forceinline__ void forward_tma_block(const TmaAttnParams& tp, int seq, int head, const SeqSpan& span, int m_block,
                                                   unsigned char* smem_raw) {
-  using Tr = TmaForwardTraits<HEAD_DIM, BLOCK_N, STAGES>;
+  using Tr = TmaForwardTraits<HEAD_DIM, BLOCK_N, STAGES, CONSUMERS>;
   const AttnParams& p = tp.attn;
   unsigned char* sQ = smem_raw + (kSwizzleAtomBytes - smem_addr(smem_raw) % kSwizzleAtomBytes) % kSwizzleAtomBytes;
   unsigned char* sK_ring = sQ + Tr::kQBytes;
@@ -154,10 +157,10 @@ __device__ __forceinline__ void forward_tma_block(const TmaAttnParams& tp, int s
       return softmax_block(s, row_max, row_sum, p.exp2_scale, [&](int, int h, float a) { alpha[0][h] = a; });
     };
     const auto take_turn = [&] { named_barrier_sync(kBarTurn + wg, 256); };
-    const auto pass_turn = [&] { named_barrier_arrive(kBarTurn + (wg ^ 1), 256); };
+    const auto pass_turn = [&] { named_barrier_arrive(kBarTurn + (wg + 1) % CONSUMERS, 256); };
     const auto parity = [](int j) { return u32((j / STAGES) & 1); };
 
-    if (wg == 1) pass_turn();  // warpgroup 0 goes first
+    if (wg == CONSUMERS - 1) pass_turn();  // warpgroup 0 goes first
     mbarrier_wait(q_full, 0);
     mbarrier_wait(k_full, 0);
     take_turn();
@@ -187,7 +190,7 @@ __device__ __forceinline__ void forward_tma_block(const TmaAttnParams& tp, int s
     wgmma_wait<0>();
     fence_registers(acc[0]);
     fence_registers(probs);
-    if (wg == 0) take_turn();  // warpgroup 1's last pass: every arrival at a turn barrier is matched
+    if (wg == 0) take_turn();  // the last warpgroup's last pass: every arrival at a turn barrier is matched
   }
 
   // Epilogue: normalize, stage the rows in sQ and store them (forward/staged_out.cuh).
@@ -201,12 +204,12 @@ __device__ __forceinline__ void forward_tma_block(const TmaAttnParams& tp, int s
   store_staged_rows<T, Tr::kBlockM, HEAD_DIM>(sQ, head_view.out, p.out_strides[1], m0, wg, span.seqlen_q, p.head_dim);
 }
 
-/// \brief Attention forward with TMA loads from a producer warpgroup: one CTA per (block of 128 query
-/// rows, head, sequence), query blocks heaviest-first (common/grid.cuh). Dense layout.
-template <typename T, int HEAD_DIM, int BLOCK_N, int STAGES, bool SOFTCAP>
-__global__ void __launch_bounds__(TmaForwardTraits<HEAD_DIM, BLOCK_N, STAGES>::kThreads, 1)
+/// \brief Attention forward with TMA loads from a producer warpgroup: one CTA per (block of
+/// 64 x CONSUMERS query rows, head, sequence), query blocks heaviest-first (common/grid.cuh). Dense layout.
+template <typename T, int HEAD_DIM, int BLOCK_N, int STAGES, int CONSUMERS, bool SOFTCAP>
+__global__ void __launch_bounds__(TmaForwardTraits<HEAD_DIM, BLOCK_N, STAGES, CONSUMERS>::kThreads, 1)
     forward_tma_kernel(const __grid_constant__ TmaAttnParams tp) {
-  using Tr = TmaForwardTraits<HEAD_DIM, BLOCK_N, STAGES>;
+  using Tr = TmaForwardTraits<HEAD_DIM, BLOCK_N, STAGES, CONSUMERS>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   if (dynamic_smem_bytes() < Tr::kSmemBytes) __trap();  // launch contract
   if (threadIdx.x == Tr::kConsumerThreads) {
@@ -217,7 +220,7 @@ __global__ void __launch_bounds__(TmaForwardTraits<HEAD_DIM, BLOCK_N, STAGES>::k
   const int head = blockIdx.y, seq = cta_batch(tp.attn);
   const SeqSpan span = seq_span<SeqLayout::kDense>(tp.attn, seq);
   for_each_row_block<SeqLayout::kDense, Tr::kBlockM>(blockIdx.x, span.seqlen_q, [&](int m_block) {
-    forward_tma_block<T, HEAD_DIM, BLOCK_N, STAGES, SOFTCAP>(tp, seq, head, span, m_block, smem_raw);
+    forward_tma_block<T, HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, SOFTCAP>(tp, seq, head, span, m_block, smem_raw);
   });
 }
 
