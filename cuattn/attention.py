@@ -260,10 +260,13 @@ def launch_forward(ctx, c_type, p, rows, heads_q, batch, layout="dense", sparse=
         arch = device_arch(ctx.device.id)
         head_dim = int(p["head_dim"])
         if forward.tma_serves(c_type, head_dim, arch, wgmma_enabled() and tma_enabled(), layout, fold, dropout, sparse):
-            tp = tma_params(c_type, p)
+            tp = tma_params(c_type, p, sparse)
             if tp is not None:
-                variant = forward.tma_variant(c_type, forward.tma_tile(head_dim), p["softcap"] > 0)
-                for grid, block, batch_offset in forward.launches(variant, rows, heads_q, batch):
+                variant = forward.tma_variant(c_type, forward.tma_tile(head_dim), p["softcap"] > 0, sparse)
+                plan = forward.launches(variant, rows, heads_q, batch)
+                if sparse:
+                    block_mask_.order_launch(ctx, schedule, variant, plan[0][0], tp["attn"])
+                for grid, block, batch_offset in plan:
                     tp["attn"]["batch_offset"] = batch_offset
                     ctx.launch(variant, grid, block, tp)
                 return
@@ -278,12 +281,12 @@ def launch_forward(ctx, c_type, p, rows, heads_q, batch, layout="dense", sparse=
             ctx.launch(variant, grid, block, p)
 
 
-def tma_params(c_type: str, p: np.void) -> np.void | None:
+def tma_params(c_type: str, p: np.void, sparse: bool = False) -> np.void | None:
     """``p`` with the tensor maps of q, k and v (forward/forward_tma.cu), or None where one of
     them cannot be described (cuattn/tensor_map.py)."""
     tp = params.new(params.TMA_ATTN_PARAMS)
     tp["attn"] = p
-    block_n, _, consumers = forward.tma_tiling(forward.tma_tile(int(p["head_dim"])), p["softcap"] > 0)
+    block_n, _, consumers = forward.tma_tiling(forward.tma_tile(int(p["head_dim"])), p["softcap"] > 0, sparse)
     q_shape = (int(p["batch"]), int(p["seqlen_q"]), int(p["heads_q"]), int(p["head_dim"]))
     kv_shape = (int(p["batch"]), int(p["seqlen_k"]), int(p["heads_kv"]), int(p["head_dim"]))
     for name, shape, rows in (("q", q_shape, 64 * consumers), ("k", kv_shape, block_n), ("v", kv_shape, block_n)):

@@ -93,7 +93,7 @@ def test_hopper_dense_forwards_take_the_tma_kernel(monkeypatch):
         monkeypatch.setattr(replay, "enabled", False)  # the op's own path, once per call
         launched.clear()
         out = cuattn.attention(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), causal=True)
-        assert launched == [("bf16", tile, False)]
+        assert launched == [("bf16", tile, False, False)]
         monkeypatch.setattr(replay, "enabled", True)
         replay.clear()
         replays = replay.counters.replays
@@ -101,7 +101,7 @@ def test_hopper_dense_forwards_take_the_tma_kernel(monkeypatch):
             again = cuattn.attention(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), causal=True)
             cupy.testing.assert_array_equal(again, out)
         assert replay.counters.replays == replays + 2
-        assert launched == [("bf16", tile, False)] * 3  # the two recordings planned the TMA kernel too
+        assert launched == [("bf16", tile, False, False)] * 3  # the two recordings planned the TMA kernel too
         ref = reference.attention(q, k, v, causal=True)
         assert_attention_accuracy(out.get(), ref, naive_attention(q, k, v, "bfloat16", causal=True), floor=1e-5)
         # Addresses 16 bytes past an allocation's start, through a plan recorded on aligned ones.

@@ -31,13 +31,15 @@ def test_only_dense_plain_16_bit_calls_on_hopper_take_the_tma_forward():
     assert not serves("bf16", 32, "sm_90a", True, "dense", False, False, False)
     for layout in ("packed", "cache", "paged_cache"):
         assert not serves("bf16", 128, "sm_90a", True, layout, False, False, False)
-    for fold, dropout, sparse in ((True, False, False), (False, True, False), (False, False, True)):
-        assert not serves("bf16", 128, "sm_90a", True, "dense", fold, dropout, sparse)
+    for fold, dropout in ((True, False), (False, True)):
+        assert not serves("bf16", 128, "sm_90a", True, "dense", fold, dropout, False)
+    assert serves("bf16", 128, "sm_90a", True, "dense", False, False, True)  # block-sparse
+    assert forward.tma_variant("bf16", 64, False, sparse=True).block_m == 128  # within one mask block
 
 
 def test_tma_variants_are_compiled_for_hopper_only():
     variants = [v for v in forward.variants() if v.kernel == "forward_tma"]
-    assert len(variants) == 2 * len(forward.TMA_TILES) * 2
+    assert len(variants) == 2 * len(forward.TMA_TILES) * 2 * 2
     assert all(v.archs == ("sm_90a",) and v.threads == 2 * v.block_m + 128 for v in variants)
     assert not [v for v in forward.variants("sm_80") if v.kernel == "forward_tma" and v.builds_for("sm_80")]
 

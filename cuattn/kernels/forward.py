@@ -41,8 +41,9 @@ WGMMA_WIDER = {96: 128, 160: 256, 192: 256, 224: 256}
 # holds them, tma_tile): (BLOCK_N, STAGES, CONSUMERS) per tile; 64 query rows per consumer
 # warpgroup and a producer warpgroup, one CTA per SM (scripts/tune_wgmma.py, tma candidates).
 TMA_TILES = {64: (128, 2, 3), 128: (128, 2, 2), 192: (64, 2, 2), 256: (64, 2, 2)}
-# Softcap forms whose tile above spills (the tanh's registers: 56 bytes at 160 per consumer): theirs.
-TMA_SOFTCAP_TILES = {64: (128, 2, 2)}
+# Tilings for the forms that three consumers do not serve: softcap (the tanh's registers: 56
+# bytes of spill at 160 per consumer) and block-sparse (a CTA's rows within one 128-row mask block).
+TMA_NARROW_TILES = {64: (128, 2, 2)}
 # (bucket, softcap) whose dropout form needs more registers than its CTAs per SM leave: CTAs per SM.
 WGMMA_DROPOUT_CTAS = {(64, True): 1}
 
@@ -137,33 +138,34 @@ def wgmma_variant(
     )
 
 
-def tma_tiling(tile: int, softcap: bool) -> tuple[int, int, int]:
+def tma_tiling(tile: int, softcap: bool, sparse: bool = False) -> tuple[int, int, int]:
     """(BLOCK_N, STAGES, CONSUMERS) of the TMA forward at a tile."""
-    return TMA_SOFTCAP_TILES.get(tile, TMA_TILES[tile]) if softcap else TMA_TILES[tile]
+    return TMA_NARROW_TILES.get(tile, TMA_TILES[tile]) if softcap or sparse else TMA_TILES[tile]
 
 
-def tma_smem_bytes(tile: int, softcap: bool = False) -> int:
-    block_n, stages, consumers = tma_tiling(tile, softcap)
+def tma_smem_bytes(tile: int, softcap: bool = False, sparse: bool = False) -> int:
+    block_n, stages, consumers = tma_tiling(tile, softcap, sparse)
     barriers = 1 + 4 * stages
     return (64 * consumers + 2 * stages * block_n) * tile * 2 + 1024 + barriers * 8
 
 
 @functools.cache
-def tma_variant(c_type: str, tile: int, softcap: bool) -> Variant:
-    block_n, stages, consumers = tma_tiling(tile, softcap)
+def tma_variant(c_type: str, tile: int, softcap: bool, sparse: bool = False) -> Variant:
+    block_n, stages, consumers = tma_tiling(tile, softcap, sparse)
     traits = f"cuattn::TmaForwardTraits<{tile}, {block_n}, {stages}, {consumers}>"
     threads, block_m = 128 * (consumers + 1), 64 * consumers
     return Variant(
         family=FAMILY, kernel="forward_tma",
-        expression=f"cuattn::forward_tma_kernel<{cxx_type(c_type)}, {tile}, {block_n}, {stages}, {consumers}, {softcap_arg(softcap)}>",
-        uri=f"forward_tma/{c_type}/d{tile}/n{block_n}s{stages}c{consumers}" + softcap_uri(softcap),
+        expression=(f"cuattn::forward_tma_kernel<{cxx_type(c_type)}, {tile}, {block_n}, {stages}, {consumers}, {softcap_arg(softcap)}"
+                    + (", true>" if sparse else ">")),
+        uri=f"forward_tma/{c_type}/d{tile}/n{block_n}s{stages}c{consumers}" + softcap_uri(softcap) + dropout_uri(False, sparse),
         hot=True,
-        dynamic_smem=tma_smem_bytes(tile, softcap),
+        dynamic_smem=tma_smem_bytes(tile, softcap, sparse),
         threads=threads,
         block_m=block_m,
         archs=(WGMMA_ARCH,),
         contract=(
-            (f"{traits}::kSmemBytes", tma_smem_bytes(tile, softcap)), (f"{traits}::kThreads", threads),
+            (f"{traits}::kSmemBytes", tma_smem_bytes(tile, softcap, sparse)), (f"{traits}::kThreads", threads),
             (f"{traits}::kBlockM", block_m),
         ),
     )
@@ -180,7 +182,7 @@ def tma_serves(c_type: str, head_dim: int, arch: str, allow: bool, layout: str, 
     """Whether the TMA forward takes a call of these kinds (its tensors' maps decide the rest:
     cuattn/tensor_map.py)."""
     return (allow and arch == WGMMA_ARCH and c_type in ("f16", "bf16") and tma_tile(head_dim) is not None and layout == "dense"
-            and not (fold or dropout or sparse))
+            and not (fold or dropout))
 
 
 def select(
@@ -226,9 +228,10 @@ def variants(arch: str | None = None) -> list[Variant]:
                     if bucket in WGMMA_TILES and c_type != "float":
                         out.append(wgmma_variant(c_type, bucket, softcap, layout, dropout=True))
     for c_type in ("f16", "bf16"):
-        for head_dim in TMA_TILES:
+        for tile in TMA_TILES:
             for softcap in (False, True):
-                out.append(tma_variant(c_type, head_dim, softcap))
+                out.append(tma_variant(c_type, tile, softcap))
+                out.append(tma_variant(c_type, tile, softcap, sparse=True))
     for layout in SEQ_LAYOUTS + CACHE_LAYOUTS:
         for c_type in ("f16", "bf16") + (("float",) if layout in SEQ_LAYOUTS else ()):
             for bucket in HEAD_DIM_BUCKETS:

@@ -16,7 +16,7 @@ MASK_BLOCK = 128  # rows and keys per mask block (common/block_sparse.cuh kSpars
 # keeps, summed over the GQA group) and whether x counts row blocks from the last (the
 # kernels that start with the heaviest causal blocks: for_each_row_block, dq_block).
 GRID_WALKS = {
-    "forward": ("q", True), "forward_wgmma": ("q", True), "forward_fp32": ("q", True),
+    "forward": ("q", True), "forward_wgmma": ("q", True), "forward_tma": ("q", True), "forward_fp32": ("q", True),
     "backward_dq": ("q", True), "backward_wgmma_dq": ("q", True), "backward_fp32_dq": ("q", False),
     "backward_dkdv": ("k", False), "backward_wgmma_dkdv": ("k", False), "backward_wgmma_fused": ("k", False),
     "backward_fp32_dkdv": ("k", False),

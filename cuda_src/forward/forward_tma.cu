@@ -18,8 +18,10 @@
 // 0's products, then warpgroup 1's, ..., then warpgroup 0's next, so that one warpgroup's
 // softmax runs while the tensor cores work on another's products.
 // Rows and keys past the tensors are zero-filled by the TMA unit; the band mask (KeyBand) hides
-// keys past seqlen_k. Dense layout only (the cache, packed, fold, dropout and block-sparse forms
-// stay on forward_wgmma.cu).
+// keys past seqlen_k. Dense layout only (the cache, packed, fold and dropout forms stay on
+// forward_wgmma.cu). SPARSE: only the key blocks a block mask keeps (common/block_sparse.cuh),
+// in the order both sides walk them; CTAs take their cells from the launch's schedule.
+#include "common/block_sparse.cuh"
 #include "common/grid.cuh"
 #include "common/head_view.cuh"
 #include "common/mask.cuh"
@@ -61,7 +63,7 @@ struct TmaForwardTraits {
 
 constexpr int kBarTurn = 4;  // + warpgroup: its turn to issue (1 + wg: the epilogue's)
 
-template <typename T, int HEAD_DIM, int BLOCK_N, int STAGES, int CONSUMERS, bool SOFTCAP>
+template <typename T, int HEAD_DIM, int BLOCK_N, int STAGES, int CONSUMERS, bool SOFTCAP, bool SPARSE>
 __device__ __forceinline__ void forward_tma_block(const TmaAttnParams& tp, int seq, int head, const SeqSpan& span, int m_block,
                                                   unsigned char* smem_raw) {
   using Tr = TmaForwardTraits<HEAD_DIM, BLOCK_N, STAGES, CONSUMERS>;
@@ -81,7 +83,22 @@ __device__ __forceinline__ void forward_tma_block(const TmaAttnParams& tp, int s
   const int key_first = band.first_key(m0), key_last = band.last_key(m_last);
   const int n_first = key_first / BLOCK_N;
   const int n_last = key_last < key_first ? n_first - 1 : key_last / BLOCK_N;
-  const int blocks = n_last - n_first + 1;  // key blocks n_last, n_last - 1, ... (the diagonal first)
+  // The key blocks visited, block_at(0) .. block_at(blocks - 1): n_last, n_last - 1, ... (the
+  // diagonal first), or the mask's kept ones among them, likewise last first.
+  const KeyTiles<SPARSE, BLOCK_N> tiles(p, seq, head, m0, n_first, n_last);
+  int blocks;
+  if constexpr (SPARSE) {
+    blocks = tiles.count;
+  } else {
+    blocks = n_last - n_first + 1;
+  }
+  const auto block_at = [&](int j) {
+    if constexpr (SPARSE) {
+      return tiles.tile(j);
+    } else {
+      return n_last - j;
+    }
+  };
 
   if (threadIdx.x == 0) {
     mbarrier_init(q_full, 1);
@@ -112,13 +129,13 @@ __device__ __forceinline__ void forward_tma_block(const TmaAttnParams& tp, int s
         const int s = j % STAGES;
         mbarrier_wait(v_empty + s, ((j / STAGES) & 1) ^ 1);
         mbarrier_arrive_expect_bytes(v_full + s, Tr::kKVBytes);
-        load_tile(sV_ring + s * Tr::kKVBytes, &tp.v_map, v_full + s, BLOCK_N, (n_last - j) * BLOCK_N, kv_head);
+        load_tile(sV_ring + s * Tr::kKVBytes, &tp.v_map, v_full + s, BLOCK_N, block_at(j) * BLOCK_N, kv_head);
       };
       for (int j = 0; j < blocks; ++j) {
         const int s = j % STAGES;
         mbarrier_wait(k_empty + s, ((j / STAGES) & 1) ^ 1);
         mbarrier_arrive_expect_bytes(k_full + s, Tr::kKVBytes);
-        load_tile(sK_ring + s * Tr::kKVBytes, &tp.k_map, k_full + s, BLOCK_N, (n_last - j) * BLOCK_N, kv_head);
+        load_tile(sK_ring + s * Tr::kKVBytes, &tp.k_map, k_full + s, BLOCK_N, block_at(j) * BLOCK_N, kv_head);
         if (j > 0) load_v(j - 1);
       }
       load_v(blocks - 1);
@@ -169,7 +186,7 @@ __device__ __forceinline__ void forward_tma_block(const TmaAttnParams& tp, int s
     wgmma_wait<0>();
     mbarrier_arrive(k_empty);
     float alpha[1][2];
-    probabilities(n_last * BLOCK_N, alpha);  // O is still zero: nothing to rescale
+    probabilities(block_at(0) * BLOCK_N, alpha);  // O is still zero: nothing to rescale
     pack_a_operands<T, BLOCK_N>(probs, s[0]);
     for (int j = 1; j < blocks; ++j) {
       mbarrier_wait(k_full + j % STAGES, parity(j));
@@ -180,7 +197,7 @@ __device__ __forceinline__ void forward_tma_block(const TmaAttnParams& tp, int s
       pass_turn();
       wgmma_wait<1>();  // S only: groups complete in order
       mbarrier_arrive(k_empty + j % STAGES);
-      const bool rescale = probabilities((n_last - j) * BLOCK_N, alpha);
+      const bool rescale = probabilities(block_at(j) * BLOCK_N, alpha);
       wgmma_wait<0>();
       mbarrier_arrive(v_empty + (j - 1) % STAGES);
       rescale_and_pack<T, BLOCK_N>(acc, probs, s, rescale, alpha);
@@ -206,7 +223,7 @@ __device__ __forceinline__ void forward_tma_block(const TmaAttnParams& tp, int s
 
 /// \brief Attention forward with TMA loads from a producer warpgroup: one CTA per (block of
 /// 64 x CONSUMERS query rows, head, sequence), query blocks heaviest-first (common/grid.cuh). Dense layout.
-template <typename T, int HEAD_DIM, int BLOCK_N, int STAGES, int CONSUMERS, bool SOFTCAP>
+template <typename T, int HEAD_DIM, int BLOCK_N, int STAGES, int CONSUMERS, bool SOFTCAP, bool SPARSE = false>
 __global__ void __launch_bounds__(TmaForwardTraits<HEAD_DIM, BLOCK_N, STAGES, CONSUMERS>::kThreads, 1)
     forward_tma_kernel(const __grid_constant__ TmaAttnParams tp) {
   using Tr = TmaForwardTraits<HEAD_DIM, BLOCK_N, STAGES, CONSUMERS>;
@@ -217,10 +234,12 @@ __global__ void __launch_bounds__(TmaForwardTraits<HEAD_DIM, BLOCK_N, STAGES, CO
     tma_prefetch_map(&tp.k_map);
     tma_prefetch_map(&tp.v_map);
   }
-  const int head = blockIdx.y, seq = cta_batch(tp.attn);
+  static_assert(!SPARSE || kSparseBlock % Tr::kBlockM == 0, "a CTA's rows within one mask block");
+  const GridCell cell = grid_cell<SPARSE>(tp.attn);
+  const int head = cell.y, seq = cta_batch(tp.attn);
   const SeqSpan span = seq_span<SeqLayout::kDense>(tp.attn, seq);
-  for_each_row_block<SeqLayout::kDense, Tr::kBlockM>(blockIdx.x, span.seqlen_q, [&](int m_block) {
-    forward_tma_block<T, HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, SOFTCAP>(tp, seq, head, span, m_block, smem_raw);
+  for_each_row_block<SeqLayout::kDense, Tr::kBlockM>(cell.x, span.seqlen_q, [&](int m_block) {
+    forward_tma_block<T, HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, SOFTCAP, SPARSE>(tp, seq, head, span, m_block, smem_raw);
   });
 }
 
