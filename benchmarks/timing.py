@@ -82,14 +82,18 @@ def torch_tflops(flops: float, fn) -> float:
 
 
 def with_env(fn, name: str, value: str = "0"):
-    """``fn`` run with the environment variable ``name`` set to ``value``."""
+    """``fn`` run with the environment variable ``name`` set to ``value`` (restored after)."""
 
     def run():
+        saved = os.environ.get(name)
         os.environ[name] = value
         try:
             return fn()
         finally:
-            del os.environ[name]
+            if saved is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = saved
 
     return run
 

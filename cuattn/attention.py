@@ -286,13 +286,18 @@ def tma_params(c_type: str, p: np.void, sparse: bool = False) -> np.void | None:
     them cannot be described (cuattn/tensor_map.py)."""
     tp = params.new(params.TMA_ATTN_PARAMS)
     tp["attn"] = p
-    block_n, _, consumers = forward.tma_tiling(forward.tma_tile(int(p["head_dim"])), p["softcap"] > 0, sparse)
-    q_shape = (int(p["batch"]), int(p["seqlen_q"]), int(p["heads_q"]), int(p["head_dim"]))
-    kv_shape = (int(p["batch"]), int(p["seqlen_k"]), int(p["heads_kv"]), int(p["head_dim"]))
+    head_dim = int(p["head_dim"])
+    block_n, _, consumers = forward.tma_tiling(forward.tma_tile(head_dim), p["softcap"] > 0, sparse)
+    q_shape = (int(p["batch"]), int(p["seqlen_q"]), int(p["heads_q"]), head_dim)
+    kv_shape = (int(p["batch"]), int(p["seqlen_k"]), int(p["heads_kv"]), head_dim)
     for name, shape, rows in (("q", q_shape, 64 * consumers), ("k", kv_shape, block_n), ("v", kv_shape, block_n)):
         strides = tuple(int(s) for s in p[f"{name}_strides"]) + (1,)
-        encoded = tensor_map.encode(c_type, int(p[name]), shape, strides, rows)
+        address = int(p[name])
+        encoded = tensor_map.encode(c_type, address, shape, strides, rows)
         if encoded is None:
+            if address >= tensor_map.TAGGED and tensor_map.describable(address, shape, strides):
+                # A recording whose plan would take the copying kernel where the call itself takes this one.
+                raise replay.Uncacheable("tensor maps cannot be recorded on this driver")
             return None
         tp[f"{name}_map"] = np.frombuffer(encoded, np.uint8)
     return tp

@@ -12,7 +12,6 @@ takes a kernel that copies for itself.
 from __future__ import annotations
 
 import ctypes
-import functools
 
 from cuattn import driver
 
@@ -54,20 +53,8 @@ def _encode_at(c_type: str, ptr: int, shape: tuple, strides: tuple, box_rows: in
     return ctypes.string_at(aligned, MAP_BYTES) if code == 0 else None
 
 
-_STAND_IN = 1 << 40  # an address the driver accepts, for maps whose address is written afterwards
-_TAGGED = 1 << 48  # device pointers lie below
-
-
-@functools.cache
-def _address_is_first_word() -> bool:
-    """Whether this driver's maps hold the tensor's address as their first word and nowhere
-    else (two maps that differ only in the address differ only there)."""
-    shape, strides = (2, 100, 3, 64), (100 * 3 * 64, 3 * 64, 64, 1)
-    a, b = _STAND_IN, _STAND_IN + (1 << 36) + 4096 + 16
-    ma, mb = _encode_at("bf16", a, shape, strides, 64), _encode_at("bf16", b, shape, strides, 64)
-    if ma is None or mb is None:
-        return False
-    return ma[8:] == mb[8:] and int.from_bytes(ma[:8], "little") == a and int.from_bytes(mb[:8], "little") == b
+_STAND_INS = (1 << 40, 0x7ABC_DEF1_2340)  # addresses the driver accepts, for maps whose address is written afterwards
+TAGGED = 1 << 48  # device pointers lie below: addresses from here on are a recording's tags
 
 
 def encode(c_type: str, ptr: int, shape: tuple, strides: tuple, box_rows: int) -> bytes | None:
@@ -75,13 +62,16 @@ def encode(c_type: str, ptr: int, shape: tuple, strides: tuple, box_rows: int) -
     (strides in elements), or None where it cannot be encoded.
 
     An address past the 48-bit range of device pointers (the tagged stand-ins of
-    cuattn/replay.py's recordings, which the driver refuses) is written into a map encoded at an
-    address it accepts, where the driver keeps the address in the map's first word alone
-    (checked once per process); the plan's replay then writes each call's address there like
-    any other parameter word."""
+    cuattn/replay.py's recordings, which the driver refuses) is written into the map of the same
+    tensor encoded at an address the driver accepts, where the driver keeps the address in the
+    map's first word alone: checked on this very map, encoded at two stand-in addresses that
+    differ in most of their bits (else None); the plan's replay then writes each call's address
+    there like any other parameter word."""
     if c_type not in _DATA_TYPES or not describable(ptr, shape, strides):
         return None
-    if ptr < _TAGGED:
+    if ptr < TAGGED:
         return _encode_at(c_type, ptr, shape, strides, box_rows)
-    stand_in = _encode_at(c_type, _STAND_IN, shape, strides, box_rows) if _address_is_first_word() else None
-    return None if stand_in is None else ptr.to_bytes(8, "little") + stand_in[8:]
+    a, b = (_encode_at(c_type, stand_in, shape, strides, box_rows) for stand_in in _STAND_INS)
+    if a is None or b is None or a[8:] != b[8:] or [int.from_bytes(m[:8], "little") for m in (a, b)] != list(_STAND_INS):
+        return None
+    return ptr.to_bytes(8, "little") + a[8:]

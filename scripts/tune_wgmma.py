@@ -1,7 +1,8 @@
 """Times candidate tilings of the Hopper kernels on the bench_forward / bench_backward grid, to
 choose cuattn.kernels.forward.WGMMA_TILES / TMA_TILES and cuattn.kernels.backward.WGMMA_TILES / WGMMA_FUSED_TILES. A
 candidate is ``table:head_dim:tiles``: ``forward:64:64,2,2`` (BLOCK_N, WARPGROUPS, CTAS_PER_SM),
-``tma:128:128,2`` (the TMA forward's BLOCK_N, STAGES; head_dim is its tile), or
+``tma:128:128,2,2`` (the TMA forward's BLOCK_N, STAGES, CONSUMERS; head_dim is its tile; the
+``forward`` candidates are timed with ``CUATTN_TMA=0``, on the kernel they tile), or
 ``backward_dq:128:64,2,1`` / ``backward_dkdv:128:64,1,2`` (stream rows, WARPGROUPS, CTAS_PER_SM;
 timed with deterministic=True) / ``backward_fused:128:64,1,2`` (the default backward's one-pass
 kernel). Each row prints TFLOP/s of the forward or of the whole backward, and SDPA flash.
@@ -19,7 +20,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import cuattn  # noqa: E402
 from cuattn import replay  # noqa: E402
 from cuattn.kernels import backward as backward_plan, forward as forward_plan  # noqa: E402
-from benchmarks.timing import grid_arguments, grid_configs, torch_tflops  # noqa: E402
+from benchmarks.timing import copying, grid_arguments, grid_configs, torch_tflops  # noqa: E402
 
 
 def _table(name: str) -> dict:
@@ -58,7 +59,9 @@ def main() -> None:
         for name, cd, tiles in candidates:
             if cd != d:
                 continue
-            if name in ("forward", "tma"):
+            if name == "forward":
+                ours = copying(lambda: cuattn.attention(q, k, v, causal=causal))
+            elif name == "tma":
                 ours = lambda: cuattn.attention(q, k, v, causal=causal)  # noqa: E731
             else:
                 deterministic = name != "backward_fused"

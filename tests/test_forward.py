@@ -65,11 +65,13 @@ def test_attention_matches_reference(batch, sq, sk, heads, d, dtype, causal, win
     window=st.sampled_from([None, None, (16, 0), (40, 8), (None, 5), (0, 0), (2**31 - 1, None), (None, 2**31 - 1)]),
     align=st.sampled_from(["bottom_right", "top_left"]),
     softcap=st.sampled_from([None, None, 5.0]),
+    path=st.sampled_from(["default", "copying"]),
     seed=st.integers(0, 2**32 - 1),
 )
-def test_hopper_kernel_buckets_match_reference(batch, sq, sk, heads, d, dtype, causal, window, align, softcap, seed):
-    """The head dims the wgmma kernel serves on Hopper (the default path), drawn densely."""
-    _run(np.random.default_rng(seed), batch, sq, sk, *heads, d, dtype, causal=causal, window=window, align=align, softcap=softcap)
+def test_hopper_kernel_buckets_match_reference(batch, sq, sk, heads, d, dtype, causal, window, align, softcap, path, seed):
+    """The head dims the Hopper kernels serve, drawn densely: on the default path the TMA
+    kernel, on "copying" the wgmma kernel that copies its own tiles."""
+    _run(np.random.default_rng(seed), batch, sq, sk, *heads, d, dtype, causal=causal, window=window, align=align, softcap=softcap, path=path)
 
 
 def test_hopper_dense_forwards_take_the_tma_kernel(monkeypatch):
@@ -109,6 +111,21 @@ def test_hopper_dense_forwards_take_the_tma_kernel(monkeypatch):
         for dst, x in zip(shifted, (q, k, v)):
             dst[...] = cupy.asarray(x)
         cupy.testing.assert_array_equal(cuattn.attention(*shifted, causal=True), out)
+    # Tensors stored (batch, heads, seqlen, head_dim), SDPA's layout seen through a transpose,
+    # and K / V broadcast over the batch (stride 0): mapped, or run by the copying kernel where
+    # the driver refuses the map; right either way.
+    def heads_major(x):
+        return cupy.asarray(np.ascontiguousarray(x.transpose(0, 2, 1, 3))).transpose(0, 2, 1, 3)
+
+    q, k, v = (randn(rng, (2, 300, 4, 128), "bfloat16") for _ in range(3))
+    k1, v1 = (randn(rng, (1, 300, 2, 128), "bfloat16") for _ in range(2))
+    k2, v2 = (np.broadcast_to(x, (2, 300, 2, 128)) for x in (k1, v1))
+    broadcast = (cupy.asarray(q), cupy.broadcast_to(cupy.asarray(k1), k2.shape), cupy.broadcast_to(cupy.asarray(v1), v2.shape))
+    for device_args, host_args in (((heads_major(q), heads_major(k), heads_major(v)), (q, k, v)), (broadcast, (q, k2, v2))):
+        got = cuattn.attention(*device_args, causal=True)
+        host_args = tuple(np.ascontiguousarray(x) for x in host_args)
+        ref = reference.attention(*host_args, causal=True)
+        assert_attention_accuracy(got.get(), ref, naive_attention(*host_args, "bfloat16", causal=True), floor=1e-5)
 
 
 def test_hopper_devices_run_the_wgmma_kernel():

@@ -1,19 +1,21 @@
-// Attention forward for Hopper (sm_90a) with a producer warp: the tiles come in by TMA, so the
-// warpgroups that compute never copy, compute addresses or meet at a CTA barrier.
+// Attention forward for Hopper (sm_90a) with a producer warpgroup: the tiles come in by TMA, so
+// the warpgroups that compute never copy, compute addresses or, after the mbarriers' set-up,
+// meet at a CTA barrier.
 //
 // A CTA has 64 query rows per consumer warpgroup (CONSUMERS: 2 or 3) and one producer warpgroup:
-// - the consumer warpgroups run forward_wgmma.cu's loop: at key
-//   block j a warpgroup issues S_j = Q K_j^T and O += P_{j-1} V_{j-1}, waits for S_j only, and
-//   runs the softmax of block j while the P V product is still on the tensor cores;
-// - the last warpgroup, the producer, gives its registers to the others (setmaxnreg); one of its
-//   threads loads Q once, then K and V of each key block into rings of
-//   kStages slots (K_{j+1} before V_j, the order the consumers need them), each load one TMA
-//   box per 64 columns.
+// - the consumer warpgroups run forward_wgmma.cu's loop: at key block j a warpgroup issues
+//   S_j = Q K_j^T and O += P_{j-1} V_{j-1}, waits for S_j only, and runs the softmax of block j
+//   while the P V product is still on the tensor cores;
+// - the last warpgroup, the producer, gives its registers to the others (setmaxnreg); one of
+//   its threads loads Q once, then K and V of each key block into rings of STAGES slots
+//   (K_{j+1} before V_j, the order the consumers need them), one TMA box per 64 columns.
 // Who waits on what (mbarriers, common/tma.cuh): slot s of the K ring has a "full" barrier (the
 // producer announces the tile's bytes, the TMA unit counts them in) that consumers wait on
 // before S_j, and an "empty" barrier every consumer thread arrives at once S_j has completed,
 // which the producer waits on before it reloads the slot; the V ring likewise with P V. Q has a
-// full barrier of its own. The parity of a slot's k-th use is k & 1.
+// full barrier of its own. Consumers wait for a slot's k-th fill (k from 0) on parity k & 1;
+// before that fill the producer waits on parity (k & 1) ^ 1, the slot's previous release, which
+// for k = 0 a freshly initialized barrier counts as complete (no wait on the first pass).
 // The consumer warpgroups issue their products in turn (named barriers kBarTurn + wg): warpgroup
 // 0's products, then warpgroup 1's, ..., then warpgroup 0's next, so that one warpgroup's
 // softmax runs while the tensor cores work on another's products.
@@ -38,18 +40,15 @@ namespace cuattn {
 
 template <int HEAD_DIM, int BLOCK_N, int STAGES, int CONSUMERS>
 struct TmaForwardTraits {
-  static constexpr int kConsumers = CONSUMERS;              // warpgroups of 64 query rows
-  static constexpr int kBlockM = 64 * CONSUMERS;
+  static constexpr int kBlockM = 64 * CONSUMERS;            // 64 query rows per consumer warpgroup
   static constexpr int kConsumerThreads = 128 * CONSUMERS;
   static constexpr int kThreads = kConsumerThreads + 128;   // + the producer warpgroup (one thread issues)
   // setmaxnreg: 128 x producer + kConsumerThreads x consumer registers <= 65536
   static constexpr int kProducerRegisters = CONSUMERS == 2 ? 24 : 32;
   static constexpr int kConsumerRegisters = CONSUMERS == 2 ? 240 : 160;
-  static constexpr int kStages = STAGES;
   static constexpr int kNTiles = BLOCK_N / 8;
   static constexpr int kDTiles = HEAD_DIM / 8;
   static constexpr int kColumnBlocks = HEAD_DIM / kSwizzleBlockElems;  // TMA boxes per tile
-  static constexpr int kChunksPerRow = HEAD_DIM / 8;
   static constexpr int kQBytes = kBlockM * HEAD_DIM * 2;
   static constexpr int kKVBytes = BLOCK_N * HEAD_DIM * 2;
   static constexpr int kBarriers = 1 + 4 * STAGES;          // Q full; K full, V full, K empty, V empty per slot
