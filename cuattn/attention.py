@@ -295,7 +295,7 @@ def tma_params(c_type: str, p: np.void, sparse: bool = False) -> np.void | None:
         address = int(p[name])
         encoded = tensor_map.encode(c_type, address, shape, strides, rows)
         if encoded is None:
-            if address >= tensor_map.TAGGED and tensor_map.describable(address, shape, strides):
+            if address >= tensor_map.TAGGED and tensor_map.available() and tensor_map.describable(address, shape, strides):
                 # A recording whose plan would take the copying kernel where the call itself takes this one.
                 raise replay.Uncacheable("tensor maps cannot be recorded on this driver")
             return None

@@ -31,6 +31,11 @@ def _encoder():
     ))
 
 
+def available() -> bool:
+    """Whether the driver can encode maps here."""
+    return _encoder() is not None
+
+
 def describable(ptr: int, shape: tuple, strides: tuple, itemsize: int = 2) -> bool:
     """Whether a (batch, seqlen, heads, head_dim) tensor with unit last stride can be mapped."""
     if ptr % 16 or any(s < 0 for s in strides) or strides[3] != 1:
