@@ -3,8 +3,9 @@
 FLOPs follow FlashAttention: 2.5 x the forward's 4 * batch * heads * seqlen^2 * head_dim,
 halved when causal. Grid as in bench_forward.py (batch * seqlen = 16k tokens, heads =
 2048 / head_dim, bf16). Peers are timed on ``torch.autograd.grad`` of their own forward;
-cuattn on ``attention_backward`` (delta pass + dQ kernel + dK/dV kernel). On Hopper the column
-``mma_sync`` times the portable kernels (``CUATTN_WGMMA=0``) on the same inputs.
+cuattn on ``attention_backward`` (delta pass, the one-pass kernel, dQ conversion). On Hopper the
+column ``mma_sync`` times the portable kernels (``CUATTN_WGMMA=0``) on the same inputs, and
+``copying`` the one-pass kernel that copies its own tiles (``CUATTN_TMA=0``).
 
     PYTHONPATH=. python benchmarks/bench_backward.py [--csv results/backward.csv]
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import cuattn
 from cuattn import loader
-from benchmarks.timing import environment, grid_arguments, grid_configs, portable, print_comparison, torch_tflops, write_csv
+from benchmarks.timing import copying, environment, grid_arguments, grid_configs, portable, print_comparison, torch_tflops, write_csv
 
 
 def main() -> None:
@@ -34,6 +35,7 @@ def main() -> None:
         impls = {"cuattn": lambda: cuattn.attention_backward(do, q, k, v, out, lse, causal=causal)}
         if hopper:
             impls["cuattn_mma_sync"] = portable(impls["cuattn"])
+            impls["cuattn_copying"] = copying(impls["cuattn"])
         for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
             qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
             with sdpa_kernel(backend):

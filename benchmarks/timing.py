@@ -104,7 +104,7 @@ def portable(fn):
 
 
 def copying(fn):
-    """``fn`` run with the Hopper forward that copies its own tiles (``CUATTN_TMA=0``)."""
+    """``fn`` run with the Hopper kernels that copy their own tiles (``CUATTN_TMA=0``)."""
     return with_env(fn, "CUATTN_TMA")
 
 

@@ -286,18 +286,26 @@ def tma_params(c_type: str, p: np.void, sparse: bool = False) -> np.void | None:
     them cannot be described (cuattn/tensor_map.py)."""
     tp = params.new(params.TMA_ATTN_PARAMS)
     tp["attn"] = p
-    head_dim = int(p["head_dim"])
-    block_n, _, consumers = forward.tma_tiling(forward.tma_tile(head_dim), p["softcap"] > 0, sparse)
-    q_shape = (int(p["batch"]), int(p["seqlen_q"]), int(p["heads_q"]), head_dim)
-    kv_shape = (int(p["batch"]), int(p["seqlen_k"]), int(p["heads_kv"]), head_dim)
-    for name, shape, rows in (("q", q_shape, 64 * consumers), ("k", kv_shape, block_n), ("v", kv_shape, block_n)):
-        strides = tuple(int(s) for s in p[f"{name}_strides"]) + (1,)
-        address = int(p[name])
+    block_n, _, consumers = forward.tma_tiling(forward.tma_tile(int(p["head_dim"])), p["softcap"] > 0, sparse)
+    return tp if put_tensor_maps(c_type, tp, p, (("q", p["q"], p["q_strides"], 64 * consumers), ("k", p["k"], p["k_strides"], block_n),
+                                                 ("v", p["v"], p["v_strides"], block_n))) else None
+
+
+def put_tensor_maps(c_type: str, target: np.void, attn: np.void, tensors) -> bool:
+    """Writes the map of each (name, address, strides, box rows) of ``tensors``, a tensor shaped
+    like q ("q", "dout") or like k, into ``target``'s ``{name}_map``; False where one cannot be
+    described."""
+    head_dim = int(attn["head_dim"])
+    for name, address, strides, rows in tensors:
+        seqlen, heads = (attn["seqlen_q"], attn["heads_q"]) if name in ("q", "dout") else (attn["seqlen_k"], attn["heads_kv"])
+        shape = (int(attn["batch"]), int(seqlen), int(heads), head_dim)
+        strides = tuple(int(s) for s in strides) + (1,)
+        address = int(address)
         encoded = tensor_map.encode(c_type, address, shape, strides, rows)
         if encoded is None:
             if address >= tensor_map.TAGGED and tensor_map.available() and tensor_map.describable(address, shape, strides):
                 # A recording whose plan would take the copying kernel where the call itself takes this one.
                 raise replay.Uncacheable("tensor maps cannot be recorded on this driver")
-            return None
-        tp[f"{name}_map"] = np.frombuffer(encoded, np.uint8)
-    return tp
+            return False
+        target[f"{name}_map"] = np.frombuffer(encoded, np.uint8)
+    return True

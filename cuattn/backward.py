@@ -5,12 +5,12 @@ from __future__ import annotations
 import numpy as np
 
 from cuattn import block_mask as block_mask_, boundary, dropout as dropout_, loader, params, replay, validation
-from cuattn.attention import _LAYOUT, attn_params, check_qkv, check_sink, require_arrays, set_mask
+from cuattn.attention import _LAYOUT, attn_params, check_qkv, check_sink, put_tensor_maps, require_arrays, set_mask
 from cuattn.kernels import backward
 from cuattn.kernels.backward import BackwardGrid
 from cuattn.kernels.sparse import GRID_WALKS
 from cuattn.kernels.variant import head_dim_bucket
-from cuattn.loader import device_smem_limit, small_backward_enabled, wgmma_enabled
+from cuattn.loader import device_smem_limit, small_backward_enabled, tma_enabled, wgmma_enabled
 from cuattn.merge import sum_rows
 from cuattn.options import AttnOptions
 from cuattn.validation import check_bool
@@ -278,8 +278,14 @@ def launch_backward(
     # whether the device then runs the fused kernel.
     schedules = {side: block_mask_.schedule_buffer(ctx, p["attn"], side, g.batch) for side in ("q", "k")} if sparse else {}
     with ctx.device, ctx.stream:
+        tp = None
+        if fused and stage in ("all", "main") and backward.tma_serves(
+            c_type, head_dim_bucket(g.head_dim), softcap, arch, wgmma_enabled() and tma_enabled(), g.layout, dropout, sparse,
+        ):
+            tp = tma_backward_params(c_type, p, g.head_dim)
         plan = backward.launches(
             g, c_type, softcap, arch, wgmma_enabled(), device_smem_limit(ctx.device.id), fused, sink, query_splits, dropout, sparse, small,
+            tma=tp is not None,
         )
         for variant, variant_launches in plan:
             if stage != "all" and _STAGE_OF_KERNEL.get(variant.kernel, "main") != stage:
@@ -289,4 +295,19 @@ def launch_backward(
             for grid, block, batch_offset in variant_launches:
                 if batch_offset is not None:
                     p["attn"]["batch_offset"] = batch_offset
-                ctx.launch(variant, grid, block, p)
+                if variant.kernel == "backward_tma":
+                    tp["bwd"] = p
+                    ctx.launch(variant, grid, block, tp)
+                else:
+                    ctx.launch(variant, grid, block, p)
+
+
+def tma_backward_params(c_type: str, p: np.void, head_dim: int) -> np.void | None:
+    """``p`` with the tensor maps of q, k, v and dout (backward/backward_tma.cu), or None where
+    one of them cannot be described (cuattn/tensor_map.py)."""
+    tp = params.new(params.TMA_BACKWARD_PARAMS)
+    a = p["attn"]
+    block_m, _ = backward.TMA_TILES[backward.hopper_bucket(head_dim_bucket(head_dim))]
+    tensors = (("q", a["q"], a["q_strides"], block_m), ("k", a["k"], a["k_strides"], 128), ("v", a["v"], a["v_strides"], 128),
+               ("dout", p["dout"], p["dout_strides"], block_m))
+    return tp if put_tensor_maps(c_type, tp, a, tensors) else None

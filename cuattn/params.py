@@ -199,11 +199,12 @@ OFFSET_CHECK_PARAMS = np.dtype(
     align=True,
 )
 
-def _tma_attn_params() -> np.dtype:
-    """TmaAttnParams: AttnParams, then three 64-byte-aligned 128-byte tensor maps."""
-    names, formats, offsets = ["attn"], [ATTN_PARAMS], [0]
-    offset = -(-ATTN_PARAMS.itemsize // 64) * 64
-    for name in ("q_map", "k_map", "v_map"):
+
+def _with_tensor_maps(head: str, head_dtype: np.dtype, maps: tuple[str, ...]) -> np.dtype:
+    """A struct of ``head`` then 64-byte-aligned 128-byte tensor maps (common/params.cuh TensorMap)."""
+    names, formats, offsets = [head], [head_dtype], [0]
+    offset = -(-head_dtype.itemsize // 64) * 64
+    for name in maps:
         names.append(name)
         formats.append((np.uint8, (128,)))
         offsets.append(offset)
@@ -211,13 +212,15 @@ def _tma_attn_params() -> np.dtype:
     return np.dtype({"names": names, "formats": formats, "offsets": offsets, "itemsize": offset})
 
 
-TMA_ATTN_PARAMS = _tma_attn_params()
+TMA_ATTN_PARAMS = _with_tensor_maps("attn", ATTN_PARAMS, ("q_map", "k_map", "v_map"))
+TMA_BACKWARD_PARAMS = _with_tensor_maps("bwd", BACKWARD_PARAMS, ("q_map", "k_map", "v_map", "dout_map"))
 
 
 # C struct name for each host mirror, for the layout check.
 C_STRUCTS = {
     "MergeParams": MERGE_PARAMS, "SumParams": SUM_PARAMS, "AttnParams": ATTN_PARAMS, "BackwardParams": BACKWARD_PARAMS,
-    "OffsetCheckParams": OFFSET_CHECK_PARAMS, "TmaAttnParams": TMA_ATTN_PARAMS, "DecodeParams": DECODE_PARAMS, "BlockScheduleParams": BLOCK_SCHEDULE_PARAMS,
+    "OffsetCheckParams": OFFSET_CHECK_PARAMS, "TmaAttnParams": TMA_ATTN_PARAMS, "TmaBackwardParams": TMA_BACKWARD_PARAMS,
+    "DecodeParams": DECODE_PARAMS, "BlockScheduleParams": BLOCK_SCHEDULE_PARAMS,
 }
 
 

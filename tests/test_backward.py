@@ -13,10 +13,11 @@ pytestmark = pytest.mark.gpu
 
 
 # The backward's kernel paths: "default" (on Hopper the one-pass kernel, dQ by atomics, for
-# float16 / bfloat16 at the wgmma head dims), "deterministic" (deterministic=True: the dQ and
+# float16 / bfloat16 at the wgmma head dims: its TMA form on dense rows), "copying" (the one-pass
+# kernel that copies its own tiles), "deterministic" (deterministic=True: the dQ and
 # dK/dV kernels), "portable" (the mma.sync kernels on any GPU) and "small" (the one-launch
 # kernel where a call is small enough, else the default).
-BACKWARD_PATHS = ("default", "deterministic", "portable", "small")
+BACKWARD_PATHS = ("default", "copying", "deterministic", "portable", "small")
 
 
 def _run(rng, batch, sq, sk, hq, hk, d, dtype, with_dlse=False, scale_inputs=1.0, path="default", **kw):
@@ -100,7 +101,7 @@ def test_backward_matches_reference(**drawn):
     heads=st.sampled_from([(1, 1), (4, 1), (6, 2)]),
     d=st.sampled_from([40, 64, 72, 96, 104, 128]),
     dtype=st.sampled_from(["float16", "bfloat16"]),
-    **{**_OPTIONS, "path": st.sampled_from(["default", "deterministic"])},
+    **{**_OPTIONS, "path": st.sampled_from(["default", "copying", "deterministic"])},
 )
 def test_hopper_kernel_buckets_backward_matches_reference(**drawn):
     """The head dims the wgmma kernels serve on Hopper (both of their paths), drawn densely."""
@@ -181,7 +182,8 @@ def test_fully_masked_rows_get_zero_gradients(path):
 
 
 def test_hopper_default_backward_runs_the_fused_kernel(monkeypatch):
-    """On Hopper the default backward is one pass (dQ by atomics) plus the dQ conversion;
+    """On Hopper the default backward is one pass (dQ by atomics) plus the dQ conversion, the
+    pass by TMA (backward_tma.cu; CUATTN_TMA=0: the kernel that copies its own tiles);
     deterministic=True runs the dQ and dK/dV kernels. Other GPUs run the portable kernels."""
     import cupy
 
@@ -197,8 +199,16 @@ def test_hopper_default_backward_runs_the_fused_kernel(monkeypatch):
     hopper = loader.device_arch() == "sm_90a"
     backward_loads = lambda: [f for f in dict.fromkeys(launched) if f.startswith("backward")]  # noqa: E731 (a plan is recorded twice)
     cuattn.attention_backward(do, q, k, v, out, lse)
-    expected = ["backward_prep", "backward_wgmma_fused", "backward_dq_finish"] if hopper else ["backward_prep", "backward_dq", "backward_dkdv"]
+    expected = ["backward_prep", "backward_tma", "backward_dq_finish"] if hopper else ["backward_prep", "backward_dq", "backward_dkdv"]
     assert backward_loads() == expected
+    tma_grads = cuattn.attention_backward(do, q, k, v, out, lse)
+    monkeypatch.setenv("CUATTN_TMA", "0")
+    launched.clear()
+    grads = cuattn.attention_backward(do, q, k, v, out, lse)
+    assert backward_loads() == (["backward_prep", "backward_wgmma_fused", "backward_dq_finish"] if hopper else expected)
+    for grad, tma_grad in zip(grads, tma_grads):  # the same sums (dQ's in another order)
+        cupy.testing.assert_allclose(grad.astype(cupy.float32), tma_grad.astype(cupy.float32), rtol=1e-2, atol=1e-3)
+    monkeypatch.delenv("CUATTN_TMA")
     launched.clear()
     cuattn.attention_backward(do, q, k, v, out, lse, deterministic=True)
     assert backward_loads() == (["backward_prep", "backward_wgmma_dq", "backward_wgmma_dkdv"] if hopper else expected)

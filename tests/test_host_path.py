@@ -82,6 +82,8 @@ class FakeFunction:
         family = self.variant.family
         if self.variant.kernel == "forward_tma":
             return params.TMA_ATTN_PARAMS
+        if self.variant.kernel == "backward_tma":
+            return params.TMA_BACKWARD_PARAMS
         return params.MERGE_PARAMS if family == "merge" else params.BACKWARD_PARAMS if "backward" in family else params.ATTN_PARAMS
 
 
@@ -204,12 +206,16 @@ def test_backward_and_merge_replay_the_full_paths_parameters(fake, monkeypatch, 
         assert [l[0] for l in replayed] == ["backward_small/f16/d64/s64q64"] and replayed[0][1] == (2, 4, 2)
         assert fake["allocated"] - allocated == 3 and replay.counters.launches - launches == 1
     else:
-        assert len(replayed) == 3 and not any(l[0].startswith("backward_small") for l in replayed)
+        assert [l[0].split("/")[0] for l in replayed] == ["backward_prep", "backward_tma", "backward_dq_finish"]  # the fake Hopper's maps
         assert fake["allocated"] - allocated == 4 and replay.counters.launches - launches == 3
     # Only the gradient and scratch addresses (fresh allocations) differ from the first call.
-    struct = params.BACKWARD_PARAMS
     for a, b in zip(first, replayed):
+        struct = params.TMA_BACKWARD_PARAMS if a[0].startswith("backward_tma/") else params.BACKWARD_PARAMS
         pa, pb = np.frombuffer(a[-1], struct)[0], np.frombuffer(b[-1], struct)[0]
+        if struct is params.TMA_BACKWARD_PARAMS:
+            assert [int.from_bytes(pb[f"{name}_map"][:8].tobytes(), "little") for name in ("q", "k", "v", "dout")] == [
+                q.ptr, k.ptr, v.ptr, dout.ptr]
+            pa, pb = pa["bwd"], pb["bwd"]
         assert pb["dq"] == dq.ptr and pb["dk"] == dk.ptr and pb["dv"] == dv.ptr
         assert pb["attn"].tobytes() == pa["attn"].tobytes() and pb["dout"] == pa["dout"] == dout.ptr
 

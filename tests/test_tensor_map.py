@@ -1,9 +1,9 @@
-"""Which tensors and calls the Hopper TMA forward takes (no GPU needed)."""
+"""Which tensors and calls the Hopper TMA forward and backward take (no GPU needed)."""
 
 import pytest
 
 from cuattn import tensor_map
-from cuattn.kernels import forward
+from cuattn.kernels import backward, forward
 
 SHAPE = (2, 300, 4, 128)
 CONTIGUOUS = (300 * 4 * 128, 4 * 128, 128, 1)
@@ -42,6 +42,27 @@ def test_tma_variants_are_compiled_for_hopper_only():
     assert len(variants) == 2 * len(forward.TMA_TILES) * 2 * 2
     assert all(v.archs == ("sm_90a",) and v.threads == 2 * v.block_m + 128 for v in variants)
     assert not [v for v in forward.variants("sm_80") if v.kernel == "forward_tma" and v.builds_for("sm_80")]
+
+
+def test_only_dense_plain_16_bit_fused_backwards_on_hopper_take_the_tma_backward():
+    serves = backward.tma_serves
+    assert serves("bf16", 128, False, "sm_90a", True, "dense", False, False)
+    assert serves("f16", 64, False, "sm_90a", True, "dense", False, False)
+    assert serves("bf16", 96, True, "sm_90a", True, "dense", False, False)  # on the 128 tile, zero-filled
+    assert not serves("bf16", 64, True, "sm_90a", True, "dense", False, False)  # its softcap form would spill
+    assert not serves("bf16", 40, False, "sm_90a", True, "dense", False, False)  # no Hopper tile of its own
+    assert not serves("bf16", 256, False, "sm_90a", True, "dense", False, False)
+    assert not serves("float", 128, False, "sm_90a", True, "dense", False, False)
+    assert not serves("bf16", 128, False, "sm_80", True, "dense", False, False)
+    assert not serves("bf16", 128, False, "sm_90a", False, "dense", False, False)
+    assert not serves("bf16", 128, False, "sm_90a", True, "packed", False, False)
+    assert not serves("bf16", 128, False, "sm_90a", True, "dense", True, False)  # dropout
+    assert not serves("bf16", 128, False, "sm_90a", True, "dense", False, True)  # block mask
+    variants = [v for v in backward.variants() if v.kernel == "backward_tma"]
+    assert sorted(v.uri for v in variants) == sorted(
+        f"backward_tma/{c}/d{t}/m{backward.TMA_TILES[t][0]}s2{s}" for c in ("f16", "bf16") for t in (64, 128) for s in ("", "/softcap")
+        if not (s and t == 64))
+    assert all(v.archs == ("sm_90a",) and v.threads == 384 and v.block_m == 128 for v in variants)
 
 
 @pytest.mark.parametrize("first_word", [True, False])

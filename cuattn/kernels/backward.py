@@ -40,6 +40,12 @@ WGMMA_FUSED_TILES = {64: (64, 1, 3), 128: (64, 2, 1)}
 # Buckets without a Hopper tile of their own that run the next wider one, as the forward's
 # (forward.WGMMA_WIDER): columns past head_dim zero-filled by the copies, never stored.
 WGMMA_WIDER = {96: 128}
+# The TMA backward (backward_tma.cu; dense 16-bit calls of the fused kernel without dropout or
+# block mask): 128 keys per CTA on two consumer warpgroups and a producer warpgroup; per head-dim
+# tile (BLOCK_M query rows per step, STAGES ring slots).
+TMA_TILES = {64: (128, 2), 128: (64, 2)}
+TMA_THREADS = 384
+TMA_NO_SOFTCAP = {64}  # tiles whose softcap form spills: the fused kernel serves it
 # Kernel and (bucket, softcap) whose dropout form needs more registers than its CTAs per SM
 # leave (spills): CTAs per SM.
 WGMMA_DROPOUT_CTAS = {
@@ -290,6 +296,42 @@ def fused_variant(c_type: str, bucket: int, softcap: bool, layout: str = "dense"
     return dataclasses.replace(v, contract=v.contract + (("cuattn::kDqTileRows", DQ_TILE_ROWS),))
 
 
+def tma_smem_bytes(tile: int) -> int:
+    """TmaBackwardTraits::kSmemBytes: K and V, the Q / dO ring, two dS^T buffers, two fp32 dQ
+    stages, the lse / delta ring, the barriers, and the realignment to the swizzle period."""
+    block_m, stages = TMA_TILES[tile]
+    keys = 128
+    return 2 * keys * tile * 2 + 2 * stages * block_m * tile * 2 + 2 * keys * block_m * 2 + 2 * 64 * 64 * 4 + 2 * stages * block_m * 4 + (1 + 2 * stages) * 8 + 1024
+
+
+@functools.cache
+def tma_variant(c_type: str, tile: int, softcap: bool) -> Variant:
+    """dK / dV plus dQ into the accumulator with TMA loads (backward_tma.cu)."""
+    block_m, stages = TMA_TILES[tile]
+    traits = f"cuattn::TmaBackwardTraits<{tile}, {block_m}, {stages}>"
+    smem = tma_smem_bytes(tile)
+    return Variant(
+        family=FAMILY, kernel="backward_tma",
+        expression=f"cuattn::backward_tma_kernel<{cxx_type(c_type)}, {tile}, {block_m}, {stages}, {softcap_arg(softcap)}>",
+        uri=f"backward_tma/{c_type}/d{tile}/m{block_m}s{stages}" + softcap_uri(softcap),
+        hot=True,
+        dynamic_smem=smem,
+        threads=TMA_THREADS,
+        block_m=128,
+        archs=(WGMMA_ARCH,),
+        contract=((f"{traits}::kSmemBytes", smem), (f"{traits}::kThreads", TMA_THREADS), (f"{traits}::kBlockResident", 128),
+                  ("cuattn::kDqTileRows", DQ_TILE_ROWS)),
+    )
+
+
+def tma_serves(c_type: str, bucket: int, softcap: bool, arch: str, allow: bool, layout: str, dropout: bool, sparse: bool) -> bool:
+    """Whether the TMA backward takes a fused call of these kinds (its tensors' maps decide the
+    rest: cuattn/tensor_map.py)."""
+    tile = hopper_bucket(bucket)
+    return (allow and arch == WGMMA_ARCH and c_type in ("f16", "bf16") and tile in TMA_TILES and not (softcap and tile in TMA_NO_SOFTCAP)
+            and layout == "dense" and not dropout and not sparse)
+
+
 def hopper_bucket(bucket: int) -> int:
     """The head-dim tile of the Hopper kernels that serve ``bucket`` (WGMMA_WIDER)."""
     return WGMMA_WIDER.get(bucket, bucket)
@@ -375,14 +417,15 @@ def query_splits(c_type: str, g: BackwardGrid, sms: int) -> int:
 
 def launches(
     g: BackwardGrid, c_type: str, softcap: bool, arch: str, allow_wgmma: bool, smem_limit: int, fused: bool, sink: bool = False,
-    query_splits: int = 1, dropout: bool = False, sparse: bool = False, small: bool = False,
+    query_splits: int = 1, dropout: bool = False, sparse: bool = False, small: bool = False, tma: bool = False,
 ) -> Launches:
     """Every launch of one backward call, in order: (variant, [(grid, block, batch_offset)]);
     ``fused``: dQ through the accumulator by the fused kernel (``select_fused`` serves it);
     ``sink``: the sinks' gradient too (dense or packed rows); ``query_splits``: CTAs per key
     block of the dK / dV kernel (BackwardParams::query_splits; 16-bit types, not fused);
     ``dropout``: the gradient kernels with dropout; ``sparse``: the block-sparse ones (one split);
-    ``small``: the one launch of backward_small (``small_serves`` holds; no delta pass)."""
+    ``small``: the one launch of backward_small (``small_serves`` holds; no delta pass); ``tma``:
+    the fused kernel's TMA form (``tma_serves`` holds and its tensor maps are encoded)."""
     bucket, layout = head_dim_bucket(g.head_dim), g.layout
     if small:
         if fused or query_splits > 1 or not small_computes(g, c_type, sink, dropout, sparse):
@@ -402,7 +445,8 @@ def launches(
         out.append((sink_grad_variant(layout), [((g.heads_q, 1, 1), (SINK_GRAD_WARPS * 32, 1, 1), None)]))
     # dK and dV are written (zeros included) even when no query sees a key.
     if fused:
-        one_pass = select_fused(c_type, bucket, softcap, arch, layout=layout, dropout=dropout, sparse=sparse)
+        one_pass = (tma_variant(c_type, hopper_bucket(bucket), softcap) if tma
+                    else select_fused(c_type, bucket, softcap, arch, layout=layout, dropout=dropout, sparse=sparse))
         if g.keys:
             out.append((one_pass, tile_launches(one_pass, grid_k, g.heads_kv, g.batch)))
         if row_groups:
@@ -466,6 +510,8 @@ def variants(arch: str | None = None) -> list[Variant]:
                         out.append(wgmma_variant(kernel, c_type, bucket, softcap, layout))
             for bucket in WGMMA_FUSED_TILES:
                 out.append(row_variant("backward_dq_finish", c_type, bucket, layout))
+                if layout == "dense":
+                    out.extend(tma_variant(c_type, bucket, softcap) for softcap in (False, True) if not (softcap and bucket in TMA_NO_SOFTCAP))
                 for softcap in (False, True):
                     out.append(fused_variant(c_type, bucket, softcap, layout))
     return out

@@ -40,6 +40,81 @@ __device__ __forceinline__ void store_ds_transposed(unsigned char* sdS, const u3
     }
 }
 
+// Stages a warpgroup's dQ piece (64 rows x COLS, fp32 C fragments) in its stage and hands it to
+// one bulk reduction into the dq_accum tile dst() (where `store` holds) issued by `issuer`; the
+// warpgroup's previous reduction must have read the stage first.
+template <int COLS, int STAGE_BYTES, class Dst>
+__device__ __forceinline__ void reduce_dq_piece(const float (&dq)[COLS / 8][4], float* stage, bool issuer, int wg, int lane, Dst&& dst, bool store) {
+  const int warp = (threadIdx.x / 32) % 4, g = lane / 4, t = lane % 4;
+  if (issuer) bulk_wait_read<0>();
+  named_barrier_sync(1 + wg, 128);  // the warpgroup's previous reduction has read the stage
+#pragma unroll
+  for (int i = 0; i < COLS / 8; ++i)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = warp * 16 + g + h * 8, col = i * 8 + 2 * t;
+      const float pair[2] = {dq[i][2 * h], dq[i][2 * h + 1]};
+      store_floats<float, 2>(stage + (col / 64) * kDqTileFloats + dq_tile_offset(row, col % 64), pair);
+    }
+  fence_proxy_async();
+  named_barrier_sync(1 + wg, 128);  // the piece is staged
+  if (issuer && store) {
+    bulk_reduce_add_f32(dst(), stage, STAGE_BYTES);
+    bulk_commit();
+  }
+}
+
+// One step of the dK/dV loop for this warp's 16 keys x BLOCK_M streamed queries (K and V tiles of
+// BN rows, this warpgroup's 64 from row 64 * wg; Q and dO tiles of BLOCK_M rows; their rows'
+// lse and delta in shared memory). P^T and dS^T are left in p_frag and ds_frag as 16-bit A
+// operands, and the product dK += dS^T Q still in flight (wgmma_wait<0> completes it).
+// `under_scores` runs while the score products compute.
+template <typename T, int HEAD_DIM, int BLOCK_M, int BN, bool SOFTCAP, bool DROPOUT, class UnderScores>
+__device__ __forceinline__ void dkdv_step_products(float (&dk)[HEAD_DIM / 8][4], float (&dv)[HEAD_DIM / 8][4], u32 (&p_frag)[BLOCK_M / 16][4],
+                                                   u32 (&ds_frag)[BLOCK_M / 16][4], u32 k_addr, u32 v_addr, u32 q_addr, u32 do_addr, int wg,
+                                                   const float* sLse, const float* sDelta, const KeyBand& band, bool masked, int m0,
+                                                   int warp_key0, int lane, const AttnParams& a, int batch, int head, UnderScores&& under_scores) {
+  constexpr int kNTiles = BLOCK_M / 8, kSteps = BLOCK_M / 16;
+  // S^T and dP^T (this warp's 16 keys x BLOCK_M queries) as two groups: P^T is formed and
+  // dV += P^T dO issued while dP^T is still in the tensor cores, and dS^T while dV runs.
+  float s[kNTiles][4], dp[kNTiles][4];
+  wgmma_fence();
+  wgmma_rows_by_rows<T, BLOCK_M, HEAD_DIM>(s, k_addr, BN, wg * 64, q_addr);
+  wgmma_commit();
+  wgmma_rows_by_rows<T, BLOCK_M, HEAD_DIM>(dp, v_addr, BN, wg * 64, do_addr);
+  wgmma_commit();
+  under_scores();
+  wgmma_wait<1>();
+  fence_registers(s);
+
+  u64 keeps = 0;
+  if constexpr (DROPOUT) keeps = DropoutDraws(a, batch, head).transposed_keeps<kNTiles>(m0, warp_key0, lane);
+  if (SOFTCAP || masked) {  // softcap: one path, the two do not fit the registers at d64
+#pragma unroll
+    for (int kk = 0; kk < kSteps; ++kk)
+      transposed_probs_k_step<T, SOFTCAP, true, kNTiles, DROPOUT>(s, kk, p_frag[kk], sLse, band, m0, warp_key0, lane, a, keeps);
+  } else {
+#pragma unroll
+    for (int kk = 0; kk < kSteps; ++kk)
+      transposed_probs_k_step<T, SOFTCAP, false, kNTiles, DROPOUT>(s, kk, p_frag[kk], sLse, band, m0, warp_key0, lane, a, keeps);
+  }
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kSteps; ++kk) wgmma_rs_mn<T, HEAD_DIM>(dv, p_frag[kk], mn_major_desc(do_addr, BLOCK_M, kk));  // dV += P^T dO
+  wgmma_commit();
+  wgmma_wait<1>();  // dP^T (dV may still run)
+  fence_registers(dp);
+  if constexpr (DROPOUT) apply_keeps(dp, keeps, a.dropout_scale);
+
+  transposed_score_grads(dp, s, sDelta, lane);
+#pragma unroll
+  for (int kk = 0; kk < kSteps; ++kk) c_tiles_to_a<T>(dp, kk, ds_frag[kk]);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kSteps; ++kk) wgmma_rs_mn<T, HEAD_DIM>(dk, ds_frag[kk], mn_major_desc(q_addr, BLOCK_M, kk));  // dK += dS^T Q
+  wgmma_commit();
+}
+
 // DROPOUT: dropout on the probabilities (common/dropout.cuh): dV from the kept P^T, dS^T from the
 // kept dP^T. SPARSE: only the blocks of a block mask (common/block_sparse.cuh; dense layout, one
 // split).
@@ -68,7 +143,6 @@ __device__ __forceinline__ void backward_wgmma_dkdv_body(const BackwardParams& p
   const int kv_head = cell.y, batch = cta_batch(a);
   const int n0 = n_block * BN;
   const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
-  const int g = lane / 4, t = lane % 4;
   const SeqSpan span = seq_span<LAYOUT>(a, batch);
   if (!grid_covers<LAYOUT, BN>(span.seqlen_k, int(gridDim.x) / splits) && cell.x == 0)
     mark_uncovered_key_grads<T>(p, batch, kv_head, span, int(gridDim.x) / splits * BN);
@@ -120,24 +194,10 @@ __device__ __forceinline__ void backward_wgmma_dkdv_body(const BackwardParams& p
 #pragma unroll
     for (int e = 0; e < 4; ++e) dq[i][e] = 0.f;
 
-  // Stages the last step's dQ piece in fp32 and hands it to one bulk reduction into dq_accum.
   const auto reduce_dq = [&]() {
-    if (issuer) bulk_wait_read<0>();
-    named_barrier_sync(1 + wg, 128);  // the warpgroup's previous reduction has read the stage
-#pragma unroll
-    for (int i = 0; i < Tr::kDqCols / 8; ++i)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = warp * 16 + g + h * 8, col = i * 8 + 2 * t;
-        const float pair[2] = {dq[i][2 * h], dq[i][2 * h + 1]};
-        store_floats<float, 2>(stage_dq + (col / 64) * kDqTileFloats + dq_tile_offset(row, col % 64), pair);
-      }
-    fence_proxy_async();
-    named_barrier_sync(1 + wg, 128);  // the piece is staged
-    if (issuer && dq_m0 + row_piece * 64 < span.seqlen_q) {
-      bulk_reduce_add_f32(dq_accum_tile(p, batch, dq_head, span, dq_m0 / 64 + row_piece, col0 / 64), stage_dq, Tr::kDqStageBytes);
-      bulk_commit();
-    }
+    reduce_dq_piece<Tr::kDqCols, Tr::kDqStageBytes>(
+        dq, stage_dq, issuer, wg, lane, [&] { return dq_accum_tile(p, batch, dq_head, span, dq_m0 / 64 + row_piece, col0 / 64); },
+        dq_m0 + row_piece * 64 < span.seqlen_q);
   };
 
   for (int step = 0, stage = 0; step < plan.steps; ++step, stage ^= 1) {
@@ -159,45 +219,11 @@ __device__ __forceinline__ void backward_wgmma_dkdv_body(const BackwardParams& p
     const float* sLse = sLse_ring + stage * BLOCK_M;
     const float* sDelta = sDelta_ring + stage * BLOCK_M;
 
-    // S^T and dP^T (this warp's 16 keys x BLOCK_M queries) as two groups: P^T is formed and
-    // dV += P^T dO issued while dP^T is still in the tensor cores, and dS^T while dV runs.
-    float s[Tr::kNTiles][4], dp[Tr::kNTiles][4];
-    wgmma_fence();
-    wgmma_rows_by_rows<T, BLOCK_M, HEAD_DIM>(s, k_addr, BN, wg * 64, q_addr);
-    wgmma_commit();
-    wgmma_rows_by_rows<T, BLOCK_M, HEAD_DIM>(dp, v_addr, BN, wg * 64, do_addr);
-    wgmma_commit();
-    if (kDeferDq && step > 0) reduce_dq();  // under the score products
-    wgmma_wait<1>();
-    fence_registers(s);
-
     u32 p_frag[kSteps][4], ds_frag[kSteps][4];  // P^T and dS^T as 16-bit A operands
-    u64 keeps = 0;
-    if constexpr (DROPOUT) keeps = DropoutDraws(a, batch, head).transposed_keeps<Tr::kNTiles>(m0, warp_key0, lane);
-    if (SOFTCAP || masked) {  // softcap: one path, the two do not fit the registers at d64
-#pragma unroll
-      for (int kk = 0; kk < kSteps; ++kk)
-        transposed_probs_k_step<T, SOFTCAP, true, Tr::kNTiles, DROPOUT>(s, kk, p_frag[kk], sLse, band, m0, warp_key0, lane, a, keeps);
-    } else {
-#pragma unroll
-      for (int kk = 0; kk < kSteps; ++kk)
-        transposed_probs_k_step<T, SOFTCAP, false, Tr::kNTiles, DROPOUT>(s, kk, p_frag[kk], sLse, band, m0, warp_key0, lane, a, keeps);
-    }
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kSteps; ++kk) wgmma_rs_mn<T, HEAD_DIM>(dv, p_frag[kk], mn_major_desc(do_addr, BLOCK_M, kk));  // dV += P^T dO
-    wgmma_commit();
-    wgmma_wait<1>();  // dP^T (dV may still run)
-    fence_registers(dp);
-    if constexpr (DROPOUT) apply_keeps(dp, keeps, a.dropout_scale);
-
-    transposed_score_grads(dp, s, sDelta, lane);
-#pragma unroll
-    for (int kk = 0; kk < kSteps; ++kk) c_tiles_to_a<T>(dp, kk, ds_frag[kk]);
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kSteps; ++kk) wgmma_rs_mn<T, HEAD_DIM>(dk, ds_frag[kk], mn_major_desc(q_addr, BLOCK_M, kk));  // dK += dS^T Q
-    wgmma_commit();
+    dkdv_step_products<T, HEAD_DIM, BLOCK_M, BN, SOFTCAP, DROPOUT>(dk, dv, p_frag, ds_frag, k_addr, v_addr, q_addr, do_addr, wg, sLse, sDelta,
+                                                                   band, masked, m0, warp_key0, lane, a, batch, head, [&] {
+                                                                     if (kDeferDq && step > 0) reduce_dq();  // under the score products
+                                                                   });
 
     if constexpr (FUSE_DQ) {
       store_ds_transposed<BN>(sdS, ds_frag, warp_key_row, lane);

@@ -226,6 +226,15 @@ struct TmaAttnParams {
   TensorMap v_map;
 };
 
+// The TMA backward's parameters (backward/backward_tma.cu): the maps of q, k, v and dout.
+struct TmaBackwardParams {
+  BackwardParams bwd;
+  TensorMap q_map;
+  TensorMap k_map;
+  TensorMap v_map;
+  TensorMap dout_map;
+};
+
 // The packed-sequence offsets of a varlen call, checked on the device (packed/check_offsets.cu):
 // the first bad entry is reported into a word of pinned host memory.
 struct OffsetCheckParams {
