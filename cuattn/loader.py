@@ -96,8 +96,9 @@ def wgmma_enabled() -> bool:
 
 
 def tma_enabled() -> bool:
-    """Whether dense 16-bit forwards on Hopper take the TMA kernel (forward/forward_tma.cu);
-    ``CUATTN_TMA=0`` keeps them on the wgmma kernel that copies for itself."""
+    """Whether dense 16-bit forwards and one-pass backwards on Hopper take the TMA kernels
+    (forward/forward_tma.cu, backward/backward_tma.cu); ``CUATTN_TMA=0`` keeps them on the
+    wgmma kernels that copy for themselves."""
     return os.environ.get("CUATTN_TMA", "1") != "0"
 
 

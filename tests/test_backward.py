@@ -181,10 +181,12 @@ def test_fully_masked_rows_get_zero_gradients(path):
     assert np.all(grads[0][0, np.isneginf(lse[0, 0])] == 0)
 
 
-def test_hopper_default_backward_runs_the_fused_kernel(monkeypatch):
+@pytest.mark.parametrize("d", [64, 128])
+def test_hopper_default_backward_runs_the_fused_kernel(monkeypatch, d):
     """On Hopper the default backward is one pass (dQ by atomics) plus the dQ conversion, the
-    pass by TMA (backward_tma.cu; CUATTN_TMA=0: the kernel that copies its own tiles);
-    deterministic=True runs the dQ and dK/dV kernels. Other GPUs run the portable kernels."""
+    pass by TMA (backward_tma.cu; CUATTN_TMA=0: the kernel that copies its own tiles, whose dK
+    and dV sums run in the same order: the same bits); deterministic=True runs the dQ and dK/dV
+    kernels. Other GPUs run the portable kernels."""
     import cupy
 
     from cuattn import loader
@@ -194,20 +196,24 @@ def test_hopper_default_backward_runs_the_fused_kernel(monkeypatch):
     monkeypatch.setattr(loader, "load_kernel", lambda variant: launched.append(variant.kernel) or load(variant))
     monkeypatch.setenv("CUATTN_SMALL_BACKWARD", "0")
     rng = np.random.default_rng()
-    q, k, v, do = (cupy.asarray(randn(rng, (1, 70, 2, 128), "bfloat16")) for _ in range(4))
-    out, lse = cuattn.attention(q, k, v, return_lse=True)
+    q, do = (cupy.asarray(randn(rng, (2, 300, 4, d), "bfloat16")) for _ in range(2))
+    k, v = (cupy.asarray(randn(rng, (2, 300, 2, d), "bfloat16")) for _ in range(2))  # GQA 4:2
+    out, lse = cuattn.attention(q, k, v, causal=True, return_lse=True)
     hopper = loader.device_arch() == "sm_90a"
     backward_loads = lambda: [f for f in dict.fromkeys(launched) if f.startswith("backward")]  # noqa: E731 (a plan is recorded twice)
-    cuattn.attention_backward(do, q, k, v, out, lse)
+    tma_grads = cuattn.attention_backward(do, q, k, v, out, lse, causal=True)
     expected = ["backward_prep", "backward_tma", "backward_dq_finish"] if hopper else ["backward_prep", "backward_dq", "backward_dkdv"]
     assert backward_loads() == expected
-    tma_grads = cuattn.attention_backward(do, q, k, v, out, lse)
+    for _ in range(3):  # dK and dV: each CTA sums its keys' steps in one order
+        again = cuattn.attention_backward(do, q, k, v, out, lse, causal=True)
+        for grad, first in zip(again[1:], tma_grads[1:]):
+            cupy.testing.assert_array_equal(grad, first)
     monkeypatch.setenv("CUATTN_TMA", "0")
     launched.clear()
-    grads = cuattn.attention_backward(do, q, k, v, out, lse)
+    grads = cuattn.attention_backward(do, q, k, v, out, lse, causal=True)
     assert backward_loads() == (["backward_prep", "backward_wgmma_fused", "backward_dq_finish"] if hopper else expected)
-    for grad, tma_grad in zip(grads, tma_grads):  # the same sums (dQ's in another order)
-        cupy.testing.assert_allclose(grad.astype(cupy.float32), tma_grad.astype(cupy.float32), rtol=1e-2, atol=1e-3)
+    for grad, tma_grad in zip(grads[1:], tma_grads[1:]):
+        cupy.testing.assert_array_equal(grad, tma_grad)
     monkeypatch.delenv("CUATTN_TMA")
     launched.clear()
     cuattn.attention_backward(do, q, k, v, out, lse, deterministic=True)

@@ -490,6 +490,8 @@ def variants(arch: str | None = None) -> list[Variant]:
                     if c_type != "float" and bucket in WGMMA_FUSED_TILES:
                         out.append(fused_variant(c_type, bucket, softcap, layout, dropout=True))
     for c_type in ("f16", "bf16"):
+        for tile in TMA_TILES:
+            out.extend(tma_variant(c_type, tile, softcap) for softcap in (False, True) if not (softcap and tile in TMA_NO_SOFTCAP))
         for bucket in HEAD_DIM_BUCKETS:
             if bucket <= SMALL_MAX_BUCKET:
                 for softcap in (False, True):
@@ -510,8 +512,7 @@ def variants(arch: str | None = None) -> list[Variant]:
                         out.append(wgmma_variant(kernel, c_type, bucket, softcap, layout))
             for bucket in WGMMA_FUSED_TILES:
                 out.append(row_variant("backward_dq_finish", c_type, bucket, layout))
-                if layout == "dense":
-                    out.extend(tma_variant(c_type, bucket, softcap) for softcap in (False, True) if not (softcap and bucket in TMA_NO_SOFTCAP))
+
                 for softcap in (False, True):
                     out.append(fused_variant(c_type, bucket, softcap, layout))
     return out

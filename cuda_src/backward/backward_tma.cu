@@ -5,24 +5,26 @@
 // A CTA owns 128 keys of one (KV head, sequence): two consumer warpgroups of 64 keys each keep K,
 // V and the fp32 dK / dV on chip, and stream the steps of BLOCK_M query rows of every query head
 // of the group (QuerySteps); the last warpgroup, the producer, gives its registers to them
-// (setmaxnreg). One producer warp fills a ring of STAGES slots: per step its lanes copy the rows'
-// lse and delta, then lane 0 loads Q and dO by TMA (one box per 64 columns). K and V are loaded
+// (setmaxnreg). One producer warp fills a ring of STAGES slots: per step lane 0 loads Q and dO by
+// TMA (one box per 64 columns), then its lanes copy the rows' lse and delta. K and V are loaded
 // once, on a barrier of their own.
-// Who waits on what (mbarriers, common/tma.cuh): slot s has a "full" barrier (one arrival from
-// the producer, which also announces the TMA bytes) that consumers wait on before the step's
-// products, and an "empty" barrier every consumer thread arrives at once the step's products
-// that read Q and dO have completed; the producer waits on it before refilling the slot. Parities
-// as in forward/forward_tma.cu: the k-th fill of a slot is awaited on parity k & 1, its release
-// before the refill on (k & 1) ^ 1.
-// dQ: each warpgroup stores its dS^T rows into one of two dS^T buffers (by step parity), the
-// consumers meet at one named barrier (kBarDs) per step, and each computes a piece of the step's
-// dQ = dS K over all 128 keys, staged in fp32 and added into dq_accum by a bulk reduction. A
-// buffer is rewritten two steps later, after every consumer has passed the next step's barrier,
-// which each reaches only after its dQ product of the step before (the one that read the buffer)
-// has completed. (Staging the piece under the next step's score products, as the copying kernel
-// does, keeps its registers live across them: more than the consumers' 240, so it spilled.)
-// Rows past seqlen_q are zero-filled by the TMA unit and their lse and delta are 0, so they add
-// nothing (as the copying kernel's zero-filled rows); keys past seqlen_k are masked by KeyBand.
+// Who waits on what (mbarriers, common/tma.cuh): slot s has a "full" barrier (the TMA bytes lane
+// 0 announces, and its arrival once the lanes have written lse and delta) that consumers wait on
+// before the step's products, and an "empty" barrier every consumer thread arrives at once the
+// step's products that read Q and dO have completed; the producer waits on it before refilling
+// the slot. Parities as in forward/forward_tma.cu: the k-th fill of a slot is awaited on parity
+// k & 1, its release before the refill on (k & 1) ^ 1.
+// dQ: once dS^T is formed each warpgroup stores its rows into one of two dS^T buffers (by step
+// parity), the consumers meet at one named barrier (kBarDs), and each issues its piece of the
+// step's dQ = dS K over all 128 keys before dK += dS^T Q, so that the piece is staged in fp32 and
+// handed to a bulk reduction into dq_accum while dK runs. A buffer is rewritten two steps later,
+// after every consumer has passed the next step's barrier, which each reaches only after its dQ
+// product of the step before (the one that read the buffer) has completed. (Staging the piece
+// under the next step's score products, as the copying kernel does, keeps its registers live
+// across them: more than the consumers' 240, so it spilled.)
+// Rows past seqlen_q are zero-filled by the TMA unit and their lse and delta are 0: their P^T is 1
+// but dO and delta are 0 there, so dV, dS^T and dK get nothing from them (as from the copying
+// kernel's zero-filled rows); keys past seqlen_k are masked by KeyBand.
 // Dense layout, without dropout or a block mask (those stay on backward_wgmma_fused.cu).
 #include "backward/wgmma_dkdv_loop.cuh"
 #include "common/named_barrier.cuh"
@@ -103,16 +105,8 @@ __global__ void __launch_bounds__(TmaBackwardTraits<HEAD_DIM, BLOCK_M, STAGES>::
         const int s = step % STAGES;
         const int head = plan.head(kv_head, step), m0 = plan.m0(step);
         mbarrier_wait(empty + s, ((step / STAGES) & 1) ^ 1);
-        const RowStats stats(p, batch, head, span);
-#pragma unroll
-        for (int i = lane; i < BLOCK_M; i += 32) {
-          const int row = m0 + i;
-          sLse_ring[s * BLOCK_M + i] = row < span.seqlen_q ? stats.lse[row] : 0.f;
-          sDelta_ring[s * BLOCK_M + i] = row < span.seqlen_q ? stats.delta[row] : 0.f;
-        }
-        __syncwarp();  // the lanes' rows before lane 0's arrival releases them
-        if (lane == 0) {
-          mbarrier_arrive_expect_bytes(full + s, 2 * Tr::kStreamBytes);
+        if (lane == 0) {  // Q and dO first: their bytes count on the barrier, lane 0's arrival below
+          mbarrier_expect_bytes(full + s, 2 * Tr::kStreamBytes);
 #pragma unroll
           for (int cb = 0; cb < Tr::kColumnBlocks; ++cb) {
             const int offset = s * Tr::kStreamBytes + cb * BLOCK_M * kSwizzleRowBytes;
@@ -120,6 +114,17 @@ __global__ void __launch_bounds__(TmaBackwardTraits<HEAD_DIM, BLOCK_M, STAGES>::
             tma_load_4d(sdO_ring + offset, &tp.dout_map, full + s, cb * kSwizzleBlockElems, m0, head, batch);
           }
         }
+        const RowStats stats(p, batch, head, span);
+#pragma unroll
+        for (int i = lane; i < BLOCK_M; i += 32) {
+          const int row = m0 + i;
+          sLse_ring[s * BLOCK_M + i] = row < span.seqlen_q ? stats.lse[row] : 0.f;
+          sDelta_ring[s * BLOCK_M + i] = row < span.seqlen_q ? stats.delta[row] : 0.f;
+        }
+        // The lanes' rows are ordered before lane 0's arrival by the warp barrier, and the
+        // arrival (a release) makes them visible to the consumers that wait on the phase.
+        __syncwarp();
+        if (lane == 0) mbarrier_arrive(full + s);
       }
     }
     return;  // no CTA barrier follows
@@ -151,32 +156,34 @@ __global__ void __launch_bounds__(TmaBackwardTraits<HEAD_DIM, BLOCK_M, STAGES>::
     const u32 q_addr = smem_addr(sQ_ring + s * Tr::kStreamBytes), do_addr = smem_addr(sdO_ring + s * Tr::kStreamBytes);
 
     u32 p_frag[kSteps][4], ds_frag[kSteps][4];  // P^T and dS^T as 16-bit A operands
+    unsigned char* ds_buffer = sdS + (step & 1) * Tr::kDsBytes;
+    const u32 ds_piece_addr = smem_addr(ds_buffer) + row_piece * BN * kSwizzleRowBytes, k_piece_addr = k_addr + col0 * BN * 2;
+    // dQ = dS K (this warpgroup's piece, over the CTA's keys) goes before dK += dS^T Q, so that
+    // its staging runs under dK.
+    const auto issue_dq = [&] {
+      store_ds_transposed<BN>(ds_buffer, ds_frag, warp_key_row, lane);
+      fence_proxy_async();
+      named_barrier_sync(kBarDs, Tr::kConsumerThreads);  // the step's dS^T is in shared memory
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk)
+        wgmma_ss_mn<T, Tr::kDqCols>(dq, mn_major_desc(ds_piece_addr, BN, kk), mn_major_desc(k_piece_addr, BN, kk), kk > 0);
+      wgmma_commit();
+    };
     dkdv_step_products<T, HEAD_DIM, BLOCK_M, BN, SOFTCAP, false>(dk, dv, p_frag, ds_frag, k_addr, v_addr, q_addr, do_addr, wg,
                                                                  sLse_ring + s * BLOCK_M, sDelta_ring + s * BLOCK_M, band, masked, m0,
-                                                                 warp_key0, lane, a, batch, head, [] {});
-    unsigned char* ds_buffer = sdS + (step & 1) * Tr::kDsBytes;
-    store_ds_transposed<BN>(ds_buffer, ds_frag, warp_key_row, lane);
-    fence_proxy_async();
-    named_barrier_sync(kBarDs, Tr::kConsumerThreads);  // the step's dS^T is in shared memory
+                                                                 warp_key0, lane, a, batch, head, [] {}, issue_dq);
+    wgmma_wait<1>();  // dV and dQ (dK may still run)
+    fence_registers(dq);
+    reduce_dq_piece<Tr::kDqCols, Tr::kDqStageBytes>(
+        dq, stage_dq, issuer, wg, lane, [&] { return dq_accum_tile(p, batch, head, span, m0 / 64 + row_piece, col0 / 64); },
+        m0 + row_piece * 64 < span.seqlen_q);
     wgmma_wait<0>();
     fence_registers(p_frag);
     fence_registers(ds_frag);
     fence_registers(dv);
     fence_registers(dk);
     mbarrier_arrive(empty + s);  // Q, dO, lse and delta of the slot are read
-
-    // This step's dQ piece (unscaled) = dS K over the CTA's keys.
-    const u32 ds_piece_addr = smem_addr(ds_buffer) + row_piece * BN * kSwizzleRowBytes, k_piece_addr = k_addr + col0 * BN * 2;
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk)
-      wgmma_ss_mn<T, Tr::kDqCols>(dq, mn_major_desc(ds_piece_addr, BN, kk), mn_major_desc(k_piece_addr, BN, kk), kk > 0);
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_registers(dq);
-    reduce_dq_piece<Tr::kDqCols, Tr::kDqStageBytes>(
-        dq, stage_dq, issuer, wg, lane, [&] { return dq_accum_tile(p, batch, head, span, m0 / 64 + row_piece, col0 / 64); },
-        m0 + row_piece * 64 < span.seqlen_q);
   }
   if (issuer) bulk_wait<0>();
 

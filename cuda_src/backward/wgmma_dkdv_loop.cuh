@@ -69,11 +69,11 @@ __device__ __forceinline__ void reduce_dq_piece(const float (&dq)[COLS / 8][4], 
 // lse and delta in shared memory). P^T and dS^T are left in p_frag and ds_frag as 16-bit A
 // operands, and the product dK += dS^T Q still in flight (wgmma_wait<0> completes it).
 // `under_scores` runs while the score products compute.
-template <typename T, int HEAD_DIM, int BLOCK_M, int BN, bool SOFTCAP, bool DROPOUT, class UnderScores>
+template <typename T, int HEAD_DIM, int BLOCK_M, int BN, bool SOFTCAP, bool DROPOUT, class UnderScores, class BeforeDk>
 __device__ __forceinline__ void dkdv_step_products(float (&dk)[HEAD_DIM / 8][4], float (&dv)[HEAD_DIM / 8][4], u32 (&p_frag)[BLOCK_M / 16][4],
                                                    u32 (&ds_frag)[BLOCK_M / 16][4], u32 k_addr, u32 v_addr, u32 q_addr, u32 do_addr, int wg,
                                                    const float* sLse, const float* sDelta, const KeyBand& band, bool masked, int m0,
-                                                   int warp_key0, int lane, const AttnParams& a, int batch, int head, UnderScores&& under_scores) {
+                                                   int warp_key0, int lane, const AttnParams& a, int batch, int head, UnderScores&& under_scores, BeforeDk&& before_dk) {
   constexpr int kNTiles = BLOCK_M / 8, kSteps = BLOCK_M / 16;
   // S^T and dP^T (this warp's 16 keys x BLOCK_M queries) as two groups: P^T is formed and
   // dV += P^T dO issued while dP^T is still in the tensor cores, and dS^T while dV runs.
@@ -109,6 +109,7 @@ __device__ __forceinline__ void dkdv_step_products(float (&dk)[HEAD_DIM / 8][4],
   transposed_score_grads(dp, s, sDelta, lane);
 #pragma unroll
   for (int kk = 0; kk < kSteps; ++kk) c_tiles_to_a<T>(dp, kk, ds_frag[kk]);
+  before_dk();
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < kSteps; ++kk) wgmma_rs_mn<T, HEAD_DIM>(dk, ds_frag[kk], mn_major_desc(q_addr, BLOCK_M, kk));  // dK += dS^T Q
@@ -223,7 +224,7 @@ __device__ __forceinline__ void backward_wgmma_dkdv_body(const BackwardParams& p
     dkdv_step_products<T, HEAD_DIM, BLOCK_M, BN, SOFTCAP, DROPOUT>(dk, dv, p_frag, ds_frag, k_addr, v_addr, q_addr, do_addr, wg, sLse, sDelta,
                                                                    band, masked, m0, warp_key0, lane, a, batch, head, [&] {
                                                                      if (kDeferDq && step > 0) reduce_dq();  // under the score products
-                                                                   });
+                                                                   }, [] {});
 
     if constexpr (FUSE_DQ) {
       store_ds_transposed<BN>(sdS, ds_frag, warp_key_row, lane);

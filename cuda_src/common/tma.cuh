@@ -22,6 +22,11 @@ __device__ __forceinline__ void mbarrier_init_fence() { asm volatile("fence.mbar
 __device__ __forceinline__ void mbarrier_arrive_expect_bytes(u64* bar, u32 bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
 }
+// Announces `bytes` of TMA traffic for the current phase without arriving (the phase then also
+// waits for the arrivals the barrier was initialized with).
+__device__ __forceinline__ void mbarrier_expect_bytes(u64* bar, u32 bytes) {
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+}
 __device__ __forceinline__ void mbarrier_arrive(u64* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
 }
