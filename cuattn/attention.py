@@ -7,7 +7,7 @@ import numpy as np
 from cuattn import block_mask as block_mask_, boundary, dropout as dropout_, params, replay, tensor_map, validation
 from cuattn.kernels import forward
 from cuattn.kernels.variant import HEAD_DIM_BUCKETS, head_dim_bucket
-from cuattn.loader import device_arch, tma_enabled, wgmma_enabled
+from cuattn.loader import device_arch, device_sm_count, tma_enabled, wgmma_enabled
 from cuattn.options import AttnOptions
 from cuattn.validation import check_bool
 
@@ -259,26 +259,37 @@ def launch_forward(ctx, c_type, p, rows, heads_q, batch, layout="dense", sparse=
     with ctx.device, ctx.stream:
         arch = device_arch(ctx.device.id)
         head_dim = int(p["head_dim"])
+        tp = None
         if forward.tma_serves(c_type, head_dim, arch, wgmma_enabled() and tma_enabled(), layout, fold, dropout, sparse):
             tp = tma_params(c_type, p, sparse)
-            if tp is not None:
-                variant = forward.tma_variant(c_type, forward.tma_tile(head_dim), p["softcap"] > 0, sparse)
-                plan = forward.launches(variant, rows, heads_q, batch)
-                if sparse:
-                    block_mask_.order_launch(ctx, schedule, variant, plan[0][0], tp["attn"])
-                for grid, block, batch_offset in plan:
-                    tp["attn"]["batch_offset"] = batch_offset
-                    ctx.launch(variant, grid, block, tp)
-                return
-        variant = forward.select(
-            c_type, head_dim_bucket(int(p["head_dim"])), p["softcap"] > 0, arch, wgmma_enabled(), layout, fold, dropout, sparse,
-        )
-        plan = forward.launches(variant, rows, heads_q, batch)
+        if tp is not None:
+            variant, plan = tma_plan(c_type, p, rows, heads_q, batch, sparse, ctx.device.id)
+            args, attn = tp, tp["attn"]
+        else:
+            variant = forward.select(c_type, head_dim_bucket(head_dim), p["softcap"] > 0, arch, wgmma_enabled(), layout, fold, dropout, sparse)
+            plan = forward.launches(variant, rows, heads_q, batch)
+            args, attn = p, p
         if sparse:
-            block_mask_.order_launch(ctx, schedule, variant, plan[0][0], p)
+            block_mask_.order_launch(ctx, schedule, variant, plan[0][0], attn)
         for grid, block, batch_offset in plan:
-            p["batch_offset"] = batch_offset
-            ctx.launch(variant, grid, block, p)
+            attn["batch_offset"] = batch_offset
+            ctx.launch(variant, grid, block, args)
+
+
+def tma_plan(c_type: str, p: np.void, rows: int, heads_q: int, batch: int, sparse: bool, device_id: int):
+    """The TMA forward's variant and launches: CTAs of the SEVERAL form taking two row blocks
+    each where :func:`cuattn.kernels.forward.tma_row_blocks_per_cta` says so, else one CTA per
+    row block."""
+    tile, softcap = forward.tma_tile(int(p["head_dim"])), p["softcap"] > 0
+    variant = forward.tma_variant(c_type, tile, softcap, sparse)
+    per_cta = 1
+    if forward.tma_takes_several(tile, softcap, sparse):
+        kv_bytes = 4 * int(p["seqlen_k"]) * int(p["head_dim"]) * int(p["heads_kv"]) // heads_q  # K and V per query head
+        banded = p["window_left"] >= 0 or p["window_right"] >= 0
+        per_cta = forward.tma_row_blocks_per_cta(rows, variant.block_m, heads_q * batch, device_sm_count(device_id), kv_bytes, banded)
+    if per_cta > 1:
+        variant = forward.tma_variant(c_type, tile, softcap, several=True)
+    return variant, forward.tma_launches(variant, rows, heads_q, batch, per_cta)
 
 
 def tma_params(c_type: str, p: np.void, sparse: bool = False) -> np.void | None:

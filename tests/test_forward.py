@@ -128,6 +128,38 @@ def test_hopper_dense_forwards_take_the_tma_kernel(monkeypatch):
         assert_attention_accuracy(got.get(), ref, naive_attention(*host_args, "bfloat16", causal=True), floor=1e-5)
 
 
+
+@pytest.mark.parametrize("per_cta", [2, 3, 64])
+@pytest.mark.parametrize("d", [64, 128, 192, 256])
+def test_tma_ctas_taking_several_row_blocks_match_reference(monkeypatch, per_cta, d):
+    """The TMA forward's SEVERAL form, whose CTAs take several row blocks in turn (forward_tma.cu
+    CtaRowBlocks: the rings and Q's barriers run on across a CTA's tiles; at 256 out is staged
+    in Q's tile): every row written and right, including tiles with no visible key, a last
+    round that some CTAs skip, and more blocks per CTA than the sequence has (64). At head_dim
+    64 only the softcap form has it."""
+    from cuattn import loader, replay
+    from cuattn.kernels import forward
+
+    if loader.device_arch() != "sm_90a":
+        pytest.skip("the TMA kernel is Hopper's")
+    monkeypatch.setattr(forward, "tma_row_blocks_per_cta", lambda *args: per_cta)
+    monkeypatch.setattr(replay, "enabled", False)
+    launched = []
+    original = forward.tma_launches
+    monkeypatch.setattr(forward, "tma_launches", lambda v, *args: launched.append((v.uri.endswith("/several"), args[-1])) or original(v, *args))
+    rng = np.random.default_rng(per_cta * 1000 + d)
+    cases = (
+        (1023, 1023, dict(causal=True)),
+        (700, 1100, dict()),
+        (900, 900, dict(window=(100, 20))),
+        (1023, 100, dict(causal=True)),  # bottom-right: the first 923 rows see no key
+        (513, 1500, dict(causal=True, softcap=5.0)),
+    )
+    for sq, sk, kw in cases:
+        _run(rng, 2, sq, sk, 4, 2, d, "bfloat16", **kw)
+    assert launched == ([(False, 1)] * 4 + [(True, per_cta)] if d == 64 else [(True, per_cta)] * 5)
+
+
 def test_hopper_devices_run_the_wgmma_kernel():
     from cuattn import loader
     from cuattn.kernels import forward

@@ -129,6 +129,7 @@ def fake(monkeypatch):
     monkeypatch.setattr(tensor_map, "_encoder", lambda: fake_encoder)
     monkeypatch.setattr(loader, "device_sm_count", lambda device_id: 132)
     monkeypatch.setattr(attention_module, "device_arch", lambda device_id=None: "sm_90a")
+    monkeypatch.setattr(attention_module, "device_sm_count", lambda device_id: 132)
     monkeypatch.setattr(backward_module, "device_smem_limit", lambda device_id: 232448)
     monkeypatch.setattr(replay, "enabled", True)
     monkeypatch.setattr(replay, "_driver_launch", lambda: None)

@@ -39,9 +39,57 @@ def test_only_dense_plain_16_bit_calls_on_hopper_take_the_tma_forward():
 
 def test_tma_variants_are_compiled_for_hopper_only():
     variants = [v for v in forward.variants() if v.kernel == "forward_tma"]
-    assert len(variants) == 2 * len(forward.TMA_TILES) * 2 * 2
+    several = sum(forward.tma_takes_several(tile, softcap) for tile in forward.TMA_TILES for softcap in (False, True))
+    assert len(variants) == 2 * (len(forward.TMA_TILES) * 2 * 2 + several)
     assert all(v.archs == ("sm_90a",) and v.threads == 2 * v.block_m + 128 for v in variants)
     assert not [v for v in forward.variants("sm_80") if v.kernel == "forward_tma" and v.builds_for("sm_80")]
+
+
+
+@pytest.mark.parametrize(
+    "row_blocks, heads_batch, kv_bytes, banded, expected",
+    [
+        (8, 256, 1 << 19, False, 2),  # d128 1k: 33 heads at once x 512 KB
+        (8, 128, 1 << 20, False, 1),  # d256 1k: 33 MB
+        (8, 128, 1 << 20, True, 1),  # causal, but under 16 blocks
+        (16, 64, 1 << 21, True, 2),  # d256 2k causal
+        (32, 64, 1 << 21, False, 2),
+        (33, 64, 1 << 10, True, 1),  # long sequences: one
+        (8, 64, 1 << 10, False, 1),  # under two waves
+        (9, 60, 1 << 10, False, 2),
+    ],
+)
+def test_tma_forward_ctas_take_two_row_blocks_on_short_sequences(row_blocks, heads_batch, kv_bytes, banded, expected):
+    """Two row blocks per CTA of the TMA forward on sequences of up to 32 row blocks where that
+    leaves two waves of CTAs on 132 SMs and the K / V in flight fits the L2 share (or the mask is
+    a band over 16+ blocks), else one; the grid's x shrinks to match, on the SEVERAL form only."""
+    rows = row_blocks * 128 - 5
+    assert forward.tma_row_blocks_per_cta(rows, 128, heads_batch, 132, kv_bytes, banded) == expected
+    several = forward.tma_variant("bf16", 128, False, several=True)
+    plan = forward.tma_launches(several, rows, 4, 3, expected)
+    assert plan == [((-(-row_blocks // expected), 4, 3), (384, 1, 1), 0)]
+    with pytest.raises(ValueError, match="one row block per CTA"):
+        forward.tma_launches(forward.tma_variant("bf16", 128, False), rows, 4, 3, 2)
+
+
+def test_tma_forward_takes_several_row_blocks_with_two_consumer_warpgroups_only():
+    """The SEVERAL form exists for the tilings of two consumer warpgroups without a block mask
+    (head_dim 64 has it with softcap alone), stages out in a tile of its own where Q's tile, the
+    rings and out's tile fit sm_90's 232448 bytes (128, 192), else in Q's tile (256)."""
+    for tile in forward.TMA_TILES:
+        for softcap in (False, True):
+            takes = forward.tma_takes_several(tile, softcap)
+            assert takes == (tile != 64 or softcap)
+            assert not forward.tma_takes_several(tile, softcap, sparse=True)
+            if not takes:
+                with pytest.raises(ValueError, match="no TMA forward taking several"):
+                    forward.tma_variant("bf16", tile, softcap, several=True)
+                continue
+            one, several = forward.tma_variant("bf16", tile, softcap), forward.tma_variant("bf16", tile, softcap, several=True)
+            block_n, stages, consumers = forward.tma_tiling(tile, softcap)
+            q_bytes = 64 * consumers * tile * 2
+            assert several.dynamic_smem - one.dynamic_smem == (q_bytes if tile in (64, 128, 192) else 0)
+            assert several.dynamic_smem <= 232448 and several.uri == one.uri + "/several"
 
 
 def test_only_dense_plain_16_bit_fused_backwards_on_hopper_take_the_tma_backward():

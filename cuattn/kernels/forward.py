@@ -8,7 +8,7 @@ import functools
 
 from cuattn.dtypes import cxx_type
 from cuattn.kernels.variant import (
-    CACHE_LAYOUTS, HEAD_DIM_BUCKETS, SEQ_LAYOUTS, WGMMA_ARCH, Variant, arch_smem_limit, dropout_arg, dropout_uri, layout_arg, layout_uri,
+    ARCH_SMEM_OPTIN, CACHE_LAYOUTS, HEAD_DIM_BUCKETS, SEQ_LAYOUTS, WGMMA_ARCH, Variant, arch_smem_limit, dropout_arg, dropout_uri, layout_arg, layout_uri,
     softcap_arg, softcap_uri, tile_launches,
 )
 
@@ -143,31 +143,41 @@ def tma_tiling(tile: int, softcap: bool, sparse: bool = False) -> tuple[int, int
     return TMA_NARROW_TILES.get(tile, TMA_TILES[tile]) if softcap or sparse else TMA_TILES[tile]
 
 
-def tma_smem_bytes(tile: int, softcap: bool = False, sparse: bool = False) -> int:
+def tma_smem_bytes(tile: int, softcap: bool = False, sparse: bool = False, several: bool = False) -> int:
+    """TmaForwardTraits::kSmemBytes: Q's tile, the K and V rings, the swizzle realignment and
+    the barriers, and (CTAs taking several row blocks) out's own tile where it fits sm_90's limit."""
     block_n, stages, consumers = tma_tiling(tile, softcap, sparse)
-    barriers = 1 + 4 * stages
-    return (64 * consumers + 2 * stages * block_n) * tile * 2 + 1024 + barriers * 8
+    q_bytes = 64 * consumers * tile * 2
+    base = q_bytes + 2 * stages * block_n * tile * 2 + 1024 + (2 + 4 * stages) * 8
+    return base + (q_bytes if several and base + q_bytes <= ARCH_SMEM_OPTIN[WGMMA_ARCH] else 0)
+
+
+def tma_takes_several(tile: int, softcap: bool, sparse: bool = False) -> bool:
+    """Whether the TMA forward has a form whose CTAs take several row blocks at this tiling
+    (two consumer warpgroups, no block mask: forward_tma.cu SEVERAL)."""
+    return not sparse and tma_tiling(tile, softcap)[2] == 2
 
 
 @functools.cache
-def tma_variant(c_type: str, tile: int, softcap: bool, sparse: bool = False) -> Variant:
+def tma_variant(c_type: str, tile: int, softcap: bool, sparse: bool = False, several: bool = False) -> Variant:
+    if several and not tma_takes_several(tile, softcap, sparse):
+        raise ValueError(f"no TMA forward taking several row blocks per CTA at tile {tile} (softcap {softcap}, sparse {sparse})")
     block_n, stages, consumers = tma_tiling(tile, softcap, sparse)
-    traits = f"cuattn::TmaForwardTraits<{tile}, {block_n}, {stages}, {consumers}>"
+    traits = f"cuattn::TmaForwardTraits<{tile}, {block_n}, {stages}, {consumers}, {'true' if several else 'false'}>"
     threads, block_m = 128 * (consumers + 1), 64 * consumers
+    flags = ", false, true>" if several else ", true>" if sparse else ">"
+    smem = tma_smem_bytes(tile, softcap, sparse, several)
     return Variant(
         family=FAMILY, kernel="forward_tma",
-        expression=(f"cuattn::forward_tma_kernel<{cxx_type(c_type)}, {tile}, {block_n}, {stages}, {consumers}, {softcap_arg(softcap)}"
-                    + (", true>" if sparse else ">")),
-        uri=f"forward_tma/{c_type}/d{tile}/n{block_n}s{stages}c{consumers}" + softcap_uri(softcap) + dropout_uri(False, sparse),
+        expression=f"cuattn::forward_tma_kernel<{cxx_type(c_type)}, {tile}, {block_n}, {stages}, {consumers}, {softcap_arg(softcap)}" + flags,
+        uri=f"forward_tma/{c_type}/d{tile}/n{block_n}s{stages}c{consumers}" + softcap_uri(softcap) + dropout_uri(False, sparse)
+        + ("/several" if several else ""),
         hot=True,
-        dynamic_smem=tma_smem_bytes(tile, softcap, sparse),
+        dynamic_smem=smem,
         threads=threads,
         block_m=block_m,
         archs=(WGMMA_ARCH,),
-        contract=(
-            (f"{traits}::kSmemBytes", tma_smem_bytes(tile, softcap, sparse)), (f"{traits}::kThreads", threads),
-            (f"{traits}::kBlockM", block_m),
-        ),
+        contract=((f"{traits}::kSmemBytes", smem), (f"{traits}::kThreads", threads), (f"{traits}::kBlockM", block_m)),
     )
 
 
@@ -204,6 +214,39 @@ def launches(v: Variant, rows: int, heads_q: int, batch: int) -> list[tuple[tupl
     return tile_launches(v, rows, heads_q, batch)
 
 
+# The TMA forward's CTAs take two row blocks each on sequences of at most this many row blocks,
+# and while the K / V that the CTAs running at once read stays within this share of L2
+# (tma_row_blocks_per_cta).
+TMA_PAIRED_MAX_ROW_BLOCKS = 32
+TMA_L2_SHARE = 24 << 20
+
+
+def tma_row_blocks_per_cta(rows: int, block_m: int, heads_batch: int, sm_count: int, kv_bytes_per_head: int, banded: bool) -> int:
+    """Row blocks of one (head, sequence) that a CTA of the TMA forward takes in turn (its
+    SEVERAL form, where the tiling has one: forward_tma.cu CtaRowBlocks; the producer loads a
+    tile's Q and first K block while the consumers finish the one before, and under a causal mask
+    a CTA's two blocks add up to about the same work). Two where the sequence has at most
+    TMA_PAIRED_MAX_ROW_BLOCKS, that leaves two waves of CTAs, and either the K / V of the heads
+    worked on at once (``kv_bytes_per_head`` each) fits TMA_L2_SHARE or the mask is a band
+    (causal, window) over 16 or more blocks; else one. Measured in NOTES ("Hopper forward with a
+    producer warpgroup")."""
+    row_blocks = -(-rows // block_m)
+    ctas_per_head = -(-row_blocks // 2)
+    if row_blocks > TMA_PAIRED_MAX_ROW_BLOCKS or ctas_per_head * heads_batch < 2 * sm_count:
+        return 1
+    fits_l2 = -(-sm_count // ctas_per_head) * kv_bytes_per_head <= TMA_L2_SHARE
+    return 2 if fits_l2 or (banded and row_blocks >= 16) else 1
+
+
+def tma_launches(v: Variant, rows: int, heads_q: int, batch: int, per_cta: int) -> list[tuple[tuple, tuple, int]]:
+    """Launches of the TMA forward whose CTAs take ``per_cta`` row blocks each (more than one:
+    the SEVERAL form)."""
+    if per_cta > 1 and not v.uri.endswith("/several"):
+        raise ValueError(f"{v.uri} takes one row block per CTA")
+    plan = tile_launches(v, rows, heads_q, batch)
+    return [((-(-grid[0] // per_cta),) + grid[1:], block, b0) for grid, block, b0 in plan]
+
+
 def variants(arch: str | None = None) -> list[Variant]:
     """Every forward variant; with ``arch``, those whose shared memory fits it (the paged-cache
     kernels at head_dim 256 do not fit 99 KB parts)."""
@@ -232,6 +275,8 @@ def variants(arch: str | None = None) -> list[Variant]:
             for softcap in (False, True):
                 out.append(tma_variant(c_type, tile, softcap))
                 out.append(tma_variant(c_type, tile, softcap, sparse=True))
+                if tma_takes_several(tile, softcap):
+                    out.append(tma_variant(c_type, tile, softcap, several=True))
     for layout in SEQ_LAYOUTS + CACHE_LAYOUTS:
         for c_type in ("f16", "bf16") + (("float",) if layout in SEQ_LAYOUTS else ()):
             for bucket in HEAD_DIM_BUCKETS:

@@ -19,6 +19,14 @@
 // The consumer warpgroups issue their products in turn (named barriers kBarTurn + wg): warpgroup
 // 0's products, then warpgroup 1's, ..., then warpgroup 0's next, so that one warpgroup's
 // softmax runs while the tensor cores work on another's products.
+// SEVERAL (chosen by the host on short sequences): a CTA computes two or more row blocks of one
+// (head, sequence) in turn (CtaRowBlocks below). The rings and their parities run on across its
+// tiles, so the producer loads the next tile's first K block and Q while the consumers finish a
+// tile and store its rows; Q's full barrier then has an empty one beside it, which the consumers
+// release after their last S product where out is staged in a tile of its own (kOwnOutTile),
+// else after the staged rows are stored. The registers are split once, before the first tile.
+// Without SEVERAL the CTA runs its one row block as a whole (TmaRole::kWholeCta): the same code
+// with the cross-tile state folded away, which keeps the key loop as lean as it was.
 // Rows and keys past the tensors are zero-filled by the TMA unit; the band mask (KeyBand) hides
 // keys past seqlen_k. Dense layout only (the cache, packed, fold and dropout forms stay on
 // forward_wgmma.cu). SPARSE: only the key blocks a block mask keeps (common/block_sparse.cuh),
@@ -38,7 +46,7 @@
 
 namespace cuattn {
 
-template <int HEAD_DIM, int BLOCK_N, int STAGES, int CONSUMERS>
+template <int HEAD_DIM, int BLOCK_N, int STAGES, int CONSUMERS, bool SEVERAL = false>
 struct TmaForwardTraits {
   static constexpr int kBlockM = 64 * CONSUMERS;            // 64 query rows per consumer warpgroup
   static constexpr int kConsumerThreads = 128 * CONSUMERS;
@@ -51,30 +59,78 @@ struct TmaForwardTraits {
   static constexpr int kColumnBlocks = HEAD_DIM / kSwizzleBlockElems;  // TMA boxes per tile
   static constexpr int kQBytes = kBlockM * HEAD_DIM * 2;
   static constexpr int kKVBytes = BLOCK_N * HEAD_DIM * 2;
-  static constexpr int kBarriers = 1 + 4 * STAGES;          // Q full; K full, V full, K empty, V empty per slot
+  static constexpr int kRingBytes = 2 * STAGES * kKVBytes;
+  static constexpr int kBarriers = 2 + 4 * STAGES;          // Q full, Q empty; K full, V full, K empty, V empty per slot
   // +1024: the dynamic shared memory is realigned to the swizzle period inside the kernel.
-  static constexpr int kSmemBytes = kQBytes + 2 * STAGES * kKVBytes + kSwizzleAtomBytes + kBarriers * 8;
+  static constexpr int kBaseBytes = kQBytes + kRingBytes + kSwizzleAtomBytes + kBarriers * 8;
+  // Whether a CTA takes several row blocks in turn (CtaRowBlocks); its form costs 1-4% where it
+  // takes one (the host picks), and with three consumers every other live value slows the loop.
+  static constexpr bool kSeveralTiles = SEVERAL;
+  // out is staged in a tile of its own where one fits (232448: sm_90's opt-in limit), so that the
+  // next tile's Q can load while the consumers store; else in Q's tile.
+  static constexpr bool kOwnOutTile = kSeveralTiles && kBaseBytes + kQBytes <= 232448;
+  static constexpr int kSmemBytes = kBaseBytes + (kOwnOutTile ? kQBytes : 0);
+  // From the swizzle-aligned base: Q's tile, out's (where it has its own), the K ring, the V ring,
+  // then the barriers: Q full, K full and V full per slot, K empty and V empty per slot, Q empty.
+  static constexpr int kKRingOffset = (kOwnOutTile ? 2 : 1) * kQBytes;
+  static constexpr int kBarrierOffset = kKRingOffset + kRingBytes;
 
   static_assert(HEAD_DIM % 64 == 0 && HEAD_DIM <= 256, "whole column blocks (wgmma N of P V: common/wgmma.cuh)");
   static_assert(BLOCK_N == 64 || BLOCK_N == 128, "wgmma N of Q K^T");
   static_assert(CONSUMERS == 2 || CONSUMERS == 3, "the register split above");
+  static_assert(!SEVERAL || CONSUMERS == 2, "several tiles per CTA with two consumer warpgroups");
 };
 
 constexpr int kBarTurn = 4;  // + warpgroup: its turn to issue (1 + wg: the epilogue's)
 
-template <typename T, int HEAD_DIM, int BLOCK_N, int STAGES, int CONSUMERS, bool SOFTCAP, bool SPARSE>
-__device__ __forceinline__ void forward_tma_block(const TmaAttnParams& tp, int seq, int head, const SeqSpan& span, int m_block,
-                                                  unsigned char* smem_raw) {
-  using Tr = TmaForwardTraits<HEAD_DIM, BLOCK_N, STAGES, CONSUMERS>;
+// Where a CTA's rings stand: K / V blocks passed through them so far, and Q's fills.
+struct TmaPipe {
+  int blocks = 0, tiles = 0;
+};
+
+__device__ __forceinline__ unsigned char* swizzle_aligned(unsigned char* smem_raw) {
+  return smem_raw + (kSwizzleAtomBytes - smem_addr(smem_raw) % kSwizzleAtomBytes) % kSwizzleAtomBytes;
+}
+
+// Thread 0 initializes the barriers (TmaForwardTraits' layout), then a CTA barrier.
+template <int STAGES, int CONSUMER_THREADS>
+__device__ __forceinline__ void init_tma_forward_barriers(u64* q_full) {
+  if (threadIdx.x == 0) {
+    mbarrier_init(q_full, 1);
+    for (int s = 0; s < STAGES; ++s) {
+      mbarrier_init(q_full + 1 + s, 1);                            // K full
+      mbarrier_init(q_full + 1 + STAGES + s, 1);                   // V full
+      mbarrier_init(q_full + 1 + 2 * STAGES + s, CONSUMER_THREADS);  // K empty
+      mbarrier_init(q_full + 1 + 3 * STAGES + s, CONSUMER_THREADS);  // V empty
+    }
+    mbarrier_init(q_full + 1 + 4 * STAGES, CONSUMER_THREADS);      // Q empty
+    mbarrier_init_fence();
+  }
+  __syncthreads();
+}
+
+// Who runs forward_tma_tile: the whole CTA on its only tile (it initializes the barriers and
+// splits the registers between the warpgroups), or, on each of several tiles, one side of a CTA
+// that did both before its first.
+enum class TmaRole { kWholeCta, kProducer, kConsumers };
+
+// One row block of a CTA: the producer thread's loads, or the consumers' products, softmax and
+// stores.
+template <typename T, int HEAD_DIM, int BLOCK_N, int STAGES, int CONSUMERS, bool SOFTCAP, bool SPARSE, TmaRole ROLE>
+__device__ __forceinline__ void forward_tma_tile(const TmaAttnParams& tp, int seq, int head, const SeqSpan& span, int m_block,
+                                                 unsigned char* smem_raw, TmaPipe& pipe) {
+  using Tr = TmaForwardTraits<HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, ROLE != TmaRole::kWholeCta>;
   const AttnParams& p = tp.attn;
-  unsigned char* sQ = smem_raw + (kSwizzleAtomBytes - smem_addr(smem_raw) % kSwizzleAtomBytes) % kSwizzleAtomBytes;
-  unsigned char* sK_ring = sQ + Tr::kQBytes;
+  unsigned char* sQ = swizzle_aligned(smem_raw);
+  unsigned char* sOut = Tr::kOwnOutTile ? sQ + Tr::kQBytes : sQ;
+  unsigned char* sK_ring = sQ + Tr::kKRingOffset;
   unsigned char* sV_ring = sK_ring + STAGES * Tr::kKVBytes;
-  u64* q_full = reinterpret_cast<u64*>(sV_ring + STAGES * Tr::kKVBytes);
+  u64* q_full = reinterpret_cast<u64*>(sQ + Tr::kBarrierOffset);
   u64* k_full = q_full + 1;
   u64* v_full = k_full + STAGES;
   u64* k_empty = v_full + STAGES;
   u64* v_empty = k_empty + STAGES;
+  u64* q_empty = v_empty + STAGES;
 
   const int m0 = m_block * Tr::kBlockM;
   const int m_last = min(m0 + Tr::kBlockM, span.seqlen_q) - 1;
@@ -98,51 +154,60 @@ __device__ __forceinline__ void forward_tma_block(const TmaAttnParams& tp, int s
       return n_last - j;
     }
   };
-
-  if (threadIdx.x == 0) {
-    mbarrier_init(q_full, 1);
-    for (int s = 0; s < STAGES; ++s) {
-      mbarrier_init(k_full + s, 1);
-      mbarrier_init(v_full + s, 1);
-      mbarrier_init(k_empty + s, Tr::kConsumerThreads);
-      mbarrier_init(v_empty + s, Tr::kConsumerThreads);
+  // Ring position i = done + j of the tile's block j; with several tiles every tile loads Q (so
+  // that out staged in Q's tile never meets a later tile's Q), with one only a tile with keys.
+  const int done = Tr::kSeveralTiles ? pipe.blocks : 0;
+  const bool loads_q = Tr::kSeveralTiles || blocks > 0;
+  const u32 q_parity = Tr::kSeveralTiles ? u32(pipe.tiles & 1) : 0;
+  const auto advance = [&] {
+    if (Tr::kSeveralTiles) {
+      pipe.blocks += max(blocks, 0);
+      ++pipe.tiles;
     }
-    mbarrier_init_fence();
-  }
-  __syncthreads();
+  };
 
-  if (threadIdx.x >= Tr::kConsumerThreads) {  // the producer warpgroup; one thread issues every load
-    set_max_registers_dec<Tr::kProducerRegisters>();
-    if (threadIdx.x == Tr::kConsumerThreads && blocks > 0) {
+  if (ROLE == TmaRole::kWholeCta) init_tma_forward_barriers<STAGES, Tr::kConsumerThreads>(q_full);
+
+  if (ROLE == TmaRole::kProducer || (ROLE == TmaRole::kWholeCta && threadIdx.x >= Tr::kConsumerThreads)) {
+    // The producer warpgroup; one thread issues every load.
+    if (ROLE == TmaRole::kWholeCta) set_max_registers_dec<Tr::kProducerRegisters>();
+    if (threadIdx.x == Tr::kConsumerThreads && loads_q) {
       const int kv_head = head / (p.heads_q / p.heads_kv);
       const auto load_tile = [&](unsigned char* dst, const TensorMap* map, u64* bar, int rows, int row0, int h) {
 #pragma unroll
         for (int cb = 0; cb < Tr::kColumnBlocks; ++cb)
           tma_load_4d(dst + cb * rows * kSwizzleRowBytes, map, bar, cb * kSwizzleBlockElems, row0, h, span.k_batch);
       };
+      const auto load_k = [&](int j) {
+        const int i = done + j, s = i % STAGES;
+        mbarrier_wait(k_empty + s, ((i / STAGES) & 1) ^ 1);
+        mbarrier_arrive_expect_bytes(k_full + s, Tr::kKVBytes);
+        load_tile(sK_ring + s * Tr::kKVBytes, &tp.k_map, k_full + s, BLOCK_N, block_at(j) * BLOCK_N, kv_head);
+      };
+      const auto load_v = [&](int j) {
+        const int i = done + j, s = i % STAGES;
+        mbarrier_wait(v_empty + s, ((i / STAGES) & 1) ^ 1);
+        mbarrier_arrive_expect_bytes(v_full + s, Tr::kKVBytes);
+        load_tile(sV_ring + s * Tr::kKVBytes, &tp.v_map, v_full + s, BLOCK_N, block_at(j) * BLOCK_N, kv_head);
+      };
+      // K of the first block before Q: its slot frees while the consumers finish the tile before.
+      if (Tr::kSeveralTiles && blocks > 0) load_k(0);
+      if (Tr::kSeveralTiles) mbarrier_wait(q_empty, q_parity ^ 1);
       mbarrier_arrive_expect_bytes(q_full, Tr::kQBytes);
 #pragma unroll
       for (int cb = 0; cb < Tr::kColumnBlocks; ++cb)
         tma_load_4d(sQ + cb * Tr::kBlockM * kSwizzleRowBytes, &tp.q_map, q_full, cb * kSwizzleBlockElems, m0, head, seq);
-      const auto load_v = [&](int j) {
-        const int s = j % STAGES;
-        mbarrier_wait(v_empty + s, ((j / STAGES) & 1) ^ 1);
-        mbarrier_arrive_expect_bytes(v_full + s, Tr::kKVBytes);
-        load_tile(sV_ring + s * Tr::kKVBytes, &tp.v_map, v_full + s, BLOCK_N, block_at(j) * BLOCK_N, kv_head);
-      };
-      for (int j = 0; j < blocks; ++j) {
-        const int s = j % STAGES;
-        mbarrier_wait(k_empty + s, ((j / STAGES) & 1) ^ 1);
-        mbarrier_arrive_expect_bytes(k_full + s, Tr::kKVBytes);
-        load_tile(sK_ring + s * Tr::kKVBytes, &tp.k_map, k_full + s, BLOCK_N, block_at(j) * BLOCK_N, kv_head);
+      for (int j = Tr::kSeveralTiles ? 1 : 0; j < blocks; ++j) {
+        load_k(j);
         if (j > 0) load_v(j - 1);
       }
-      load_v(blocks - 1);
+      if (blocks > 0) load_v(blocks - 1);
     }
+    advance();
     return;  // no CTA barrier follows
   }
 
-  set_max_registers_inc<Tr::kConsumerRegisters>();
+  if (ROLE == TmaRole::kWholeCta) set_max_registers_inc<Tr::kConsumerRegisters>();
   const HeadView<T> head_view(p, seq, head, span);
   const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
@@ -151,19 +216,22 @@ __device__ __forceinline__ void forward_tma_block(const TmaAttnParams& tp, int s
 
   float acc[1][Tr::kDTiles][4] = {};
   float row_max[1][2] = {{neg_inf(), neg_inf()}}, row_sum[1][2] = {{0.f, 0.f}};
+  if (Tr::kSeveralTiles) mbarrier_wait(q_full, q_parity);
 
   if (blocks > 0) {
     float s[1][Tr::kNTiles][4];
     u32 probs[BLOCK_N / 16][4];  // P of the block before, packed: the A operand of its P V product
     const u32 q_addr = smem_addr(sQ);
+    const auto slot = [&](int j) { return (done + j) % STAGES; };
+    const auto parity = [&](int j) { return u32(((done + j) / STAGES) & 1); };
     const auto issue_scores = [&](int j) {
       wgmma_fence();
-      wgmma_rows_by_rows<T, BLOCK_N, HEAD_DIM>(s[0], q_addr, Tr::kBlockM, wg * 64, smem_addr(sK_ring + (j % STAGES) * Tr::kKVBytes));
+      wgmma_rows_by_rows<T, BLOCK_N, HEAD_DIM>(s[0], q_addr, Tr::kBlockM, wg * 64, smem_addr(sK_ring + slot(j) * Tr::kKVBytes));
       wgmma_commit();
     };
     const auto issue_values = [&](int j) {  // O += P V of block j (P in probs)
       wgmma_fence();
-      wgmma_regs_by_tile<T, BLOCK_N, HEAD_DIM>(acc[0], probs, smem_addr(sV_ring + (j % STAGES) * Tr::kKVBytes));
+      wgmma_regs_by_tile<T, BLOCK_N, HEAD_DIM>(acc[0], probs, smem_addr(sV_ring + slot(j) * Tr::kKVBytes));
       wgmma_commit();
     };
     const auto probabilities = [&](int n0, float (&alpha)[1][2]) {
@@ -174,58 +242,81 @@ __device__ __forceinline__ void forward_tma_block(const TmaAttnParams& tp, int s
     };
     const auto take_turn = [&] { named_barrier_sync(kBarTurn + wg, 256); };
     const auto pass_turn = [&] { named_barrier_arrive(kBarTurn + (wg + 1) % CONSUMERS, 256); };
-    const auto parity = [](int j) { return u32((j / STAGES) & 1); };
 
     if (wg == CONSUMERS - 1) pass_turn();  // warpgroup 0 goes first
-    mbarrier_wait(q_full, 0);
-    mbarrier_wait(k_full, 0);
+    if (!Tr::kSeveralTiles) mbarrier_wait(q_full, 0);
+    mbarrier_wait(k_full + slot(0), parity(0));
     take_turn();
     issue_scores(0);
     pass_turn();
     wgmma_wait<0>();
-    mbarrier_arrive(k_empty);
+    mbarrier_arrive(k_empty + slot(0));
     float alpha[1][2];
     probabilities(block_at(0) * BLOCK_N, alpha);  // O is still zero: nothing to rescale
     pack_a_operands<T, BLOCK_N>(probs, s[0]);
     for (int j = 1; j < blocks; ++j) {
-      mbarrier_wait(k_full + j % STAGES, parity(j));
-      mbarrier_wait(v_full + (j - 1) % STAGES, parity(j - 1));
+      mbarrier_wait(k_full + slot(j), parity(j));
+      mbarrier_wait(v_full + slot(j - 1), parity(j - 1));
       take_turn();
       issue_scores(j);
       issue_values(j - 1);
       pass_turn();
       wgmma_wait<1>();  // S only: groups complete in order
-      mbarrier_arrive(k_empty + j % STAGES);
+      mbarrier_arrive(k_empty + slot(j));
       const bool rescale = probabilities(block_at(j) * BLOCK_N, alpha);
       wgmma_wait<0>();
-      mbarrier_arrive(v_empty + (j - 1) % STAGES);
+      mbarrier_arrive(v_empty + slot(j - 1));
       rescale_and_pack<T, BLOCK_N>(acc, probs, s, rescale, alpha);
     }
-    mbarrier_wait(v_full + (blocks - 1) % STAGES, parity(blocks - 1));
+    mbarrier_wait(v_full + slot(blocks - 1), parity(blocks - 1));
     issue_values(blocks - 1);
     wgmma_wait<0>();
     fence_registers(acc[0]);
     fence_registers(probs);
+    if (Tr::kSeveralTiles) mbarrier_arrive(v_empty + slot(blocks - 1));
     if (wg == 0) take_turn();  // the last warpgroup's last pass: every arrival at a turn barrier is matched
   }
+  if (Tr::kSeveralTiles && Tr::kOwnOutTile) mbarrier_arrive(q_empty);  // Q is read by the S products alone
 
-  // Epilogue: normalize, stage the rows in sQ and store them (forward/staged_out.cuh).
+  // Epilogue: normalize, stage the rows and store them (forward/staged_out.cuh). The barrier
+  // keeps a warpgroup's staging from overtaking its own stores of the tile before.
+  if (Tr::kSeveralTiles && pipe.tiles > 0) named_barrier_sync(1 + wg, 128);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const RowTotal total = finish_row(row_max[0][h], row_sum[0][h], p.exp2_scale, head_view.sink);
     const int r = wg * 64 + warp * 16 + g + h * 8;  // row of the CTA's tile
-    stage_out_row<T, Tr::kBlockM>(sQ, acc[0], h, r, total.inv);
+    stage_out_row<T, Tr::kBlockM>(sOut, acc[0], h, r, total.inv);
     if (t == 0 && m0 + r < span.seqlen_q && head_view.lse != nullptr) head_view.lse[m0 + r] = total.lse;
   }
-  store_staged_rows<T, Tr::kBlockM, HEAD_DIM>(sQ, head_view.out, p.out_strides[1], m0, wg, span.seqlen_q, p.head_dim);
+  store_staged_rows<T, Tr::kBlockM, HEAD_DIM>(sOut, head_view.out, p.out_strides[1], m0, wg, span.seqlen_q, p.head_dim);
+  if (Tr::kSeveralTiles && !Tr::kOwnOutTile) mbarrier_arrive(q_empty);  // out was staged in Q's tile
+  advance();
 }
 
-/// \brief Attention forward with TMA loads from a producer warpgroup: one CTA per (block of
-/// 64 x CONSUMERS query rows, head, sequence), query blocks heaviest-first (common/grid.cuh). Dense layout.
-template <typename T, int HEAD_DIM, int BLOCK_N, int STAGES, int CONSUMERS, bool SOFTCAP, bool SPARSE = false>
-__global__ void __launch_bounds__(TmaForwardTraits<HEAD_DIM, BLOCK_N, STAGES, CONSUMERS>::kThreads, 1)
+// The row blocks of a CTA, r = 0, 1, ...: the (head, sequence)'s row blocks are cut among
+// gridDim.x CTAs in rounds, CTA x taking block x of even rounds and block gridDim.x - 1 - x of odd
+// ones (counted from the last, heaviest under a causal mask), so that under a causal mask each
+// pair of rounds gives every CTA about the same work; -1 past the blocks (round 0 never is).
+template <int BLOCK_M>
+struct CtaRowBlocks {
+  int x, ctas, row_blocks, rounds;
+  __device__ CtaRowBlocks(int x_, int seqlen_q) : x(x_), ctas(int(gridDim.x)), row_blocks((seqlen_q + BLOCK_M - 1) / BLOCK_M) {
+    rounds = (row_blocks + ctas - 1) / ctas;
+  }
+  __device__ int at(int r) const {
+    const int index = r * ctas + (r % 2 == 0 ? x : ctas - 1 - x);
+    return index < row_blocks ? row_blocks - 1 - index : -1;
+  }
+};
+
+/// \brief Attention forward with TMA loads from a producer warpgroup: CTAs of (head, sequence)
+/// on grid (y, z), each taking one block of 64 x CONSUMERS query rows, or with kSeveralTiles
+/// one or more in turn (CtaRowBlocks), heaviest first. Dense layout.
+template <typename T, int HEAD_DIM, int BLOCK_N, int STAGES, int CONSUMERS, bool SOFTCAP, bool SPARSE = false, bool SEVERAL = false>
+__global__ void __launch_bounds__(TmaForwardTraits<HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, SEVERAL>::kThreads, 1)
     forward_tma_kernel(const __grid_constant__ TmaAttnParams tp) {
-  using Tr = TmaForwardTraits<HEAD_DIM, BLOCK_N, STAGES, CONSUMERS>;
+  using Tr = TmaForwardTraits<HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, SEVERAL>;
+  static_assert(!(SEVERAL && SPARSE), "a block-sparse launch's schedule gives each CTA one row block");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   if (dynamic_smem_bytes() < Tr::kSmemBytes) __trap();  // launch contract
   if (threadIdx.x == Tr::kConsumerThreads) {
@@ -237,9 +328,37 @@ __global__ void __launch_bounds__(TmaForwardTraits<HEAD_DIM, BLOCK_N, STAGES, CO
   const GridCell cell = grid_cell<SPARSE>(tp.attn);
   const int head = cell.y, seq = cta_batch(tp.attn);
   const SeqSpan span = seq_span<SeqLayout::kDense>(tp.attn, seq);
-  for_each_row_block<SeqLayout::kDense, Tr::kBlockM>(cell.x, span.seqlen_q, [&](int m_block) {
-    forward_tma_block<T, HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, SOFTCAP, SPARSE>(tp, seq, head, span, m_block, smem_raw);
-  });
+  TmaPipe pipe;
+  if constexpr (Tr::kSeveralTiles) {
+    // The registers are split once, outside the loop over tiles (ptxas spills when setmaxnreg
+    // sits in a loop).
+    init_tma_forward_barriers<STAGES, Tr::kConsumerThreads>(reinterpret_cast<u64*>(swizzle_aligned(smem_raw) + Tr::kBarrierOffset));
+    const CtaRowBlocks<Tr::kBlockM> row_blocks(cell.x, span.seqlen_q);
+    const auto for_each_tile = [&](auto&& tile) {
+      for (int r = 0; r < row_blocks.rounds; ++r) {
+        const int m_block = row_blocks.at(r);
+        if (m_block >= 0) tile(m_block);
+      }
+    };
+    if (threadIdx.x >= Tr::kConsumerThreads) {
+      set_max_registers_dec<Tr::kProducerRegisters>();
+      if (threadIdx.x == Tr::kConsumerThreads) {
+        for_each_tile([&](int m_block) {
+          forward_tma_tile<T, HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, SOFTCAP, SPARSE, TmaRole::kProducer>(tp, seq, head, span, m_block, smem_raw,
+                                                                                                        pipe);
+        });
+      }
+    } else {
+      set_max_registers_inc<Tr::kConsumerRegisters>();
+      for_each_tile([&](int m_block) {
+        forward_tma_tile<T, HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, SOFTCAP, SPARSE, TmaRole::kConsumers>(tp, seq, head, span, m_block, smem_raw,
+                                                                                                       pipe);
+      });
+    }
+  } else {
+    forward_tma_tile<T, HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, SOFTCAP, SPARSE, TmaRole::kWholeCta>(tp, seq, head, span, int(gridDim.x) - 1 - cell.x,
+                                                                                                 smem_raw, pipe);
+  }
 }
 
 }  // namespace cuattn
