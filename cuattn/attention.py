@@ -261,9 +261,9 @@ def launch_forward(ctx, c_type, p, rows, heads_q, batch, layout="dense", sparse=
         head_dim = int(p["head_dim"])
         tp = None
         if forward.tma_serves(c_type, head_dim, arch, wgmma_enabled() and tma_enabled(), layout, fold, dropout, sparse):
-            tp = tma_params(c_type, p, sparse)
+            variant, plan, several = tma_plan(c_type, p, rows, heads_q, batch, sparse, layout, ctx.device.id)
+            tp = tma_params(c_type, p, sparse, several)
         if tp is not None:
-            variant, plan = tma_plan(c_type, p, rows, heads_q, batch, sparse, ctx.device.id)
             args, attn = tp, tp["attn"]
         else:
             variant = forward.select(c_type, head_dim_bucket(head_dim), p["softcap"] > 0, arch, wgmma_enabled(), layout, fold, dropout, sparse)
@@ -276,28 +276,31 @@ def launch_forward(ctx, c_type, p, rows, heads_q, batch, layout="dense", sparse=
             ctx.launch(variant, grid, block, args)
 
 
-def tma_plan(c_type: str, p: np.void, rows: int, heads_q: int, batch: int, sparse: bool, device_id: int):
-    """The TMA forward's variant and launches: CTAs of the SEVERAL form taking two row blocks
-    each where :func:`cuattn.kernels.forward.tma_row_blocks_per_cta` says so, else one CTA per
-    row block."""
+def tma_plan(c_type: str, p: np.void, rows: int, heads_q: int, batch: int, sparse: bool, layout: str, device_id: int):
+    """The TMA forward's variant, its launches, and whether it is the SEVERAL form (CTAs taking
+    two row blocks each where :func:`cuattn.kernels.forward.tma_row_blocks_per_cta` says so),
+    else one CTA per row block."""
     tile, softcap = forward.tma_tile(int(p["head_dim"])), p["softcap"] > 0
-    variant = forward.tma_variant(c_type, tile, softcap, sparse)
+    if layout != "dense":
+        variant = forward.tma_variant(c_type, tile, softcap, layout=layout)
+        return variant, forward.tma_launches(variant, rows, heads_q, batch, 1), False
     per_cta = 1
     if forward.tma_takes_several(tile, softcap, sparse):
+        block_m = forward.tma_variant(c_type, tile, softcap, several=True).block_m
         kv_bytes = 4 * int(p["seqlen_k"]) * int(p["head_dim"]) * int(p["heads_kv"]) // heads_q  # K and V per query head
         banded = p["window_left"] >= 0 or p["window_right"] >= 0
-        per_cta = forward.tma_row_blocks_per_cta(rows, variant.block_m, heads_q * batch, device_sm_count(device_id), kv_bytes, banded)
-    if per_cta > 1:
-        variant = forward.tma_variant(c_type, tile, softcap, several=True)
-    return variant, forward.tma_launches(variant, rows, heads_q, batch, per_cta)
+        per_cta = forward.tma_row_blocks_per_cta(rows, block_m, heads_q * batch, device_sm_count(device_id), kv_bytes, banded, tile)
+    several = per_cta > 1
+    variant = forward.tma_variant(c_type, tile, softcap, sparse, several)
+    return variant, forward.tma_launches(variant, rows, heads_q, batch, per_cta), several
 
 
-def tma_params(c_type: str, p: np.void, sparse: bool = False) -> np.void | None:
+def tma_params(c_type: str, p: np.void, sparse: bool = False, several: bool = False) -> np.void | None:
     """``p`` with the tensor maps of q, k and v (forward/forward_tma.cu), or None where one of
     them cannot be described (cuattn/tensor_map.py)."""
     tp = params.new(params.TMA_ATTN_PARAMS)
     tp["attn"] = p
-    block_n, _, consumers = forward.tma_tiling(forward.tma_tile(int(p["head_dim"])), p["softcap"] > 0, sparse)
+    block_n, _, consumers = forward.tma_tiling(forward.tma_tile(int(p["head_dim"])), p["softcap"] > 0, sparse, several)
     return tp if put_tensor_maps(c_type, tp, p, (("q", p["q"], p["q_strides"], 64 * consumers), ("k", p["k"], p["k_strides"], block_n),
                                                  ("v", p["v"], p["v_strides"], block_n))) else None
 
@@ -308,8 +311,10 @@ def put_tensor_maps(c_type: str, target: np.void, attn: np.void, tensors) -> boo
     described."""
     head_dim = int(attn["head_dim"])
     for name, address, strides, rows in tensors:
-        seqlen, heads = (attn["seqlen_q"], attn["heads_q"]) if name in ("q", "dout") else (attn["seqlen_k"], attn["heads_kv"])
-        shape = (int(attn["batch"]), int(seqlen), int(heads), head_dim)
+        if name in ("q", "dout"):
+            shape = (int(attn["batch"]), int(attn["seqlen_q"]), int(attn["heads_q"]), head_dim)
+        else:  # a KV cache's rows, or the sequences
+            shape = (int(attn["cache_rows"] or attn["batch"]), int(attn["seqlen_k"]), int(attn["heads_kv"]), head_dim)
         strides = tuple(int(s) for s in strides) + (1,)
         address = int(address)
         encoded = tensor_map.encode(c_type, address, shape, strides, rows)

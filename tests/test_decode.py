@@ -114,9 +114,47 @@ def test_chunked_prefill_matches_reference(lengths, seqlen_q, heads_q, heads_kv,
 
 
 @gpu
+@pytest.mark.parametrize("page_size", [16, None])
 @pytest.mark.parametrize("kw", [dict(window=(100, 0)), dict(softcap=20.0), dict(causal=False), dict(window=(64, 3), causal=False, scale=0.05)])
-def test_chunked_prefill_masks_and_scores(kw):
-    _run(np.random.default_rng(8), [400, 1100], 96, 8, 2, 128, "bfloat16", 16, **kw)
+def test_chunked_prefill_masks_and_scores(kw, page_size):
+    _run(np.random.default_rng(8), [400, 1100], 96, 8, 2, 128, "bfloat16", page_size, **kw)
+
+
+@gpu
+@pytest.mark.parametrize("head_dim", [64, 128, 160, 256])
+def test_chunked_prefill_of_a_contiguous_cache_ignores_what_lies_past_each_sequence(monkeypatch, head_dim):
+    """A contiguous cache whose positions past each sequence hold NaN and inf: the prefill
+    reads the last key block whole (on Hopper by TMA, forward_tma.cu's cache form, which zeroes
+    those V rows before P V), and its result is finite and right."""
+    import cupy
+
+    from cuattn import loader, replay
+    from cuattn.kernels import forward
+
+    launched = []
+    original = forward.tma_variant
+    monkeypatch.setattr(forward, "tma_variant", lambda *a, **kw: launched.append(kw.get("layout", "dense")) or original(*a, **kw))
+    monkeypatch.setattr(replay, "enabled", False)
+    rng = np.random.default_rng(head_dim)
+    lengths = np.array([1000, 77, 513], np.int32)  # with the 200 new rows: 1200, 277, 713 keys
+    k, v = (randn(rng, (3, 1400, 2, head_dim), "bfloat16") for _ in range(2))
+    for b, length in enumerate(lengths + 200):
+        k[b, length:] = np.inf
+        v[b, length:] = np.nan
+    q, k_new, v_new = (randn(rng, (3, 200, h, head_dim), "bfloat16") for h in (6, 2, 2))
+    k_cache, v_cache = cupy.asarray(k), cupy.asarray(v)
+    out = cuattn.attention_with_kvcache(
+        *map(cupy.asarray, (q,)), k_cache, v_cache, cache_seqlens=cupy.asarray(lengths), k_new=cupy.asarray(k_new),
+        v_new=cupy.asarray(v_new),
+    ).get()
+    assert not np.isnan(out.astype(np.float32)).any()
+    if loader.device_arch() == "sm_90a":
+        assert launched == ["cache"]
+    for b, length in enumerate(lengths):
+        kb = np.concatenate([k[b, :length], k_new[b]])
+        vb = np.concatenate([v[b, :length], v_new[b]])
+        ref = reference.attention(q[b:b + 1], kb[None], vb[None], causal=True)
+        assert_attention_accuracy(out[b:b + 1], ref, naive_attention(q[b:b + 1], kb[None], vb[None], "bfloat16", causal=True))
 
 
 @gpu

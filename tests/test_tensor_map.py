@@ -29,8 +29,12 @@ def test_only_dense_plain_16_bit_calls_on_hopper_take_the_tma_forward():
     assert serves("bf16", 96, "sm_90a", True, "dense", False, False, False)  # on the 128 tile, zero-filled
     assert [forward.tma_tile(d) for d in (8, 32, 40, 64, 72, 128, 136, 192, 200, 256)] == [None, None, 64, 64, 128, 128, 192, 192, 256, 256]
     assert not serves("bf16", 32, "sm_90a", True, "dense", False, False, False)
-    for layout in ("packed", "cache", "paged_cache"):
+    for layout in ("packed", "paged_cache"):
         assert not serves("bf16", 128, "sm_90a", True, layout, False, False, False)
+    assert serves("bf16", 128, "sm_90a", True, "cache", False, False, False)  # a contiguous KV cache (chunked prefill)
+    assert forward.tma_variant("bf16", 128, False, layout="cache").uri.endswith("/cache")
+    with pytest.raises(ValueError, match="no TMA forward for layout"):
+        forward.tma_variant("bf16", 128, False, several=True, layout="cache")
     for fold, dropout in ((True, False), (False, True)):
         assert not serves("bf16", 128, "sm_90a", True, "dense", fold, dropout, False)
     assert serves("bf16", 128, "sm_90a", True, "dense", False, False, True)  # block-sparse
@@ -40,56 +44,57 @@ def test_only_dense_plain_16_bit_calls_on_hopper_take_the_tma_forward():
 def test_tma_variants_are_compiled_for_hopper_only():
     variants = [v for v in forward.variants() if v.kernel == "forward_tma"]
     several = sum(forward.tma_takes_several(tile, softcap) for tile in forward.TMA_TILES for softcap in (False, True))
-    assert len(variants) == 2 * (len(forward.TMA_TILES) * 2 * 2 + several)
+    assert len(variants) == 2 * (len(forward.TMA_TILES) * 2 * 3 + several)  # dense, block-sparse, cache; SEVERAL
     assert all(v.archs == ("sm_90a",) and v.threads == 2 * v.block_m + 128 for v in variants)
     assert not [v for v in forward.variants("sm_80") if v.kernel == "forward_tma" and v.builds_for("sm_80")]
 
 
 
 @pytest.mark.parametrize(
-    "row_blocks, heads_batch, kv_bytes, banded, expected",
+    "tile, row_blocks, heads_batch, kv_bytes, banded, expected",
     [
-        (8, 256, 1 << 19, False, 2),  # d128 1k: 33 heads at once x 512 KB
-        (8, 128, 1 << 20, False, 1),  # d256 1k: 33 MB
-        (8, 128, 1 << 20, True, 1),  # causal, but under 16 blocks
-        (16, 64, 1 << 21, True, 2),  # d256 2k causal
-        (32, 64, 1 << 21, False, 2),
-        (33, 64, 1 << 10, True, 1),  # long sequences: one
-        (8, 64, 1 << 10, False, 1),  # under two waves
-        (9, 60, 1 << 10, False, 2),
+        (128, 8, 256, 1 << 19, False, 2),  # d128 1k: 33 heads at once x 512 KB
+        (256, 8, 128, 1 << 20, False, 1),  # d256 1k: 33 MB
+        (256, 8, 128, 1 << 20, True, 1),  # causal, but under 16 blocks
+        (256, 16, 64, 1 << 21, True, 2),  # d256 2k causal
+        (128, 32, 64, 1 << 21, False, 2),
+        (128, 33, 64, 1 << 10, True, 1),  # long sequences: one
+        (128, 8, 64, 1 << 10, False, 1),  # under two waves
+        (128, 9, 60, 1 << 10, False, 2),
+        (64, 8, 512, 1 << 18, True, 2),  # d64 1k causal
+        (64, 8, 512, 1 << 18, False, 1),  # d64: three consumers without a band
+        (64, 16, 256, 1 << 19, True, 1),  # d64 2k causal
     ],
 )
-def test_tma_forward_ctas_take_two_row_blocks_on_short_sequences(row_blocks, heads_batch, kv_bytes, banded, expected):
+def test_tma_forward_ctas_take_two_row_blocks_on_short_sequences(tile, row_blocks, heads_batch, kv_bytes, banded, expected):
     """Two row blocks per CTA of the TMA forward on sequences of up to 32 row blocks where that
     leaves two waves of CTAs on 132 SMs and the K / V in flight fits the L2 share (or the mask is
-    a band over 16+ blocks), else one; the grid's x shrinks to match, on the SEVERAL form only."""
+    a band over 16+ blocks), at head_dim 64 under a band up to 8 blocks; else one. The grid's x
+    shrinks to match, on the SEVERAL form only."""
     rows = row_blocks * 128 - 5
-    assert forward.tma_row_blocks_per_cta(rows, 128, heads_batch, 132, kv_bytes, banded) == expected
-    several = forward.tma_variant("bf16", 128, False, several=True)
+    assert forward.tma_row_blocks_per_cta(rows, 128, heads_batch, 132, kv_bytes, banded, tile) == expected
+    several = forward.tma_variant("bf16", tile, False, several=True)
     plan = forward.tma_launches(several, rows, 4, 3, expected)
     assert plan == [((-(-row_blocks // expected), 4, 3), (384, 1, 1), 0)]
     with pytest.raises(ValueError, match="one row block per CTA"):
-        forward.tma_launches(forward.tma_variant("bf16", 128, False), rows, 4, 3, 2)
+        forward.tma_launches(forward.tma_variant("bf16", tile, False), rows, 4, 3, 2)
 
 
-def test_tma_forward_takes_several_row_blocks_with_two_consumer_warpgroups_only():
-    """The SEVERAL form exists for the tilings of two consumer warpgroups without a block mask
-    (head_dim 64 has it with softcap alone), stages out in a tile of its own where Q's tile, the
-    rings and out's tile fit sm_90's 232448 bytes (128, 192), else in Q's tile (256)."""
+def test_tma_forward_takes_several_row_blocks_with_two_consumer_warpgroups():
+    """Every tiling has a SEVERAL form without a block mask, with two consumer warpgroups (at
+    head_dim 64 the narrow tiling), staging out in a tile of its own where Q's tile, the rings
+    and out's tile fit sm_90's 232448 bytes (64, 128, 192), else in Q's tile (256)."""
     for tile in forward.TMA_TILES:
         for softcap in (False, True):
-            takes = forward.tma_takes_several(tile, softcap)
-            assert takes == (tile != 64 or softcap)
-            assert not forward.tma_takes_several(tile, softcap, sparse=True)
-            if not takes:
-                with pytest.raises(ValueError, match="no TMA forward taking several"):
-                    forward.tma_variant("bf16", tile, softcap, several=True)
-                continue
-            one, several = forward.tma_variant("bf16", tile, softcap), forward.tma_variant("bf16", tile, softcap, several=True)
-            block_n, stages, consumers = forward.tma_tiling(tile, softcap)
+            assert forward.tma_takes_several(tile, softcap) and not forward.tma_takes_several(tile, softcap, sparse=True)
+            several = forward.tma_variant("bf16", tile, softcap, several=True)
+            block_n, stages, consumers = forward.tma_tiling(tile, softcap, several=True)
+            assert consumers == 2 and several.threads == 384 and several.uri.endswith("/several")
             q_bytes = 64 * consumers * tile * 2
-            assert several.dynamic_smem - one.dynamic_smem == (q_bytes if tile in (64, 128, 192) else 0)
-            assert several.dynamic_smem <= 232448 and several.uri == one.uri + "/several"
+            without_out = q_bytes + 2 * stages * block_n * tile * 2 + 1024 + (2 + 4 * stages) * 8
+            assert several.dynamic_smem == without_out + (q_bytes if tile < 256 else 0) <= 232448
+        with pytest.raises(ValueError, match="no TMA forward taking several"):
+            forward.tma_variant("bf16", tile, False, sparse=True, several=True)
 
 
 def test_only_dense_plain_16_bit_fused_backwards_on_hopper_take_the_tma_backward():

@@ -44,6 +44,8 @@ TMA_TILES = {64: (128, 2, 3), 128: (128, 2, 2), 192: (64, 2, 2), 256: (64, 2, 2)
 # Tilings for the forms that three consumers do not serve: softcap (the tanh's registers: 56
 # bytes of spill at 160 per consumer) and block-sparse (a CTA's rows within one 128-row mask block).
 TMA_NARROW_TILES = {64: (128, 2, 2)}
+# Sequence layouts of the TMA forward: dense tensors, and contiguous KV caches (chunked prefill).
+TMA_LAYOUTS = ("dense", "cache")
 # (bucket, softcap) whose dropout form needs more registers than its CTAs per SM leave: CTAs per SM.
 WGMMA_DROPOUT_CTAS = {(64, True): 1}
 
@@ -138,40 +140,44 @@ def wgmma_variant(
     )
 
 
-def tma_tiling(tile: int, softcap: bool, sparse: bool = False) -> tuple[int, int, int]:
-    """(BLOCK_N, STAGES, CONSUMERS) of the TMA forward at a tile."""
-    return TMA_NARROW_TILES.get(tile, TMA_TILES[tile]) if softcap or sparse else TMA_TILES[tile]
+def tma_tiling(tile: int, softcap: bool, sparse: bool = False, several: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_N, STAGES, CONSUMERS) of the TMA forward at a tile (``several``: its SEVERAL form)."""
+    return TMA_NARROW_TILES.get(tile, TMA_TILES[tile]) if softcap or sparse or several else TMA_TILES[tile]
 
 
 def tma_smem_bytes(tile: int, softcap: bool = False, sparse: bool = False, several: bool = False) -> int:
     """TmaForwardTraits::kSmemBytes: Q's tile, the K and V rings, the swizzle realignment and
     the barriers, and (CTAs taking several row blocks) out's own tile where it fits sm_90's limit."""
-    block_n, stages, consumers = tma_tiling(tile, softcap, sparse)
+    block_n, stages, consumers = tma_tiling(tile, softcap, sparse, several)
     q_bytes = 64 * consumers * tile * 2
     base = q_bytes + 2 * stages * block_n * tile * 2 + 1024 + (2 + 4 * stages) * 8
     return base + (q_bytes if several and base + q_bytes <= ARCH_SMEM_OPTIN[WGMMA_ARCH] else 0)
 
 
 def tma_takes_several(tile: int, softcap: bool, sparse: bool = False) -> bool:
-    """Whether the TMA forward has a form whose CTAs take several row blocks at this tiling
-    (two consumer warpgroups, no block mask: forward_tma.cu SEVERAL)."""
-    return not sparse and tma_tiling(tile, softcap)[2] == 2
+    """Whether the TMA forward has a form whose CTAs take several row blocks (forward_tma.cu
+    SEVERAL: two consumer warpgroups, the narrow tiling at head_dim 64; no block mask)."""
+    return not sparse and tma_tiling(tile, softcap, several=True)[2] == 2
 
 
 @functools.cache
-def tma_variant(c_type: str, tile: int, softcap: bool, sparse: bool = False, several: bool = False) -> Variant:
+def tma_variant(c_type: str, tile: int, softcap: bool, sparse: bool = False, several: bool = False, layout: str = "dense") -> Variant:
+    """The TMA forward at a tile; ``several``: its SEVERAL form (tma_takes_several); ``layout``:
+    "dense" or "cache" (a contiguous KV cache, one row block per CTA)."""
     if several and not tma_takes_several(tile, softcap, sparse):
         raise ValueError(f"no TMA forward taking several row blocks per CTA at tile {tile} (softcap {softcap}, sparse {sparse})")
-    block_n, stages, consumers = tma_tiling(tile, softcap, sparse)
+    if layout not in TMA_LAYOUTS or (layout != "dense" and (sparse or several)):
+        raise ValueError(f"no TMA forward for layout {layout!r} with sparse={sparse}, several={several}")
+    block_n, stages, consumers = tma_tiling(tile, softcap, sparse, several)
     traits = f"cuattn::TmaForwardTraits<{tile}, {block_n}, {stages}, {consumers}, {'true' if several else 'false'}>"
     threads, block_m = 128 * (consumers + 1), 64 * consumers
-    flags = ", false, true>" if several else ", true>" if sparse else ">"
+    flags = (f", false, false, {layout_arg(layout)}>" if layout != "dense" else ", false, true>" if several else ", true>" if sparse else ">")
     smem = tma_smem_bytes(tile, softcap, sparse, several)
     return Variant(
         family=FAMILY, kernel="forward_tma",
         expression=f"cuattn::forward_tma_kernel<{cxx_type(c_type)}, {tile}, {block_n}, {stages}, {consumers}, {softcap_arg(softcap)}" + flags,
         uri=f"forward_tma/{c_type}/d{tile}/n{block_n}s{stages}c{consumers}" + softcap_uri(softcap) + dropout_uri(False, sparse)
-        + ("/several" if several else ""),
+        + ("/several" if several else "") + layout_uri(layout),
         hot=True,
         dynamic_smem=smem,
         threads=threads,
@@ -191,8 +197,8 @@ def tma_tile(head_dim: int) -> int | None:
 def tma_serves(c_type: str, head_dim: int, arch: str, allow: bool, layout: str, fold: bool, dropout: bool, sparse: bool) -> bool:
     """Whether the TMA forward takes a call of these kinds (its tensors' maps decide the rest:
     cuattn/tensor_map.py)."""
-    return (allow and arch == WGMMA_ARCH and c_type in ("f16", "bf16") and tma_tile(head_dim) is not None and layout == "dense"
-            and not (fold or dropout))
+    return (allow and arch == WGMMA_ARCH and c_type in ("f16", "bf16") and tma_tile(head_dim) is not None and layout in TMA_LAYOUTS
+            and not (fold or dropout or (sparse and layout != "dense")))
 
 
 def select(
@@ -216,24 +222,28 @@ def launches(v: Variant, rows: int, heads_q: int, batch: int) -> list[tuple[tupl
 
 # The TMA forward's CTAs take two row blocks each on sequences of at most this many row blocks,
 # and while the K / V that the CTAs running at once read stays within this share of L2
-# (tma_row_blocks_per_cta).
+# (tma_row_blocks_per_cta). At head_dim 64 the SEVERAL form has two consumer warpgroups against
+# the one-block form's three, and wins only under a band mask up to TMA_D64_SEVERAL_ROW_BLOCKS.
 TMA_PAIRED_MAX_ROW_BLOCKS = 32
 TMA_L2_SHARE = 24 << 20
+TMA_D64_SEVERAL_ROW_BLOCKS = 8
 
 
-def tma_row_blocks_per_cta(rows: int, block_m: int, heads_batch: int, sm_count: int, kv_bytes_per_head: int, banded: bool) -> int:
-    """Row blocks of one (head, sequence) that a CTA of the TMA forward takes in turn (its
-    SEVERAL form, where the tiling has one: forward_tma.cu CtaRowBlocks; the producer loads a
-    tile's Q and first K block while the consumers finish the one before, and under a causal mask
-    a CTA's two blocks add up to about the same work). Two where the sequence has at most
-    TMA_PAIRED_MAX_ROW_BLOCKS, that leaves two waves of CTAs, and either the K / V of the heads
-    worked on at once (``kv_bytes_per_head`` each) fits TMA_L2_SHARE or the mask is a band
-    (causal, window) over 16 or more blocks; else one. Measured in NOTES ("Hopper forward with a
-    producer warpgroup")."""
+def tma_row_blocks_per_cta(rows: int, block_m: int, heads_batch: int, sm_count: int, kv_bytes_per_head: int, banded: bool, tile: int) -> int:
+    """Row blocks of one (head, sequence) that a CTA of the TMA forward takes in turn (2: its
+    SEVERAL form, whose tiles are ``block_m`` rows: forward_tma.cu CtaRowBlocks; the producer
+    loads a tile's Q and first K block while the consumers finish the one before, and under a
+    causal mask a CTA's two blocks add up to about the same work), or 1. Two where the sequence
+    has at most TMA_PAIRED_MAX_ROW_BLOCKS, that leaves two waves of CTAs, and either the K / V of
+    the heads worked on at once (``kv_bytes_per_head`` each) fits TMA_L2_SHARE or the mask is a
+    band (causal, window) over 16 or more blocks; at head_dim 64 (``tile``) only under a band up
+    to TMA_D64_SEVERAL_ROW_BLOCKS. Measured in NOTES ("Hopper forward with a producer warpgroup")."""
     row_blocks = -(-rows // block_m)
     ctas_per_head = -(-row_blocks // 2)
     if row_blocks > TMA_PAIRED_MAX_ROW_BLOCKS or ctas_per_head * heads_batch < 2 * sm_count:
         return 1
+    if tile == 64:
+        return 2 if banded and row_blocks <= TMA_D64_SEVERAL_ROW_BLOCKS else 1
     fits_l2 = -(-sm_count // ctas_per_head) * kv_bytes_per_head <= TMA_L2_SHARE
     return 2 if fits_l2 or (banded and row_blocks >= 16) else 1
 
@@ -277,6 +287,7 @@ def variants(arch: str | None = None) -> list[Variant]:
                 out.append(tma_variant(c_type, tile, softcap, sparse=True))
                 if tma_takes_several(tile, softcap):
                     out.append(tma_variant(c_type, tile, softcap, several=True))
+                out.append(tma_variant(c_type, tile, softcap, layout="cache"))
     for layout in SEQ_LAYOUTS + CACHE_LAYOUTS:
         for c_type in ("f16", "bf16") + (("float",) if layout in SEQ_LAYOUTS else ()):
             for bucket in HEAD_DIM_BUCKETS:

@@ -28,8 +28,11 @@
 // Without SEVERAL the CTA runs its one row block as a whole (TmaRole::kWholeCta): the same code
 // with the cross-tile state folded away, which keeps the key loop as lean as it was.
 // Rows and keys past the tensors are zero-filled by the TMA unit; the band mask (KeyBand) hides
-// keys past seqlen_k. Dense layout only (the cache, packed, fold and dropout forms stay on
-// forward_wgmma.cu). SPARSE: only the key blocks a block mask keeps (common/block_sparse.cuh),
+// keys past seqlen_k. LAYOUT: dense, or a contiguous KV cache (kCache, chunked prefill: K and V
+// mapped over the whole cache, each sequence's own row and length read on the device); there the
+// rows of the last key block past the sequence are in the tensor, so each consumer warpgroup
+// zeroes those V rows before its P V product (zero_values_past), as P = 0 times stale cache
+// contents may be NaN. The packed, paged, fold and dropout forms stay on forward_wgmma.cu. SPARSE: only the key blocks a block mask keeps (common/block_sparse.cuh),
 // in the order both sides walk them; CTAs take their cells from the launch's schedule.
 #include "common/block_sparse.cuh"
 #include "common/grid.cuh"
@@ -116,7 +119,21 @@ enum class TmaRole { kWholeCta, kProducer, kConsumers };
 
 // One row block of a CTA: the producer thread's loads, or the consumers' products, softmax and
 // stores.
-template <typename T, int HEAD_DIM, int BLOCK_N, int STAGES, int CONSUMERS, bool SOFTCAP, bool SPARSE, TmaRole ROLE>
+// Rows [first_row, BLOCK_N) of a V tile (128-byte-swizzled column blocks) set to zero by one
+// consumer warpgroup, visible to its products (async proxy) once this returns.
+template <int HEAD_DIM, int BLOCK_N>
+__device__ __forceinline__ void zero_values_past(unsigned char* tile, int first_row, int wg) {
+  constexpr int kChunksPerRow = HEAD_DIM / 8;  // 16-byte chunks; a row of a column block is 8 of them
+  for (int i = threadIdx.x % 128; i < (BLOCK_N - first_row) * kChunksPerRow; i += 128) {
+    const int r = first_row + i / kChunksPerRow, c = i % kChunksPerRow;
+    *reinterpret_cast<uint4*>(tile + (c / 8) * BLOCK_N * kSwizzleRowBytes + r * kSwizzleRowBytes + (c % 8) * 16) = make_uint4(0, 0, 0, 0);
+  }
+  fence_proxy_async();
+  named_barrier_sync(1 + wg, 128);
+}
+
+template <typename T, int HEAD_DIM, int BLOCK_N, int STAGES, int CONSUMERS, bool SOFTCAP, bool SPARSE, TmaRole ROLE,
+          SeqLayout LAYOUT = SeqLayout::kDense>
 __device__ __forceinline__ void forward_tma_tile(const TmaAttnParams& tp, int seq, int head, const SeqSpan& span, int m_block,
                                                  unsigned char* smem_raw, TmaPipe& pipe) {
   using Tr = TmaForwardTraits<HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, ROLE != TmaRole::kWholeCta>;
@@ -240,6 +257,13 @@ __device__ __forceinline__ void forward_tma_tile(const TmaAttnParams& tp, int se
       if (!band.all_visible(warp_first_row, warp_last_row, n0, n0 + BLOCK_N - 1)) mask_scores(s, band, warp_first_row, n0);
       return softmax_block(s, row_max, row_sum, p.exp2_scale, [&](int, int h, float a) { alpha[0][h] = a; });
     };
+    const auto wait_values = [&](int j) {  // V of block j in, and usable
+      mbarrier_wait(v_full + slot(j), parity(j));
+      if constexpr (LAYOUT == SeqLayout::kCache) {  // only the first block visited reaches past the sequence
+        const int past = span.seqlen_k - block_at(0) * BLOCK_N;
+        if (j == 0 && past < BLOCK_N) zero_values_past<HEAD_DIM, BLOCK_N>(sV_ring + slot(0) * Tr::kKVBytes, past, wg);
+      }
+    };
     const auto take_turn = [&] { named_barrier_sync(kBarTurn + wg, 256); };
     const auto pass_turn = [&] { named_barrier_arrive(kBarTurn + (wg + 1) % CONSUMERS, 256); };
 
@@ -256,7 +280,7 @@ __device__ __forceinline__ void forward_tma_tile(const TmaAttnParams& tp, int se
     pack_a_operands<T, BLOCK_N>(probs, s[0]);
     for (int j = 1; j < blocks; ++j) {
       mbarrier_wait(k_full + slot(j), parity(j));
-      mbarrier_wait(v_full + slot(j - 1), parity(j - 1));
+      wait_values(j - 1);
       take_turn();
       issue_scores(j);
       issue_values(j - 1);
@@ -268,7 +292,7 @@ __device__ __forceinline__ void forward_tma_tile(const TmaAttnParams& tp, int se
       mbarrier_arrive(v_empty + slot(j - 1));
       rescale_and_pack<T, BLOCK_N>(acc, probs, s, rescale, alpha);
     }
-    mbarrier_wait(v_full + slot(blocks - 1), parity(blocks - 1));
+    wait_values(blocks - 1);
     issue_values(blocks - 1);
     wgmma_wait<0>();
     fence_registers(acc[0]);
@@ -311,12 +335,14 @@ struct CtaRowBlocks {
 
 /// \brief Attention forward with TMA loads from a producer warpgroup: CTAs of (head, sequence)
 /// on grid (y, z), each taking one block of 64 x CONSUMERS query rows, or with kSeveralTiles
-/// one or more in turn (CtaRowBlocks), heaviest first. Dense layout.
-template <typename T, int HEAD_DIM, int BLOCK_N, int STAGES, int CONSUMERS, bool SOFTCAP, bool SPARSE = false, bool SEVERAL = false>
+/// one or more in turn (CtaRowBlocks), heaviest first. Dense layout or a contiguous KV cache.
+template <typename T, int HEAD_DIM, int BLOCK_N, int STAGES, int CONSUMERS, bool SOFTCAP, bool SPARSE = false, bool SEVERAL = false,
+          SeqLayout LAYOUT = SeqLayout::kDense>
 __global__ void __launch_bounds__(TmaForwardTraits<HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, SEVERAL>::kThreads, 1)
     forward_tma_kernel(const __grid_constant__ TmaAttnParams tp) {
   using Tr = TmaForwardTraits<HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, SEVERAL>;
   static_assert(!(SEVERAL && SPARSE), "a block-sparse launch's schedule gives each CTA one row block");
+  static_assert(LAYOUT == SeqLayout::kDense || (LAYOUT == SeqLayout::kCache && !SEVERAL && !SPARSE), "the cache form takes one row block");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   if (dynamic_smem_bytes() < Tr::kSmemBytes) __trap();  // launch contract
   if (threadIdx.x == Tr::kConsumerThreads) {
@@ -327,7 +353,7 @@ __global__ void __launch_bounds__(TmaForwardTraits<HEAD_DIM, BLOCK_N, STAGES, CO
   static_assert(!SPARSE || kSparseBlock % Tr::kBlockM == 0, "a CTA's rows within one mask block");
   const GridCell cell = grid_cell<SPARSE>(tp.attn);
   const int head = cell.y, seq = cta_batch(tp.attn);
-  const SeqSpan span = seq_span<SeqLayout::kDense>(tp.attn, seq);
+  const SeqSpan span = seq_span<LAYOUT>(tp.attn, seq);
   TmaPipe pipe;
   if constexpr (Tr::kSeveralTiles) {
     // The registers are split once, outside the loop over tiles (ptxas spills when setmaxnreg
@@ -356,8 +382,8 @@ __global__ void __launch_bounds__(TmaForwardTraits<HEAD_DIM, BLOCK_N, STAGES, CO
       });
     }
   } else {
-    forward_tma_tile<T, HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, SOFTCAP, SPARSE, TmaRole::kWholeCta>(tp, seq, head, span, int(gridDim.x) - 1 - cell.x,
-                                                                                                 smem_raw, pipe);
+    forward_tma_tile<T, HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, SOFTCAP, SPARSE, TmaRole::kWholeCta, LAYOUT>(
+        tp, seq, head, span, int(gridDim.x) - 1 - cell.x, smem_raw, pipe);
   }
 }
 
