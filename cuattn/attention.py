@@ -261,8 +261,10 @@ def launch_forward(ctx, c_type, p, rows, heads_q, batch, layout="dense", sparse=
         head_dim = int(p["head_dim"])
         tp = None
         if forward.tma_serves(c_type, head_dim, arch, wgmma_enabled() and tma_enabled(), layout, fold, dropout, sparse):
-            variant, plan, several = tma_plan(c_type, p, rows, heads_q, batch, sparse, layout, ctx.device.id)
-            tp = tma_params(c_type, p, sparse, several)
+            planned = tma_plan(c_type, p, rows, heads_q, batch, sparse, layout, ctx.device.id)
+            if planned is not None:
+                variant, plan, several = planned
+                tp = tma_params(c_type, p, sparse, several)
         if tp is not None:
             args, attn = tp, tp["attn"]
         else:
@@ -279,14 +281,17 @@ def launch_forward(ctx, c_type, p, rows, heads_q, batch, layout="dense", sparse=
 def tma_plan(c_type: str, p: np.void, rows: int, heads_q: int, batch: int, sparse: bool, layout: str, device_id: int):
     """The TMA forward's variant, its launches, and whether it is the SEVERAL form (CTAs taking
     two row blocks each where :func:`cuattn.kernels.forward.tma_row_blocks_per_cta` says so),
-    else one CTA per row block."""
+    else one CTA per row block; None where a paged cache's form does not serve the call."""
     tile, softcap = forward.tma_tile(int(p["head_dim"])), p["softcap"] > 0
+    if layout == "paged_cache" and ((tile, softcap) in forward.TMA_PAGED_SPILLS or forward.tma_page_boxes(
+            int(p["page_size"]), forward.tma_tiling(tile, softcap)[0]) is None):
+        return None
     if layout != "dense":
         variant = forward.tma_variant(c_type, tile, softcap, layout=layout)
         return variant, forward.tma_launches(variant, rows, heads_q, batch, 1), False
     per_cta = 1
     if forward.tma_takes_several(tile, softcap, sparse):
-        block_m = forward.tma_variant(c_type, tile, softcap, several=True).block_m
+        block_m = 64 * forward.tma_tiling(tile, softcap, several=True)[2]  # the SEVERAL form's rows per tile
         kv_bytes = 4 * int(p["seqlen_k"]) * int(p["head_dim"]) * int(p["heads_kv"]) // heads_q  # K and V per query head
         banded = p["window_left"] >= 0 or p["window_right"] >= 0
         per_cta = forward.tma_row_blocks_per_cta(rows, block_m, heads_q * batch, device_sm_count(device_id), kv_bytes, banded, tile)
@@ -301,8 +306,11 @@ def tma_params(c_type: str, p: np.void, sparse: bool = False, several: bool = Fa
     tp = params.new(params.TMA_ATTN_PARAMS)
     tp["attn"] = p
     block_n, _, consumers = forward.tma_tiling(forward.tma_tile(int(p["head_dim"])), p["softcap"] > 0, sparse, several)
-    return tp if put_tensor_maps(c_type, tp, p, (("q", p["q"], p["q_strides"], 64 * consumers), ("k", p["k"], p["k_strides"], block_n),
-                                                 ("v", p["v"], p["v_strides"], block_n))) else None
+    kv_rows = forward.tma_page_boxes(int(p["page_size"]), block_n) if p["block_table"] else block_n
+    if kv_rows is None:
+        return None
+    return tp if put_tensor_maps(c_type, tp, p, (("q", p["q"], p["q_strides"], 64 * consumers), ("k", p["k"], p["k_strides"], kv_rows),
+                                                 ("v", p["v"], p["v_strides"], kv_rows))) else None
 
 
 def put_tensor_maps(c_type: str, target: np.void, attn: np.void, tensors) -> bool:
@@ -313,7 +321,9 @@ def put_tensor_maps(c_type: str, target: np.void, attn: np.void, tensors) -> boo
     for name, address, strides, rows in tensors:
         if name in ("q", "dout"):
             shape = (int(attn["batch"]), int(attn["seqlen_q"]), int(attn["heads_q"]), head_dim)
-        else:  # a KV cache's rows, or the sequences
+        elif attn["block_table"]:  # a paged KV cache's pages
+            shape = (int(attn["cache_rows"]), int(attn["page_size"]), int(attn["heads_kv"]), head_dim)
+        else:  # a contiguous KV cache's rows, or the sequences
             shape = (int(attn["cache_rows"] or attn["batch"]), int(attn["seqlen_k"]), int(attn["heads_kv"]), head_dim)
         strides = tuple(int(s) for s in strides) + (1,)
         address = int(address)

@@ -121,11 +121,12 @@ def test_chunked_prefill_masks_and_scores(kw, page_size):
 
 
 @gpu
+@pytest.mark.parametrize("page_size", [None, 16, 256, 8])
 @pytest.mark.parametrize("head_dim", [64, 128, 160, 256])
-def test_chunked_prefill_of_a_contiguous_cache_ignores_what_lies_past_each_sequence(monkeypatch, head_dim):
-    """A contiguous cache whose positions past each sequence hold NaN and inf: the prefill
-    reads the last key block whole (on Hopper by TMA, forward_tma.cu's cache form, which zeroes
-    those V rows before P V), and its result is finite and right."""
+def test_chunked_prefill_ignores_what_lies_past_each_sequence(monkeypatch, head_dim, page_size):
+    """A cache (contiguous, or pages in shuffled order) whose positions past each sequence hold
+    NaN and inf: the prefill reads the last key block whole (on Hopper by TMA, forward_tma.cu's
+    cache forms, which zero those V rows before P V), and its result is finite and right."""
     import cupy
 
     from cuattn import loader, replay
@@ -135,21 +136,29 @@ def test_chunked_prefill_of_a_contiguous_cache_ignores_what_lies_past_each_seque
     original = forward.tma_variant
     monkeypatch.setattr(forward, "tma_variant", lambda *a, **kw: launched.append(kw.get("layout", "dense")) or original(*a, **kw))
     monkeypatch.setattr(replay, "enabled", False)
-    rng = np.random.default_rng(head_dim)
+    rng = np.random.default_rng(head_dim + (page_size or 0))
     lengths = np.array([1000, 77, 513], np.int32)  # with the 200 new rows: 1200, 277, 713 keys
-    k, v = (randn(rng, (3, 1400, 2, head_dim), "bfloat16") for _ in range(2))
+    capacity = 1536
+    k, v = (randn(rng, (3, capacity, 2, head_dim), "bfloat16") for _ in range(2))
     for b, length in enumerate(lengths + 200):
         k[b, length:] = np.inf
         v[b, length:] = np.nan
     q, k_new, v_new = (randn(rng, (3, 200, h, head_dim), "bfloat16") for h in (6, 2, 2))
-    k_cache, v_cache = cupy.asarray(k), cupy.asarray(v)
+    table = None
+    k_cache, v_cache = k, v
+    if page_size is not None:  # page i of sequence b stored at order[b * pages + i]
+        pages = capacity // page_size
+        order = rng.permutation(3 * pages)
+        table = order.reshape(3, pages).astype(np.int32)
+        k_cache, v_cache = (np.empty((3 * pages, page_size, 2, head_dim), x.dtype) for x in (k, v))
+        k_cache[order], v_cache[order] = k.reshape(3 * pages, page_size, 2, head_dim), v.reshape(3 * pages, page_size, 2, head_dim)
     out = cuattn.attention_with_kvcache(
-        *map(cupy.asarray, (q,)), k_cache, v_cache, cache_seqlens=cupy.asarray(lengths), k_new=cupy.asarray(k_new),
-        v_new=cupy.asarray(v_new),
+        cupy.asarray(q), cupy.asarray(k_cache), cupy.asarray(v_cache), cache_seqlens=cupy.asarray(lengths), k_new=cupy.asarray(k_new),
+        v_new=cupy.asarray(v_new), block_table=None if table is None else cupy.asarray(table),
     ).get()
     assert not np.isnan(out.astype(np.float32)).any()
     if loader.device_arch() == "sm_90a":
-        assert launched == ["cache"]
+        assert launched == ["cache" if page_size is None else "paged_cache"]  # pages of 8, 16 and 256 all map
     for b, length in enumerate(lengths):
         kb = np.concatenate([k[b, :length], k_new[b]])
         vb = np.concatenate([v[b, :length], v_new[b]])

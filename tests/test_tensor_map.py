@@ -29,9 +29,13 @@ def test_only_dense_plain_16_bit_calls_on_hopper_take_the_tma_forward():
     assert serves("bf16", 96, "sm_90a", True, "dense", False, False, False)  # on the 128 tile, zero-filled
     assert [forward.tma_tile(d) for d in (8, 32, 40, 64, 72, 128, 136, 192, 200, 256)] == [None, None, 64, 64, 128, 128, 192, 192, 256, 256]
     assert not serves("bf16", 32, "sm_90a", True, "dense", False, False, False)
-    for layout in ("packed", "paged_cache"):
-        assert not serves("bf16", 128, "sm_90a", True, layout, False, False, False)
-    assert serves("bf16", 128, "sm_90a", True, "cache", False, False, False)  # a contiguous KV cache (chunked prefill)
+    assert not serves("bf16", 128, "sm_90a", True, "packed", False, False, False)
+    for layout in ("cache", "paged_cache"):  # KV caches (chunked prefill)
+        assert serves("bf16", 128, "sm_90a", True, layout, False, False, False)
+    # Paged: boxes of a page or of BLOCK_N rows of one, whole swizzle periods (8 rows).
+    assert [forward.tma_page_boxes(page, 128) for page in (1, 4, 7, 8, 16, 48, 64, 128, 256, 384, 100)] == [
+        None, None, None, 8, 16, None, 64, 128, 128, 128, None]
+    assert forward.tma_page_boxes(128, 64) == 64 and forward.tma_page_boxes(96, 64) is None
     assert forward.tma_variant("bf16", 128, False, layout="cache").uri.endswith("/cache")
     with pytest.raises(ValueError, match="no TMA forward for layout"):
         forward.tma_variant("bf16", 128, False, several=True, layout="cache")
@@ -44,7 +48,8 @@ def test_only_dense_plain_16_bit_calls_on_hopper_take_the_tma_forward():
 def test_tma_variants_are_compiled_for_hopper_only():
     variants = [v for v in forward.variants() if v.kernel == "forward_tma"]
     several = sum(forward.tma_takes_several(tile, softcap) for tile in forward.TMA_TILES for softcap in (False, True))
-    assert len(variants) == 2 * (len(forward.TMA_TILES) * 2 * 3 + several)  # dense, block-sparse, cache; SEVERAL
+    paged = 2 * len(forward.TMA_TILES) - len(forward.TMA_PAGED_SPILLS)
+    assert len(variants) == 2 * (len(forward.TMA_TILES) * 2 * 3 + paged + several)  # dense, block-sparse, cache, paged; SEVERAL
     assert all(v.archs == ("sm_90a",) and v.threads == 2 * v.block_m + 128 for v in variants)
     assert not [v for v in forward.variants("sm_80") if v.kernel == "forward_tma" and v.builds_for("sm_80")]
 

@@ -44,8 +44,21 @@ TMA_TILES = {64: (128, 2, 3), 128: (128, 2, 2), 192: (64, 2, 2), 256: (64, 2, 2)
 # Tilings for the forms that three consumers do not serve: softcap (the tanh's registers: 56
 # bytes of spill at 160 per consumer) and block-sparse (a CTA's rows within one 128-row mask block).
 TMA_NARROW_TILES = {64: (128, 2, 2)}
-# Sequence layouts of the TMA forward: dense tensors, and contiguous KV caches (chunked prefill).
-TMA_LAYOUTS = ("dense", "cache")
+# Sequence layouts of the TMA forward: dense tensors, and KV caches (chunked prefill), paged ones
+# for the page sizes tma_page_boxes takes.
+TMA_LAYOUTS = ("dense", "cache", "paged_cache")
+
+
+# (tile, softcap) whose paged form spills in its producer (24 registers): the copying kernel serves them.
+TMA_PAGED_SPILLS = {(64, True)}
+
+
+def tma_page_boxes(page_size: int, block_n: int) -> int | None:
+    """Rows of a TMA box of the paged forward (forward_tma.cu produce_paged): the page, or a
+    block of it; None for page sizes whose boxes would not keep the 128-byte swizzle's 8-row
+    period or would straddle a page."""
+    box = min(page_size, block_n)
+    return box if box % 8 == 0 and (block_n % page_size == 0 or page_size % block_n == 0) else None
 # (bucket, softcap) whose dropout form needs more registers than its CTAs per SM leave: CTAs per SM.
 WGMMA_DROPOUT_CTAS = {(64, True): 1}
 
@@ -163,11 +176,11 @@ def tma_takes_several(tile: int, softcap: bool, sparse: bool = False) -> bool:
 @functools.cache
 def tma_variant(c_type: str, tile: int, softcap: bool, sparse: bool = False, several: bool = False, layout: str = "dense") -> Variant:
     """The TMA forward at a tile; ``several``: its SEVERAL form (tma_takes_several); ``layout``:
-    "dense" or "cache" (a contiguous KV cache, one row block per CTA)."""
+    "dense", "cache" or "paged_cache" (KV caches: one row block per CTA)."""
     if several and not tma_takes_several(tile, softcap, sparse):
         raise ValueError(f"no TMA forward taking several row blocks per CTA at tile {tile} (softcap {softcap}, sparse {sparse})")
-    if layout not in TMA_LAYOUTS or (layout != "dense" and (sparse or several)):
-        raise ValueError(f"no TMA forward for layout {layout!r} with sparse={sparse}, several={several}")
+    if layout not in TMA_LAYOUTS or (layout != "dense" and (sparse or several)) or (layout == "paged_cache" and (tile, softcap) in TMA_PAGED_SPILLS):
+        raise ValueError(f"no TMA forward for layout {layout!r} at tile {tile} with softcap={softcap}, sparse={sparse}, several={several}")
     block_n, stages, consumers = tma_tiling(tile, softcap, sparse, several)
     traits = f"cuattn::TmaForwardTraits<{tile}, {block_n}, {stages}, {consumers}, {'true' if several else 'false'}>"
     threads, block_m = 128 * (consumers + 1), 64 * consumers
@@ -288,6 +301,8 @@ def variants(arch: str | None = None) -> list[Variant]:
                 if tma_takes_several(tile, softcap):
                     out.append(tma_variant(c_type, tile, softcap, several=True))
                 out.append(tma_variant(c_type, tile, softcap, layout="cache"))
+                if (tile, softcap) not in TMA_PAGED_SPILLS:
+                    out.append(tma_variant(c_type, tile, softcap, layout="paged_cache"))
     for layout in SEQ_LAYOUTS + CACHE_LAYOUTS:
         for c_type in ("f16", "bf16") + (("float",) if layout in SEQ_LAYOUTS else ()):
             for bucket in HEAD_DIM_BUCKETS:

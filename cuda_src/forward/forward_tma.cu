@@ -28,11 +28,12 @@
 // Without SEVERAL the CTA runs its one row block as a whole (TmaRole::kWholeCta): the same code
 // with the cross-tile state folded away, which keeps the key loop as lean as it was.
 // Rows and keys past the tensors are zero-filled by the TMA unit; the band mask (KeyBand) hides
-// keys past seqlen_k. LAYOUT: dense, or a contiguous KV cache (kCache, chunked prefill: K and V
-// mapped over the whole cache, each sequence's own row and length read on the device); there the
-// rows of the last key block past the sequence are in the tensor, so each consumer warpgroup
-// zeroes those V rows before its P V product (zero_values_past), as P = 0 times stale cache
-// contents may be NaN. The packed, paged, fold and dropout forms stay on forward_wgmma.cu. SPARSE: only the key blocks a block mask keeps (common/block_sparse.cuh),
+// keys past seqlen_k. LAYOUT: dense, or a KV cache (chunked prefill): contiguous (kCache: K and V
+// mapped over the whole cache, each sequence's own row and length read on the device) or paged
+// with page sizes the boxes fit (kPagedCache: produce_paged). There the rows of the last key
+// block past the sequence are in the tensor, so each consumer warpgroup zeroes those V rows
+// before its P V product (zero_values_past), as P = 0 times stale cache contents may be NaN.
+// The packed, fold and dropout forms and other page sizes stay on forward_wgmma.cu. SPARSE: only the key blocks a block mask keeps (common/block_sparse.cuh),
 // in the order both sides walk them; CTAs take their cells from the launch's schedule.
 #include "common/block_sparse.cuh"
 #include "common/grid.cuh"
@@ -132,6 +133,64 @@ __device__ __forceinline__ void zero_values_past(unsigned char* tile, int first_
   named_barrier_sync(1 + wg, 128);
 }
 
+// The producer's loads over a paged KV cache, by its first warp: a key block is BLOCK_N / box
+// boxes of `box` = min(page size, BLOCK_N) rows (the host maps K and V as (pages, page size,
+// heads, head_dim) with that box: page sizes that are multiples of 8 and divide BLOCK_N or are
+// multiples of it), lane i looking up the page of box i in the block table and issuing it, so a
+// block costs one table latency; V_j reuses the pages looked up for K_j. Lane 0 loads Q and
+// announces each slot's bytes before the lanes issue. Keys past the capacity (a last block that
+// reaches past it) load the capacity's last page again: past the sequence, never used.
+template <typename Tr, int BLOCK_N, int STAGES, typename BlockAt>
+__device__ __forceinline__ void produce_paged(const TmaAttnParams& tp, int seq, int head, int m0, int blocks, const BlockAt& block_at,
+                                              unsigned char* smem_raw) {
+  const AttnParams& p = tp.attn;
+  unsigned char* sQ = swizzle_aligned(smem_raw);
+  unsigned char* sK_ring = sQ + Tr::kKRingOffset;
+  unsigned char* sV_ring = sK_ring + STAGES * Tr::kKVBytes;
+  u64* q_full = reinterpret_cast<u64*>(sQ + Tr::kBarrierOffset);
+  u64* k_full = q_full + 1;
+  u64* v_full = k_full + STAGES;
+  u64* k_empty = v_full + STAGES;
+  u64* v_empty = k_empty + STAGES;
+  const int lane = threadIdx.x % 32, kv_head = head / (p.heads_q / p.heads_kv);
+  const CacheRows<true> cache(p, seq);
+  const int box = min(cache.page_size, BLOCK_N), boxes = BLOCK_N / box;
+  int page = 0, pos = 0;  // this lane's box of the block whose K was loaded last
+  const auto look_up = [&](int j) {
+    const int key = min(block_at(j) * BLOCK_N + lane * box, p.capacity - 1);
+    page = lane < boxes ? cache.clamp_row(cache.table_entry(key)) : 0;
+    pos = cache.pos_of(key) / box * box;
+  };
+  const auto load = [&](unsigned char* ring, const TensorMap* map, u64* full, u64* empty, int j, int pg, int ps) {
+    const int s = j % STAGES;
+    if (lane == 0) {
+      mbarrier_wait(empty + s, ((j / STAGES) & 1) ^ 1);
+      mbarrier_arrive_expect_bytes(full + s, Tr::kKVBytes);
+    }
+    __syncwarp();
+    if (lane < boxes) {
+#pragma unroll
+      for (int cb = 0; cb < Tr::kColumnBlocks; ++cb)
+        tma_load_4d(ring + s * Tr::kKVBytes + (cb * BLOCK_N + lane * box) * kSwizzleRowBytes, map, full + s, cb * kSwizzleBlockElems, ps, kv_head, pg);
+    }
+  };
+  if (lane == 0) {
+    mbarrier_arrive_expect_bytes(q_full, Tr::kQBytes);
+#pragma unroll
+    for (int cb = 0; cb < Tr::kColumnBlocks; ++cb)
+      tma_load_4d(sQ + cb * Tr::kBlockM * kSwizzleRowBytes, &tp.q_map, q_full, cb * kSwizzleBlockElems, m0, head, seq);
+  }
+  look_up(0);
+  load(sK_ring, &tp.k_map, k_full, k_empty, 0, page, pos);
+  for (int j = 1; j < blocks; ++j) {  // K_j, then V_{j-1} from the pages of K_{j-1}
+    const int v_page = page, v_pos = pos;
+    look_up(j);
+    load(sK_ring, &tp.k_map, k_full, k_empty, j, page, pos);
+    load(sV_ring, &tp.v_map, v_full, v_empty, j - 1, v_page, v_pos);
+  }
+  load(sV_ring, &tp.v_map, v_full, v_empty, blocks - 1, page, pos);
+}
+
 template <typename T, int HEAD_DIM, int BLOCK_N, int STAGES, int CONSUMERS, bool SOFTCAP, bool SPARSE, TmaRole ROLE,
           SeqLayout LAYOUT = SeqLayout::kDense>
 __device__ __forceinline__ void forward_tma_tile(const TmaAttnParams& tp, int seq, int head, const SeqSpan& span, int m_block,
@@ -188,7 +247,9 @@ __device__ __forceinline__ void forward_tma_tile(const TmaAttnParams& tp, int se
   if (ROLE == TmaRole::kProducer || (ROLE == TmaRole::kWholeCta && threadIdx.x >= Tr::kConsumerThreads)) {
     // The producer warpgroup; one thread issues every load.
     if (ROLE == TmaRole::kWholeCta) set_max_registers_dec<Tr::kProducerRegisters>();
-    if (threadIdx.x == Tr::kConsumerThreads && loads_q) {
+    if constexpr (LAYOUT == SeqLayout::kPagedCache) {
+      if (threadIdx.x / 32 == Tr::kConsumerThreads / 32 && loads_q) produce_paged<Tr, BLOCK_N, STAGES>(tp, seq, head, m0, blocks, block_at, smem_raw);
+    } else if (threadIdx.x == Tr::kConsumerThreads && loads_q) {
       const int kv_head = head / (p.heads_q / p.heads_kv);
       const auto load_tile = [&](unsigned char* dst, const TensorMap* map, u64* bar, int rows, int row0, int h) {
 #pragma unroll
@@ -259,7 +320,7 @@ __device__ __forceinline__ void forward_tma_tile(const TmaAttnParams& tp, int se
     };
     const auto wait_values = [&](int j) {  // V of block j in, and usable
       mbarrier_wait(v_full + slot(j), parity(j));
-      if constexpr (LAYOUT == SeqLayout::kCache) {  // only the first block visited reaches past the sequence
+      if constexpr (LAYOUT != SeqLayout::kDense) {  // only the first block visited reaches past the sequence
         const int past = span.seqlen_k - block_at(0) * BLOCK_N;
         if (j == 0 && past < BLOCK_N) zero_values_past<HEAD_DIM, BLOCK_N>(sV_ring + slot(0) * Tr::kKVBytes, past, wg);
       }
@@ -342,7 +403,8 @@ __global__ void __launch_bounds__(TmaForwardTraits<HEAD_DIM, BLOCK_N, STAGES, CO
     forward_tma_kernel(const __grid_constant__ TmaAttnParams tp) {
   using Tr = TmaForwardTraits<HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, SEVERAL>;
   static_assert(!(SEVERAL && SPARSE), "a block-sparse launch's schedule gives each CTA one row block");
-  static_assert(LAYOUT == SeqLayout::kDense || (LAYOUT == SeqLayout::kCache && !SEVERAL && !SPARSE), "the cache form takes one row block");
+  static_assert(LAYOUT == SeqLayout::kDense || ((LAYOUT == SeqLayout::kCache || LAYOUT == SeqLayout::kPagedCache) && !SEVERAL && !SPARSE),
+                "the cache forms take one row block");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   if (dynamic_smem_bytes() < Tr::kSmemBytes) __trap();  // launch contract
   if (threadIdx.x == Tr::kConsumerThreads) {
