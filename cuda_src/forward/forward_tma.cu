@@ -140,18 +140,17 @@ __device__ __forceinline__ void zero_values_past(unsigned char* tile, int first_
 // block costs one table latency; V_j reuses the pages looked up for K_j. Lane 0 loads Q and
 // announces each slot's bytes before the lanes issue. Keys past the capacity (a last block that
 // reaches past it) load the capacity's last page again: past the sequence, never used.
+struct TmaTiles {  // Q's tile and the rings, with their barriers (forward_tma_tile's layout)
+  unsigned char *q, *k_ring, *v_ring;
+  u64 *q_full, *k_full, *v_full, *k_empty, *v_empty;
+};
+
 template <typename Tr, int BLOCK_N, int STAGES, typename BlockAt>
 __device__ __forceinline__ void produce_paged(const TmaAttnParams& tp, int seq, int head, int m0, int blocks, const BlockAt& block_at,
-                                              unsigned char* smem_raw) {
+                                              const TmaTiles& tiles) {
   const AttnParams& p = tp.attn;
-  unsigned char* sQ = swizzle_aligned(smem_raw);
-  unsigned char* sK_ring = sQ + Tr::kKRingOffset;
-  unsigned char* sV_ring = sK_ring + STAGES * Tr::kKVBytes;
-  u64* q_full = reinterpret_cast<u64*>(sQ + Tr::kBarrierOffset);
-  u64* k_full = q_full + 1;
-  u64* v_full = k_full + STAGES;
-  u64* k_empty = v_full + STAGES;
-  u64* v_empty = k_empty + STAGES;
+  unsigned char *sQ = tiles.q, *sK_ring = tiles.k_ring, *sV_ring = tiles.v_ring;
+  u64 *q_full = tiles.q_full, *k_full = tiles.k_full, *v_full = tiles.v_full, *k_empty = tiles.k_empty, *v_empty = tiles.v_empty;
   const int lane = threadIdx.x % 32, kv_head = head / (p.heads_q / p.heads_kv);
   const CacheRows<true> cache(p, seq);
   const int box = min(cache.page_size, BLOCK_N), boxes = BLOCK_N / box;
@@ -248,7 +247,9 @@ __device__ __forceinline__ void forward_tma_tile(const TmaAttnParams& tp, int se
     // The producer warpgroup; one thread issues every load.
     if (ROLE == TmaRole::kWholeCta) set_max_registers_dec<Tr::kProducerRegisters>();
     if constexpr (LAYOUT == SeqLayout::kPagedCache) {
-      if (threadIdx.x / 32 == Tr::kConsumerThreads / 32 && loads_q) produce_paged<Tr, BLOCK_N, STAGES>(tp, seq, head, m0, blocks, block_at, smem_raw);
+      if (threadIdx.x / 32 == Tr::kConsumerThreads / 32 && loads_q) {
+        produce_paged<Tr, BLOCK_N, STAGES>(tp, seq, head, m0, blocks, block_at, {sQ, sK_ring, sV_ring, q_full, k_full, v_full, k_empty, v_empty});
+      }
     } else if (threadIdx.x == Tr::kConsumerThreads && loads_q) {
       const int kv_head = head / (p.heads_q / p.heads_kv);
       const auto load_tile = [&](unsigned char* dst, const TensorMap* map, u64* bar, int rows, int row0, int h) {
