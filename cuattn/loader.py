@@ -83,7 +83,6 @@ def device_smem_limit(device_id: int) -> int:
 
 
 @functools.cache
-@functools.cache
 def device_sm_count(device_id: int) -> int:
     import cupy
 

@@ -375,7 +375,10 @@ __device__ __forceinline__ void forward_tma_tile(const TmaAttnParams& tp, int se
     if (t == 0 && m0 + r < span.seqlen_q && head_view.lse != nullptr) head_view.lse[m0 + r] = total.lse;
   }
   store_staged_rows<T, Tr::kBlockM, HEAD_DIM>(sOut, head_view.out, p.out_strides[1], m0, wg, span.seqlen_q, p.head_dim);
-  if (Tr::kSeveralTiles && !Tr::kOwnOutTile) mbarrier_arrive(q_empty);  // out was staged in Q's tile
+  if (Tr::kSeveralTiles && !Tr::kOwnOutTile) {  // out was staged in Q's tile, which the next Q's TMA overwrites
+    fence_proxy_async();
+    mbarrier_arrive(q_empty);
+  }
   advance();
 }
 
