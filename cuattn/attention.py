@@ -261,7 +261,7 @@ def launch_forward(ctx, c_type, p, rows, heads_q, batch, layout="dense", sparse=
         head_dim = int(p["head_dim"])
         tp = None
         if forward.tma_serves(c_type, head_dim, arch, wgmma_enabled() and tma_enabled(), layout, fold, dropout, sparse):
-            planned = tma_plan(c_type, p, rows, heads_q, batch, sparse, layout, ctx.device.id)
+            planned = tma_plan(c_type, p, rows, heads_q, batch, sparse, layout, ctx.device.id, fold)
             if planned is not None:
                 variant, plan, several = planned
                 tp = tma_params(c_type, p, sparse, several)
@@ -278,16 +278,17 @@ def launch_forward(ctx, c_type, p, rows, heads_q, batch, layout="dense", sparse=
             ctx.launch(variant, grid, block, args)
 
 
-def tma_plan(c_type: str, p: np.void, rows: int, heads_q: int, batch: int, sparse: bool, layout: str, device_id: int):
+def tma_plan(c_type: str, p: np.void, rows: int, heads_q: int, batch: int, sparse: bool, layout: str, device_id: int, fold: bool = False):
     """The TMA forward's variant, its launches, and whether it is the SEVERAL form (CTAs taking
     two row blocks each where :func:`cuattn.kernels.forward.tma_row_blocks_per_cta` says so),
-    else one CTA per row block; None where a paged cache's form does not serve the call."""
+    else one CTA per row block (always when it ``fold``s into an accumulator); None where a paged
+    cache's form does not serve the call."""
     tile, softcap = forward.tma_tile(int(p["head_dim"])), p["softcap"] > 0
     if layout == "paged_cache" and ((tile, softcap) in forward.TMA_PAGED_SPILLS or forward.tma_page_boxes(
             int(p["page_size"]), forward.tma_tiling(tile, softcap)[0]) is None):
         return None
-    if layout != "dense":
-        variant = forward.tma_variant(c_type, tile, softcap, layout=layout)
+    if layout != "dense" or fold:
+        variant = forward.tma_variant(c_type, tile, softcap, layout=layout, fold=fold)
         return variant, forward.tma_launches(variant, rows, heads_q, batch, 1), False
     per_cta = 1
     if forward.tma_takes_several(tile, softcap, sparse):

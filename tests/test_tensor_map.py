@@ -39,8 +39,15 @@ def test_only_dense_plain_16_bit_calls_on_hopper_take_the_tma_forward():
     assert forward.tma_variant("bf16", 128, False, layout="cache").uri.endswith("/cache")
     with pytest.raises(ValueError, match="no TMA forward for layout"):
         forward.tma_variant("bf16", 128, False, several=True, layout="cache")
-    for fold, dropout in ((True, False), (False, True)):
-        assert not serves("bf16", 128, "sm_90a", True, "dense", fold, dropout, False)
+    assert not serves("bf16", 128, "sm_90a", True, "dense", False, True, False)  # dropout
+    assert serves("bf16", 128, "sm_90a", True, "dense", True, False, False)  # folding into an accumulator: dense alone
+    for layout in ("cache", "paged_cache"):
+        assert not serves("bf16", 128, "sm_90a", True, layout, True, False, False)
+    assert not serves("bf16", 128, "sm_90a", True, "dense", True, False, True)
+    assert forward.tma_variant("bf16", 192, False, fold=True).uri.endswith("/fold")
+    for kw in ({"several": True}, {"sparse": True}, {"layout": "cache"}):
+        with pytest.raises(ValueError):
+            forward.tma_variant("bf16", 128, False, fold=True, **kw)
     assert serves("bf16", 128, "sm_90a", True, "dense", False, False, True)  # block-sparse
     assert forward.tma_variant("bf16", 64, False, sparse=True).block_m == 128  # within one mask block
 
@@ -49,7 +56,7 @@ def test_tma_variants_are_compiled_for_hopper_only():
     variants = [v for v in forward.variants() if v.kernel == "forward_tma"]
     several = sum(forward.tma_takes_several(tile, softcap) for tile in forward.TMA_TILES for softcap in (False, True))
     paged = 2 * len(forward.TMA_TILES) - len(forward.TMA_PAGED_SPILLS)
-    assert len(variants) == 2 * (len(forward.TMA_TILES) * 2 * 3 + paged + several)  # dense, block-sparse, cache, paged; SEVERAL
+    assert len(variants) == 2 * (len(forward.TMA_TILES) * 2 * 4 + paged + several)  # dense, block-sparse, fold, cache, paged; SEVERAL
     assert all(v.archs == ("sm_90a",) and v.threads == 2 * v.block_m + 128 for v in variants)
     assert not [v for v in forward.variants("sm_80") if v.kernel == "forward_tma" and v.builds_for("sm_80")]
 

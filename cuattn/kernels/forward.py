@@ -174,23 +174,29 @@ def tma_takes_several(tile: int, softcap: bool, sparse: bool = False) -> bool:
 
 
 @functools.cache
-def tma_variant(c_type: str, tile: int, softcap: bool, sparse: bool = False, several: bool = False, layout: str = "dense") -> Variant:
+def tma_variant(
+    c_type: str, tile: int, softcap: bool, sparse: bool = False, several: bool = False, layout: str = "dense", fold: bool = False,
+) -> Variant:
     """The TMA forward at a tile; ``several``: its SEVERAL form (tma_takes_several); ``layout``:
-    "dense", "cache" or "paged_cache" (KV caches: one row block per CTA)."""
+    "dense", "cache" or "paged_cache" (KV caches: one row block per CTA); ``fold``: the form that
+    folds into an fp32 accumulator (dense, one row block per CTA, no block mask)."""
     if several and not tma_takes_several(tile, softcap, sparse):
         raise ValueError(f"no TMA forward taking several row blocks per CTA at tile {tile} (softcap {softcap}, sparse {sparse})")
     if layout not in TMA_LAYOUTS or (layout != "dense" and (sparse or several)) or (layout == "paged_cache" and (tile, softcap) in TMA_PAGED_SPILLS):
         raise ValueError(f"no TMA forward for layout {layout!r} at tile {tile} with softcap={softcap}, sparse={sparse}, several={several}")
+    if fold and (layout != "dense" or sparse or several):
+        raise ValueError(f"the accumulating TMA forward is dense with one row block per CTA (layout {layout!r}, sparse {sparse}, several {several})")
     block_n, stages, consumers = tma_tiling(tile, softcap, sparse, several)
     traits = f"cuattn::TmaForwardTraits<{tile}, {block_n}, {stages}, {consumers}, {'true' if several else 'false'}>"
     threads, block_m = 128 * (consumers + 1), 64 * consumers
-    flags = (f", false, false, {layout_arg(layout)}>" if layout != "dense" else ", false, true>" if several else ", true>" if sparse else ">")
+    flags = (f", false, false, {layout_arg(layout)}, true>" if fold else f", false, false, {layout_arg(layout)}>" if layout != "dense"
+             else ", false, true>" if several else ", true>" if sparse else ">")
     smem = tma_smem_bytes(tile, softcap, sparse, several)
     return Variant(
         family=FAMILY, kernel="forward_tma",
         expression=f"cuattn::forward_tma_kernel<{cxx_type(c_type)}, {tile}, {block_n}, {stages}, {consumers}, {softcap_arg(softcap)}" + flags,
         uri=f"forward_tma/{c_type}/d{tile}/n{block_n}s{stages}c{consumers}" + softcap_uri(softcap) + dropout_uri(False, sparse)
-        + ("/several" if several else "") + layout_uri(layout),
+        + ("/several" if several else "") + layout_uri(layout) + ("/fold" if fold else ""),
         hot=True,
         dynamic_smem=smem,
         threads=threads,
@@ -211,7 +217,7 @@ def tma_serves(c_type: str, head_dim: int, arch: str, allow: bool, layout: str, 
     """Whether the TMA forward takes a call of these kinds (its tensors' maps decide the rest:
     cuattn/tensor_map.py)."""
     return (allow and arch == WGMMA_ARCH and c_type in ("f16", "bf16") and tma_tile(head_dim) is not None and layout in TMA_LAYOUTS
-            and not (fold or dropout or (sparse and layout != "dense")))
+            and not (dropout or (sparse and layout != "dense") or (fold and (layout != "dense" or sparse))))
 
 
 def select(
@@ -300,6 +306,7 @@ def variants(arch: str | None = None) -> list[Variant]:
                 out.append(tma_variant(c_type, tile, softcap, sparse=True))
                 if tma_takes_several(tile, softcap):
                     out.append(tma_variant(c_type, tile, softcap, several=True))
+                out.append(tma_variant(c_type, tile, softcap, fold=True))
                 out.append(tma_variant(c_type, tile, softcap, layout="cache"))
                 if (tile, softcap) not in TMA_PAGED_SPILLS:
                     out.append(tma_variant(c_type, tile, softcap, layout="paged_cache"))

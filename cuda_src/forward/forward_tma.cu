@@ -33,8 +33,10 @@
 // with page sizes the boxes fit (kPagedCache: produce_paged). There the rows of the last key
 // block past the sequence are in the tensor, so each consumer warpgroup zeroes those V rows
 // before its P V product (zero_values_past), as P = 0 times stale cache contents may be NaN.
-// The packed, fold and dropout forms and other page sizes stay on forward_wgmma.cu. SPARSE: only the key blocks a block mask keeps (common/block_sparse.cuh),
-// in the order both sides walk them; CTAs take their cells from the launch's schedule.
+// The packed and dropout forms and other page sizes stay on forward_wgmma.cu. SPARSE: only the
+// key blocks a block mask keeps (common/block_sparse.cuh), in the order both sides walk them;
+// CTAs take their cells from the launch's schedule. FOLD: the result folded into an fp32
+// accumulator (forward/accumulate.cuh; ring steps and streamed K/V), one row block per CTA.
 #include "common/block_sparse.cuh"
 #include "common/grid.cuh"
 #include "common/head_view.cuh"
@@ -191,7 +193,7 @@ __device__ __forceinline__ void produce_paged(const TmaAttnParams& tp, int seq, 
 }
 
 template <typename T, int HEAD_DIM, int BLOCK_N, int STAGES, int CONSUMERS, bool SOFTCAP, bool SPARSE, TmaRole ROLE,
-          SeqLayout LAYOUT = SeqLayout::kDense>
+          SeqLayout LAYOUT = SeqLayout::kDense, bool FOLD = false>
 __device__ __forceinline__ void forward_tma_tile(const TmaAttnParams& tp, int seq, int head, const SeqSpan& span, int m_block,
                                                  unsigned char* smem_raw, TmaPipe& pipe) {
   using Tr = TmaForwardTraits<HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, ROLE != TmaRole::kWholeCta>;
@@ -371,10 +373,14 @@ __device__ __forceinline__ void forward_tma_tile(const TmaAttnParams& tp, int se
   for (int h = 0; h < 2; ++h) {
     const RowTotal total = finish_row(row_max[0][h], row_sum[0][h], p.exp2_scale, head_view.sink);
     const int r = wg * 64 + warp * 16 + g + h * 8;  // row of the CTA's tile
-    stage_out_row<T, Tr::kBlockM>(sOut, acc[0], h, r, total.inv);
-    if (t == 0 && m0 + r < span.seqlen_q && head_view.lse != nullptr) head_view.lse[m0 + r] = total.lse;
+    if constexpr (FOLD) {
+      fold_out_row<T, Tr::kBlockM>(sOut, acc[0], h, r, total.inv, total.lse, p, head_view.lse, head_view.accum, m0 + r, m0 + r < span.seqlen_q);
+    } else {
+      stage_out_row<T, Tr::kBlockM>(sOut, acc[0], h, r, total.inv);
+      if (t == 0 && m0 + r < span.seqlen_q && head_view.lse != nullptr) head_view.lse[m0 + r] = total.lse;
+    }
   }
-  store_staged_rows<T, Tr::kBlockM, HEAD_DIM>(sOut, head_view.out, p.out_strides[1], m0, wg, span.seqlen_q, p.head_dim);
+  if (!FOLD || p.out != nullptr) store_staged_rows<T, Tr::kBlockM, HEAD_DIM>(sOut, head_view.out, p.out_strides[1], m0, wg, span.seqlen_q, p.head_dim);
   if (Tr::kSeveralTiles && !Tr::kOwnOutTile) {  // out was staged in Q's tile, which the next Q's TMA overwrites
     fence_proxy_async();
     mbarrier_arrive(q_empty);
@@ -402,13 +408,14 @@ struct CtaRowBlocks {
 /// on grid (y, z), each taking one block of 64 x CONSUMERS query rows, or with kSeveralTiles
 /// one or more in turn (CtaRowBlocks), heaviest first. Dense layout or a contiguous KV cache.
 template <typename T, int HEAD_DIM, int BLOCK_N, int STAGES, int CONSUMERS, bool SOFTCAP, bool SPARSE = false, bool SEVERAL = false,
-          SeqLayout LAYOUT = SeqLayout::kDense>
+          SeqLayout LAYOUT = SeqLayout::kDense, bool FOLD = false>
 __global__ void __launch_bounds__(TmaForwardTraits<HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, SEVERAL>::kThreads, 1)
     forward_tma_kernel(const __grid_constant__ TmaAttnParams tp) {
   using Tr = TmaForwardTraits<HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, SEVERAL>;
   static_assert(!(SEVERAL && SPARSE), "a block-sparse launch's schedule gives each CTA one row block");
   static_assert(LAYOUT == SeqLayout::kDense || ((LAYOUT == SeqLayout::kCache || LAYOUT == SeqLayout::kPagedCache) && !SEVERAL && !SPARSE),
                 "the cache forms take one row block");
+  static_assert(!FOLD || (LAYOUT == SeqLayout::kDense && !SEVERAL && !SPARSE), "the accumulating form: dense, one row block per CTA");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   if (dynamic_smem_bytes() < Tr::kSmemBytes) __trap();  // launch contract
   if (threadIdx.x == Tr::kConsumerThreads) {
@@ -448,7 +455,7 @@ __global__ void __launch_bounds__(TmaForwardTraits<HEAD_DIM, BLOCK_N, STAGES, CO
       });
     }
   } else {
-    forward_tma_tile<T, HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, SOFTCAP, SPARSE, TmaRole::kWholeCta, LAYOUT>(
+    forward_tma_tile<T, HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, SOFTCAP, SPARSE, TmaRole::kWholeCta, LAYOUT, FOLD>(
         tp, seq, head, span, int(gridDim.x) - 1 - cell.x, smem_raw, pipe);
   }
 }

@@ -194,30 +194,9 @@ __device__ __forceinline__ void forward_wgmma_block(const AttnParams& p, int seq
     if constexpr (!FOLD) {
       stage_out_row<T, Tr::kBlockM>(sQ, acc[0], h, r, total.inv);
       if (t == 0 && m0 + r < span.seqlen_q && head_view.lse != nullptr) head_view.lse[m0 + r] = total.lse;
-    } else {  // the same for the whole CTA; the quad's first lane reads and writes lse
+    } else {
       const int row = m0 + r;
-      const bool in_range = row < span.seqlen_q;
-      const Fold fold = fold_weights(__shfl_sync(0xffffffff, accumulated_lse(p, head_view.lse + row, in_range && t == 0), lane & ~3), total.lse);
-      float* acc_row = head_view.accum + row * p.accum_strides[1];
-#pragma unroll
-      for (int d0 = 0; d0 < Tr::kDTiles; d0 += kFoldLoads) {
-        float2 old[kFoldLoads];
-        load_acc_pairs<Tr::kDTiles>(old, acc_row, d0, t, p.head_dim, in_range && fold.keep > 0.f);
-#pragma unroll
-        for (int dt = d0; dt < d0 + kFoldLoads && dt < Tr::kDTiles; ++dt) {
-          const int col = dt * 8 + 2 * t;
-          const float w = total.inv * fold.take;
-          float2 o = make_float2(acc[0][dt][2 * h] * w, acc[0][dt][2 * h + 1] * w);
-          if (in_range && col < p.head_dim) {
-            o = make_float2(fmaf(fold.keep, old[dt - d0].x, o.x), fmaf(fold.keep, old[dt - d0].y, o.y));
-            *reinterpret_cast<float2*>(acc_row + col) = o;
-          }
-          unsigned char* dst = sQ + (col / kSwizzleBlockElems) * Tr::kBlockM * kSwizzleRowBytes +
-                               swizzled_chunk(r, col % kSwizzleBlockElems / 8) + (col % 8) * 2;
-          *reinterpret_cast<u32*>(dst) = pack2<T>(o.x, o.y);
-        }
-      }
-      if (t == 0 && in_range && head_view.lse != nullptr) head_view.lse[row] = fold.lse;
+      fold_out_row<T, Tr::kBlockM>(sQ, acc[0], h, r, total.inv, total.lse, p, head_view.lse, head_view.accum, row, row < span.seqlen_q);
     }
   }
   if (!FOLD || p.out != nullptr) store_staged_rows<T, Tr::kBlockM, HEAD_DIM>(sQ, head_view.out, p.out_strides[1], m0, wg, span.seqlen_q, p.head_dim);

@@ -4,6 +4,7 @@
 #pragma once
 #include "../common/named_barrier.cuh"
 #include "../common/wgmma.cuh"
+#include "accumulate.cuh"
 
 namespace cuattn {
 
@@ -18,6 +19,36 @@ __device__ __forceinline__ void stage_out_row(unsigned char* tile, const float (
     unsigned char* dst = tile + (col / kSwizzleBlockElems) * BLOCK_M * kSwizzleRowBytes + swizzled_chunk(r, col % kSwizzleBlockElems / 8) + (col % 8) * 2;
     *reinterpret_cast<u32*>(dst) = pack2<T>(acc[dt][2 * h] * scale, acc[dt][2 * h + 1] * scale);
   }
+}
+
+// The same row half, times `scale`, folded into the fp32 accumulator's row `row` (and its lse)
+// by the rule of forward/accumulate.cuh, and the folded row staged (the launch of a row's last
+// piece stores it as out). The quad's first lane reads and writes the lse; rows past the
+// sequence (!in_range) touch neither.
+template <typename T, int BLOCK_M, int D_TILES>
+__device__ __forceinline__ void fold_out_row(unsigned char* tile, const float (&acc)[D_TILES][4], int h, int r, float scale, float piece_lse,
+                                             const AttnParams& p, float* lse, float* accum, int row, bool in_range) {
+  const int lane = threadIdx.x % 32, t = lane % 4;
+  const Fold fold = fold_weights(__shfl_sync(0xffffffff, accumulated_lse(p, lse + row, in_range && t == 0), lane & ~3), piece_lse);
+  float* acc_row = accum + row * p.accum_strides[1];
+#pragma unroll
+  for (int d0 = 0; d0 < D_TILES; d0 += kFoldLoads) {
+    float2 old[kFoldLoads];
+    load_acc_pairs<D_TILES>(old, acc_row, d0, t, p.head_dim, in_range && fold.keep > 0.f);
+#pragma unroll
+    for (int dt = d0; dt < d0 + kFoldLoads && dt < D_TILES; ++dt) {
+      const int col = dt * 8 + 2 * t;
+      const float w = scale * fold.take;
+      float2 o = make_float2(acc[dt][2 * h] * w, acc[dt][2 * h + 1] * w);
+      if (in_range && col < p.head_dim) {
+        o = make_float2(fmaf(fold.keep, old[dt - d0].x, o.x), fmaf(fold.keep, old[dt - d0].y, o.y));
+        *reinterpret_cast<float2*>(acc_row + col) = o;
+      }
+      unsigned char* dst = tile + (col / kSwizzleBlockElems) * BLOCK_M * kSwizzleRowBytes + swizzled_chunk(r, col % kSwizzleBlockElems / 8) + (col % 8) * 2;
+      *reinterpret_cast<u32*>(dst) = pack2<T>(o.x, o.y);
+    }
+  }
+  if (t == 0 && in_range && lse != nullptr) lse[row] = fold.lse;
 }
 
 // Warpgroup wg's 64 staged rows (rows m0 + wg * 64 .. of out, row stride out_stride) once the
