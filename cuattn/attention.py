@@ -7,7 +7,7 @@ import numpy as np
 from cuattn import block_mask as block_mask_, boundary, dropout as dropout_, params, replay, tensor_map, validation
 from cuattn.kernels import forward
 from cuattn.kernels.variant import HEAD_DIM_BUCKETS, head_dim_bucket
-from cuattn.loader import device_arch, device_sm_count, tma_enabled, wgmma_enabled
+from cuattn.loader import device_arch, device_sm_count, device_smem_limit, tma_enabled, wgmma_enabled
 from cuattn.options import AttnOptions
 from cuattn.validation import check_bool
 
@@ -262,7 +262,7 @@ def launch_forward(ctx, c_type, p, rows, heads_q, batch, layout="dense", sparse=
         tp = None
         if forward.tma_serves(c_type, head_dim, arch, wgmma_enabled() and tma_enabled(), layout, fold, dropout, sparse):
             planned = tma_plan(c_type, p, rows, heads_q, batch, sparse, layout, ctx.device.id, fold)
-            if planned is not None:
+            if planned is not None and planned[0].dynamic_smem <= device_smem_limit(ctx.device.id):
                 variant, plan, several = planned
                 tp = tma_params(c_type, p, sparse, several)
         if tp is not None:
@@ -310,29 +310,6 @@ def tma_params(c_type: str, p: np.void, sparse: bool = False, several: bool = Fa
     kv_rows = forward.tma_page_boxes(int(p["page_size"]), block_n) if p["block_table"] else block_n
     if kv_rows is None:
         return None
-    return tp if put_tensor_maps(c_type, tp, p, (("q", p["q"], p["q_strides"], 64 * consumers), ("k", p["k"], p["k_strides"], kv_rows),
-                                                 ("v", p["v"], p["v_strides"], kv_rows))) else None
-
-
-def put_tensor_maps(c_type: str, target: np.void, attn: np.void, tensors) -> bool:
-    """Writes the map of each (name, address, strides, box rows) of ``tensors``, a tensor shaped
-    like q ("q", "dout") or like k, into ``target``'s ``{name}_map``; False where one cannot be
-    described."""
-    head_dim = int(attn["head_dim"])
-    for name, address, strides, rows in tensors:
-        if name in ("q", "dout"):
-            shape = (int(attn["batch"]), int(attn["seqlen_q"]), int(attn["heads_q"]), head_dim)
-        elif attn["block_table"]:  # a paged KV cache's pages
-            shape = (int(attn["cache_rows"]), int(attn["page_size"]), int(attn["heads_kv"]), head_dim)
-        else:  # a contiguous KV cache's rows, or the sequences
-            shape = (int(attn["cache_rows"] or attn["batch"]), int(attn["seqlen_k"]), int(attn["heads_kv"]), head_dim)
-        strides = tuple(int(s) for s in strides) + (1,)
-        address = int(address)
-        encoded = tensor_map.encode(c_type, address, shape, strides, rows)
-        if encoded is None:
-            if address >= tensor_map.TAGGED and tensor_map.available() and tensor_map.describable(address, shape, strides):
-                # A recording whose plan would take the copying kernel where the call itself takes this one.
-                raise replay.Uncacheable("tensor maps cannot be recorded on this driver")
-            return False
-        target[f"{name}_map"] = np.frombuffer(encoded, np.uint8)
-    return True
+    q_shape, k_shape = tensor_map.query_shape(p), tensor_map.key_shape(p)
+    return tp if tensor_map.put_maps(c_type, tp, (("q", p["q"], p["q_strides"], q_shape, 64 * consumers), ("k", p["k"], p["k_strides"], k_shape, kv_rows),
+                                                  ("v", p["v"], p["v_strides"], k_shape, kv_rows))) else None

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from cuattn import block_mask as block_mask_, boundary, dropout as dropout_, loader, params, replay, validation
-from cuattn.attention import _LAYOUT, attn_params, check_qkv, check_sink, put_tensor_maps, require_arrays, set_mask
+from cuattn import block_mask as block_mask_, boundary, dropout as dropout_, loader, params, replay, tensor_map, validation
+from cuattn.attention import _LAYOUT, attn_params, check_qkv, check_sink, require_arrays, set_mask
 from cuattn.kernels import backward
 from cuattn.kernels.backward import BackwardGrid
 from cuattn.kernels.sparse import GRID_WALKS
@@ -279,9 +279,10 @@ def launch_backward(
     schedules = {side: block_mask_.schedule_buffer(ctx, p["attn"], side, g.batch) for side in ("q", "k")} if sparse else {}
     with ctx.device, ctx.stream:
         tp = None
+        tile = backward.hopper_bucket(head_dim_bucket(g.head_dim))
         if fused and stage in ("all", "main") and backward.tma_serves(
-            c_type, head_dim_bucket(g.head_dim), softcap, arch, wgmma_enabled() and tma_enabled(), g.layout, dropout, sparse,
-        ):
+            c_type, tile, softcap, arch, wgmma_enabled() and tma_enabled(), g.layout, dropout, sparse,
+        ) and backward.tma_smem_bytes(tile) <= device_smem_limit(ctx.device.id):
             tp = tma_backward_params(c_type, p, g.head_dim)
         plan = backward.launches(
             g, c_type, softcap, arch, wgmma_enabled(), device_smem_limit(ctx.device.id), fused, sink, query_splits, dropout, sparse, small,
@@ -308,6 +309,7 @@ def tma_backward_params(c_type: str, p: np.void, head_dim: int) -> np.void | Non
     tp = params.new(params.TMA_BACKWARD_PARAMS)
     a = p["attn"]
     block_m, _ = backward.TMA_TILES[backward.hopper_bucket(head_dim_bucket(head_dim))]
-    tensors = (("q", a["q"], a["q_strides"], block_m), ("k", a["k"], a["k_strides"], 128), ("v", a["v"], a["v_strides"], 128),
-               ("dout", p["dout"], p["dout_strides"], block_m))
-    return tp if put_tensor_maps(c_type, tp, a, tensors) else None
+    q_shape, k_shape, keys = tensor_map.query_shape(a), tensor_map.key_shape(a), backward.TMA_KEYS
+    tensors = (("q", a["q"], a["q_strides"], q_shape, block_m), ("k", a["k"], a["k_strides"], k_shape, keys),
+               ("v", a["v"], a["v_strides"], k_shape, keys), ("dout", p["dout"], p["dout_strides"], q_shape, block_m))
+    return tp if tensor_map.put_maps(c_type, tp, tensors) else None

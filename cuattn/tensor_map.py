@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import ctypes
 
-from cuattn import driver
+import numpy as np
+
+from cuattn import driver, replay
 
 MAP_BYTES = 128
 BOX_COLUMNS = 64  # 16-bit elements: one 128-byte swizzle row
@@ -80,3 +82,35 @@ def encode(c_type: str, ptr: int, shape: tuple, strides: tuple, box_rows: int) -
     if a is None or b is None or a[8:] != b[8:] or [int.from_bytes(m[:8], "little") for m in (a, b)] != list(_STAND_INS):
         return None
     return ptr.to_bytes(8, "little") + a[8:]
+
+
+def query_shape(attn: np.void) -> tuple[int, int, int, int]:
+    """The shape of an attention call's q (and out, dout) from its parameters (AttnParams)."""
+    return int(attn["batch"]), int(attn["seqlen_q"]), int(attn["heads_q"]), int(attn["head_dim"])
+
+
+def key_shape(attn: np.void) -> tuple[int, int, int, int]:
+    """The shape of its k and v: the sequences, a contiguous KV cache's rows, or a paged
+    cache's pages."""
+    if attn["block_table"]:
+        rows, length = int(attn["cache_rows"]), int(attn["page_size"])
+    else:
+        rows, length = int(attn["cache_rows"] or attn["batch"]), int(attn["seqlen_k"])
+    return rows, length, int(attn["heads_kv"]), int(attn["head_dim"])
+
+
+def put_maps(c_type: str, target: np.void, tensors) -> bool:
+    """Writes the map of each (name, address, strides without the unit last one, shape, box
+    rows) of ``tensors`` into ``target``'s ``{name}_map``; False where one cannot be described
+    (the caller takes a kernel that copies for itself)."""
+    for name, address, strides, shape, rows in tensors:
+        strides = tuple(int(s) for s in strides) + (1,)
+        address = int(address)
+        encoded = encode(c_type, address, shape, strides, rows)
+        if encoded is None:
+            if address >= TAGGED and available() and describable(address, shape, strides):
+                # A recording whose plan would take the copying kernel where the call itself takes this one.
+                raise replay.Uncacheable("tensor maps cannot be recorded on this driver")
+            return False
+        target[f"{name}_map"] = np.frombuffer(encoded, np.uint8)
+    return True

@@ -6,8 +6,9 @@
 ``small``: only the one-launch backward of small calls (backward_small.cu); without it the
 backward kernels of larger calls serve the small cases too (CUATTN_SMALL_BACKWARD=0).
 ``forward``: only the forward, over several key blocks at every Hopper tile (the padded
-buckets included), dense by both Hopper kernels (TMA and copying) and over contiguous and paged
-caches, so that its K/V rings, mbarriers, key-offset buffers and named barriers turn over.
+buckets included), dense by both Hopper kernels (TMA and copying), the accumulating form, the
+TMA kernel's CTAs taking several row blocks, and over contiguous and paged caches, so that its
+K/V rings, mbarriers, key-offset buffers and named barriers turn over.
 """
 
 import os
@@ -46,12 +47,27 @@ for dtype in (np.float16, BFLOAT16) if FORWARD_ONLY else ():
             for kw in ({}, {"causal": True}, {"causal": True, "window": (100, None), "softcap": 10.0}):
                 cuattn.attention(q, k, v, return_lse=True, **kw)
         del os.environ["CUATTN_TMA"]
+        # The accumulating form over two device pieces of K/V (ring steps, streamed K/V).
+        halves = [(k[:, :170], v[:, :170]), (k[:, 170:], v[:, 170:])]
+        cuattn.attention_chunked(q, halves, causal=True, return_lse=True)
         # Chunked prefill (the forward kernel over a cache): contiguous, then pages of 16 in a
         # shuffled block table, where each key block's offsets come from shared memory.
         q, lengths = arr((1, 128, 4, d), dtype), cupy.asarray([700], dtype=np.int32)
         cuattn.attention_with_kvcache(q, arr((1, 704, 2, d), dtype), arr((1, 704, 2, d), dtype), cache_seqlens=lengths)
         table = cupy.asarray(rng.permutation(48)[:44][None].astype(np.int32))
         cuattn.attention_with_kvcache(q, arr((48, 16, 2, d), dtype), arr((48, 16, 2, d), dtype), cache_seqlens=lengths, block_table=table)
+
+# The TMA forward's CTAs taking several row blocks in turn (its SEVERAL form, where the host
+# picks it: here forced at every tile that has it), over rows that end inside a block.
+if FORWARD_ONLY:
+    from cuattn.kernels import forward as forward_kernels
+
+    forward_kernels.tma_row_blocks_per_cta = lambda *args: 2
+    for dtype in (np.float16, BFLOAT16):
+        for d in (64, 128, 192, 256):
+            q, k, v = arr((1, 700, 2, d), dtype), arr((1, 650, 1, d), dtype), arr((1, 650, 1, d), dtype)
+            for kw in ({}, {"causal": True}):
+                cuattn.attention(q, k, v, return_lse=True, **kw)
 
 # The 16-bit cases run twice on Hopper: the wgmma kernels (default), then the portable ones.
 cases = () if SMALL_ONLY or FORWARD_ONLY else ((np.float16, "1"), (BFLOAT16, "1"), (np.float16, "0"), (BFLOAT16, "0"), (np.float32, "1"))

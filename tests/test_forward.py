@@ -145,7 +145,7 @@ def test_tma_ctas_taking_several_row_blocks_match_reference(monkeypatch, per_cta
     monkeypatch.setattr(replay, "enabled", False)
     launched = []
     original = forward.tma_launches
-    monkeypatch.setattr(forward, "tma_launches", lambda v, *args: launched.append((v.uri.endswith("/several"), args[-1])) or original(v, *args))
+    monkeypatch.setattr(forward, "tma_launches", lambda v, *args: launched.append((v.several_row_blocks, args[-1])) or original(v, *args))
     rng = np.random.default_rng(per_cta * 1000 + d)
     cases = (
         (1023, 1023, dict(causal=True)),

@@ -16,6 +16,7 @@ import pytest
 
 import cuattn
 from cuattn import boundary, loader, params, replay, tensor_map
+from cuattn.kernels import backward as backward_kernels, forward
 from cuattn.options import AttnOptions
 
 attention_module = importlib.import_module("cuattn.attention")  # the package exports the function
@@ -131,6 +132,7 @@ def fake(monkeypatch):
     monkeypatch.setattr(attention_module, "device_arch", lambda device_id=None: "sm_90a")
     monkeypatch.setattr(attention_module, "device_sm_count", lambda device_id: 132)
     monkeypatch.setattr(backward_module, "device_smem_limit", lambda device_id: 232448)
+    monkeypatch.setattr(attention_module, "device_smem_limit", lambda device_id: 232448)
     monkeypatch.setattr(replay, "enabled", True)
     monkeypatch.setattr(replay, "_driver_launch", lambda: None)
     monkeypatch.setattr(replay, "_launch_kernel", FakeFunction.launch_kernel)
@@ -187,6 +189,25 @@ def test_replayed_parameters_are_the_full_paths_with_this_calls_addresses(fake):
     expected = attention_module.tma_params("f16", attention_module.attn_params(*map(wrap, (q, k, v, out, lse)), options))
     assert fake["launched"][-1][0].startswith("forward_tma/")  # head_dim 96 on the 128 tile
     assert fake["launched"][-1][-1] == expected.tobytes()
+
+
+def test_tma_kernels_that_do_not_fit_the_devices_shared_memory_give_way(fake, monkeypatch):
+    """A Hopper part whose opt-in shared memory is below a TMA kernel's (none is today, every
+    sm_90 part has 227 KB) gets the kernels that copy for themselves, forward and backward."""
+    q, k, v, dout = _arrays(fake, (1, 300, 4, 128), (1, 300, 4, 128), (1, 300, 4, 128), (1, 300, 4, 128))
+    monkeypatch.setenv("CUATTN_SMALL_BACKWARD", "0")
+    out, lse = cuattn.attention(q, k, v, return_lse=True)
+    cuattn.attention_backward(dout, q, k, v, out, lse)
+    assert {"forward_tma", "backward_tma"} <= {a[0].split("/")[0] for a in fake["launched"]}
+    limit = min(forward.tma_smem_bytes(128), backward_kernels.tma_smem_bytes(128)) - 1
+    monkeypatch.setattr(attention_module, "device_smem_limit", lambda device_id: limit)
+    monkeypatch.setattr(backward_module, "device_smem_limit", lambda device_id: limit)
+    replay.clear()
+    fake["launched"].clear()
+    out, lse = cuattn.attention(q, k, v, return_lse=True)
+    cuattn.attention_backward(dout, q, k, v, out, lse)
+    kernels = [a[0].split("/")[0] for a in fake["launched"]]
+    assert "forward_wgmma" in kernels and not {"forward_tma", "backward_tma"} & set(kernels), kernels
 
 
 @pytest.mark.parametrize("small", ["1", "0"])

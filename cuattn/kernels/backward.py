@@ -44,6 +44,7 @@ WGMMA_WIDER = {96: 128}
 # block mask): 128 keys per CTA on two consumer warpgroups and a producer warpgroup; per head-dim
 # tile (BLOCK_M query rows per step, STAGES ring slots).
 TMA_TILES = {64: (128, 2), 128: (64, 2)}
+TMA_KEYS = 128  # TmaBackwardTraits::kBlockResident: the K / V rows a CTA keeps (and their tensor maps' box)
 TMA_THREADS = 384
 TMA_NO_SOFTCAP = {64}  # tiles whose softcap form spills: the fused kernel serves it
 # Kernel and (bucket, softcap) whose dropout form needs more registers than its CTAs per SM
@@ -300,7 +301,7 @@ def tma_smem_bytes(tile: int) -> int:
     """TmaBackwardTraits::kSmemBytes: K and V, the Q / dO ring, two dS^T buffers, two fp32 dQ
     stages, the lse / delta ring, the barriers, and the realignment to the swizzle period."""
     block_m, stages = TMA_TILES[tile]
-    keys = 128
+    keys = TMA_KEYS
     return 2 * keys * tile * 2 + 2 * stages * block_m * tile * 2 + 2 * keys * block_m * 2 + 2 * 64 * 64 * 4 + 2 * stages * block_m * 4 + (1 + 2 * stages) * 8 + 1024
 
 
@@ -317,9 +318,9 @@ def tma_variant(c_type: str, tile: int, softcap: bool) -> Variant:
         hot=True,
         dynamic_smem=smem,
         threads=TMA_THREADS,
-        block_m=128,
+        block_m=TMA_KEYS,
         archs=(WGMMA_ARCH,),
-        contract=((f"{traits}::kSmemBytes", smem), (f"{traits}::kThreads", TMA_THREADS), (f"{traits}::kBlockResident", 128),
+        contract=((f"{traits}::kSmemBytes", smem), (f"{traits}::kThreads", TMA_THREADS), (f"{traits}::kBlockResident", TMA_KEYS),
                   ("cuattn::kDqTileRows", DQ_TILE_ROWS)),
     )
 

@@ -202,6 +202,7 @@ def tma_variant(
         threads=threads,
         block_m=block_m,
         archs=(WGMMA_ARCH,),
+        several_row_blocks=several,
         contract=((f"{traits}::kSmemBytes", smem), (f"{traits}::kThreads", threads), (f"{traits}::kBlockM", block_m)),
     )
 
@@ -270,7 +271,7 @@ def tma_row_blocks_per_cta(rows: int, block_m: int, heads_batch: int, sm_count: 
 def tma_launches(v: Variant, rows: int, heads_q: int, batch: int, per_cta: int) -> list[tuple[tuple, tuple, int]]:
     """Launches of the TMA forward whose CTAs take ``per_cta`` row blocks each (more than one:
     the SEVERAL form)."""
-    if per_cta > 1 and not v.uri.endswith("/several"):
+    if per_cta > 1 and not v.several_row_blocks:
         raise ValueError(f"{v.uri} takes one row block per CTA")
     plan = tile_launches(v, rows, heads_q, batch)
     return [((-(-grid[0] // per_cta),) + grid[1:], block, b0) for grid, block, b0 in plan]

@@ -24,6 +24,7 @@ class Variant:
     ordered: bool = True  # block-sparse forms: the CTAs take their cells from the launch order (cuattn/kernels/sparse.py)
     archs: tuple[str, ...] = ()  # the only targets it compiles for; empty: every target
     dependent: bool = False  # launched as a programmatic dependent of the grid before it (cuattn/launch.py)
+    several_row_blocks: bool = False  # its CTAs may take several row blocks in turn (forward_tma.cu SEVERAL)
     # (C++ constant expression of the kernel's source, the value this plan uses for it): each
     # constant both sides own (shared memory, threads, tile rows), compared by a compile-time
     # static_assert (tests/test_compile.py).

@@ -31,8 +31,9 @@
 // keys past seqlen_k. LAYOUT: dense, or a KV cache (chunked prefill): contiguous (kCache: K and V
 // mapped over the whole cache, each sequence's own row and length read on the device) or paged
 // with page sizes the boxes fit (kPagedCache: produce_paged). There the rows of the last key
-// block past the sequence are in the tensor, so each consumer warpgroup zeroes those V rows
-// before its P V product (zero_values_past), as P = 0 times stale cache contents may be NaN.
+// block past the sequence are in the tensor, so the consumer warpgroups zero those V rows
+// together before their P V products (zero_values_past), as P = 0 times stale cache contents
+// may be NaN.
 // The packed and dropout forms and other page sizes stay on forward_wgmma.cu. SPARSE: only the
 // key blocks a block mask keeps (common/block_sparse.cuh), in the order both sides walk them;
 // CTAs take their cells from the launch's schedule. FOLD: the result folded into an fp32
@@ -60,6 +61,7 @@ struct TmaForwardTraits {
   // setmaxnreg: 128 x producer + kConsumerThreads x consumer registers <= 65536
   static constexpr int kProducerRegisters = CONSUMERS == 2 ? 24 : 32;
   static constexpr int kConsumerRegisters = CONSUMERS == 2 ? 240 : 160;
+  static constexpr int kStages = STAGES;
   static constexpr int kNTiles = BLOCK_N / 8;
   static constexpr int kDTiles = HEAD_DIM / 8;
   static constexpr int kColumnBlocks = HEAD_DIM / kSwizzleBlockElems;  // TMA boxes per tile
@@ -87,7 +89,8 @@ struct TmaForwardTraits {
   static_assert(!SEVERAL || CONSUMERS == 2, "several tiles per CTA with two consumer warpgroups");
 };
 
-constexpr int kBarTurn = 4;  // + warpgroup: its turn to issue (1 + wg: the epilogue's)
+constexpr int kBarTurn = 4;       // + warpgroup: its turn to issue (1 + wg: the epilogue's)
+constexpr int kBarConsumers = 7;  // every consumer thread
 
 // Where a CTA's rings stand: K / V blocks passed through them so far, and Q's fills.
 struct TmaPipe {
@@ -98,18 +101,35 @@ __device__ __forceinline__ unsigned char* swizzle_aligned(unsigned char* smem_ra
   return smem_raw + (kSwizzleAtomBytes - smem_addr(smem_raw) % kSwizzleAtomBytes) % kSwizzleAtomBytes;
 }
 
-// Thread 0 initializes the barriers (TmaForwardTraits' layout), then a CTA barrier.
-template <int STAGES, int CONSUMER_THREADS>
-__device__ __forceinline__ void init_tma_forward_barriers(u64* q_full) {
+// Q's tile, out's (Q's own where it has none of its own), the K and V rings, and their barriers:
+// the layout of TmaForwardTraits from the swizzle-aligned base of the dynamic shared memory.
+struct TmaTiles {
+  unsigned char *q, *out, *k_ring, *v_ring;
+  u64 *q_full, *k_full, *v_full, *k_empty, *v_empty, *q_empty;
+};
+
+template <typename Tr>
+__device__ __forceinline__ TmaTiles tma_tiles(unsigned char* smem_raw) {
+  unsigned char* q = swizzle_aligned(smem_raw);
+  u64* q_full = reinterpret_cast<u64*>(q + Tr::kBarrierOffset);
+  u64* k_full = q_full + 1;
+  return {q, Tr::kOwnOutTile ? q + Tr::kQBytes : q, q + Tr::kKRingOffset, q + Tr::kKRingOffset + Tr::kStages * Tr::kKVBytes,
+          q_full, k_full, k_full + Tr::kStages, k_full + 2 * Tr::kStages, k_full + 3 * Tr::kStages, k_full + 4 * Tr::kStages};
+}
+
+// Thread 0 initializes the barriers, then a CTA barrier: the full ones count the producer's one
+// arrival (and the TMA bytes), the empty ones every consumer thread's.
+template <typename Tr>
+__device__ __forceinline__ void init_tma_forward_barriers(const TmaTiles& t) {
   if (threadIdx.x == 0) {
-    mbarrier_init(q_full, 1);
-    for (int s = 0; s < STAGES; ++s) {
-      mbarrier_init(q_full + 1 + s, 1);                            // K full
-      mbarrier_init(q_full + 1 + STAGES + s, 1);                   // V full
-      mbarrier_init(q_full + 1 + 2 * STAGES + s, CONSUMER_THREADS);  // K empty
-      mbarrier_init(q_full + 1 + 3 * STAGES + s, CONSUMER_THREADS);  // V empty
+    mbarrier_init(t.q_full, 1);
+    for (int s = 0; s < Tr::kStages; ++s) {
+      mbarrier_init(t.k_full + s, 1);
+      mbarrier_init(t.v_full + s, 1);
+      mbarrier_init(t.k_empty + s, Tr::kConsumerThreads);
+      mbarrier_init(t.v_empty + s, Tr::kConsumerThreads);
     }
-    mbarrier_init(q_full + 1 + 4 * STAGES, CONSUMER_THREADS);      // Q empty
+    mbarrier_init(t.q_empty, Tr::kConsumerThreads);
     mbarrier_init_fence();
   }
   __syncthreads();
@@ -120,19 +140,18 @@ __device__ __forceinline__ void init_tma_forward_barriers(u64* q_full) {
 // that did both before its first.
 enum class TmaRole { kWholeCta, kProducer, kConsumers };
 
-// One row block of a CTA: the producer thread's loads, or the consumers' products, softmax and
-// stores.
-// Rows [first_row, BLOCK_N) of a V tile (128-byte-swizzled column blocks) set to zero by one
-// consumer warpgroup, visible to its products (async proxy) once this returns.
-template <int HEAD_DIM, int BLOCK_N>
-__device__ __forceinline__ void zero_values_past(unsigned char* tile, int first_row, int wg) {
+// Rows [first_row, BLOCK_N) of a V tile (128-byte-swizzled column blocks) set to zero by the
+// consumer warpgroups together, each thread a share of the chunks, visible to every consumer's
+// products (async proxy) once this returns.
+template <int HEAD_DIM, int BLOCK_N, int CONSUMER_THREADS>
+__device__ __forceinline__ void zero_values_past(unsigned char* tile, int first_row) {
   constexpr int kChunksPerRow = HEAD_DIM / 8;  // 16-byte chunks; a row of a column block is 8 of them
-  for (int i = threadIdx.x % 128; i < (BLOCK_N - first_row) * kChunksPerRow; i += 128) {
+  for (int i = threadIdx.x; i < (BLOCK_N - first_row) * kChunksPerRow; i += CONSUMER_THREADS) {
     const int r = first_row + i / kChunksPerRow, c = i % kChunksPerRow;
     *reinterpret_cast<uint4*>(tile + (c / 8) * BLOCK_N * kSwizzleRowBytes + r * kSwizzleRowBytes + (c % 8) * 16) = make_uint4(0, 0, 0, 0);
   }
   fence_proxy_async();
-  named_barrier_sync(1 + wg, 128);
+  named_barrier_sync(kBarConsumers, CONSUMER_THREADS);
 }
 
 // The producer's loads over a paged KV cache, by its first warp: a key block is BLOCK_N / box
@@ -142,11 +161,6 @@ __device__ __forceinline__ void zero_values_past(unsigned char* tile, int first_
 // block costs one table latency; V_j reuses the pages looked up for K_j. Lane 0 loads Q and
 // announces each slot's bytes before the lanes issue. Keys past the capacity (a last block that
 // reaches past it) load the capacity's last page again: past the sequence, never used.
-struct TmaTiles {  // Q's tile and the rings, with their barriers (forward_tma_tile's layout)
-  unsigned char *q, *k_ring, *v_ring;
-  u64 *q_full, *k_full, *v_full, *k_empty, *v_empty;
-};
-
 template <typename Tr, int BLOCK_N, int STAGES, typename BlockAt>
 __device__ __forceinline__ void produce_paged(const TmaAttnParams& tp, int seq, int head, int m0, int blocks, const BlockAt& block_at,
                                               const TmaTiles& tiles) {
@@ -172,7 +186,8 @@ __device__ __forceinline__ void produce_paged(const TmaAttnParams& tp, int seq, 
     if (lane < boxes) {
 #pragma unroll
       for (int cb = 0; cb < Tr::kColumnBlocks; ++cb)
-        tma_load_4d(ring + s * Tr::kKVBytes + (cb * BLOCK_N + lane * box) * kSwizzleRowBytes, map, full + s, cb * kSwizzleBlockElems, ps, kv_head, pg);
+        tma_load_4d(ring + s * Tr::kKVBytes + (cb * BLOCK_N + lane * box) * kSwizzleRowBytes, map, full + s, cb * kSwizzleBlockElems, ps,
+                    kv_head, pg);
     }
   };
   if (lane == 0) {
@@ -192,22 +207,17 @@ __device__ __forceinline__ void produce_paged(const TmaAttnParams& tp, int seq, 
   load(sV_ring, &tp.v_map, v_full, v_empty, blocks - 1, page, pos);
 }
 
+// One row block of a CTA: the producer thread's loads, or the consumers' products, softmax and
+// stores.
 template <typename T, int HEAD_DIM, int BLOCK_N, int STAGES, int CONSUMERS, bool SOFTCAP, bool SPARSE, TmaRole ROLE,
           SeqLayout LAYOUT = SeqLayout::kDense, bool FOLD = false>
 __device__ __forceinline__ void forward_tma_tile(const TmaAttnParams& tp, int seq, int head, const SeqSpan& span, int m_block,
                                                  unsigned char* smem_raw, TmaPipe& pipe) {
   using Tr = TmaForwardTraits<HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, ROLE != TmaRole::kWholeCta>;
   const AttnParams& p = tp.attn;
-  unsigned char* sQ = swizzle_aligned(smem_raw);
-  unsigned char* sOut = Tr::kOwnOutTile ? sQ + Tr::kQBytes : sQ;
-  unsigned char* sK_ring = sQ + Tr::kKRingOffset;
-  unsigned char* sV_ring = sK_ring + STAGES * Tr::kKVBytes;
-  u64* q_full = reinterpret_cast<u64*>(sQ + Tr::kBarrierOffset);
-  u64* k_full = q_full + 1;
-  u64* v_full = k_full + STAGES;
-  u64* k_empty = v_full + STAGES;
-  u64* v_empty = k_empty + STAGES;
-  u64* q_empty = v_empty + STAGES;
+  const TmaTiles buf = tma_tiles<Tr>(smem_raw);
+  unsigned char *sQ = buf.q, *sOut = buf.out, *sK_ring = buf.k_ring, *sV_ring = buf.v_ring;
+  u64 *q_full = buf.q_full, *k_full = buf.k_full, *v_full = buf.v_full, *k_empty = buf.k_empty, *v_empty = buf.v_empty, *q_empty = buf.q_empty;
 
   const int m0 = m_block * Tr::kBlockM;
   const int m_last = min(m0 + Tr::kBlockM, span.seqlen_q) - 1;
@@ -243,14 +253,14 @@ __device__ __forceinline__ void forward_tma_tile(const TmaAttnParams& tp, int se
     }
   };
 
-  if (ROLE == TmaRole::kWholeCta) init_tma_forward_barriers<STAGES, Tr::kConsumerThreads>(q_full);
+  if (ROLE == TmaRole::kWholeCta) init_tma_forward_barriers<Tr>(buf);
 
   if (ROLE == TmaRole::kProducer || (ROLE == TmaRole::kWholeCta && threadIdx.x >= Tr::kConsumerThreads)) {
     // The producer warpgroup; one thread issues every load.
     if (ROLE == TmaRole::kWholeCta) set_max_registers_dec<Tr::kProducerRegisters>();
     if constexpr (LAYOUT == SeqLayout::kPagedCache) {
       if (threadIdx.x / 32 == Tr::kConsumerThreads / 32 && loads_q) {
-        produce_paged<Tr, BLOCK_N, STAGES>(tp, seq, head, m0, blocks, block_at, {sQ, sK_ring, sV_ring, q_full, k_full, v_full, k_empty, v_empty});
+        produce_paged<Tr, BLOCK_N, STAGES>(tp, seq, head, m0, blocks, block_at, buf);
       }
     } else if (threadIdx.x == Tr::kConsumerThreads && loads_q) {
       const int kv_head = head / (p.heads_q / p.heads_kv);
@@ -325,7 +335,7 @@ __device__ __forceinline__ void forward_tma_tile(const TmaAttnParams& tp, int se
       mbarrier_wait(v_full + slot(j), parity(j));
       if constexpr (LAYOUT != SeqLayout::kDense) {  // only the first block visited reaches past the sequence
         const int past = span.seqlen_k - block_at(0) * BLOCK_N;
-        if (j == 0 && past < BLOCK_N) zero_values_past<HEAD_DIM, BLOCK_N>(sV_ring + slot(0) * Tr::kKVBytes, past, wg);
+        if (j == 0 && past < BLOCK_N) zero_values_past<HEAD_DIM, BLOCK_N, Tr::kConsumerThreads>(sV_ring + slot(0) * Tr::kKVBytes, past);
       }
     };
     const auto take_turn = [&] { named_barrier_sync(kBarTurn + wg, 256); };
@@ -380,7 +390,9 @@ __device__ __forceinline__ void forward_tma_tile(const TmaAttnParams& tp, int se
       if (t == 0 && m0 + r < span.seqlen_q && head_view.lse != nullptr) head_view.lse[m0 + r] = total.lse;
     }
   }
-  if (!FOLD || p.out != nullptr) store_staged_rows<T, Tr::kBlockM, HEAD_DIM>(sOut, head_view.out, p.out_strides[1], m0, wg, span.seqlen_q, p.head_dim);
+  if (!FOLD || p.out != nullptr) {  // a folding launch writes out only for a row's last piece
+    store_staged_rows<T, Tr::kBlockM, HEAD_DIM>(sOut, head_view.out, p.out_strides[1], m0, wg, span.seqlen_q, p.head_dim);
+  }
   if (Tr::kSeveralTiles && !Tr::kOwnOutTile) {  // out was staged in Q's tile, which the next Q's TMA overwrites
     fence_proxy_async();
     mbarrier_arrive(q_empty);
@@ -431,7 +443,7 @@ __global__ void __launch_bounds__(TmaForwardTraits<HEAD_DIM, BLOCK_N, STAGES, CO
   if constexpr (Tr::kSeveralTiles) {
     // The registers are split once, outside the loop over tiles (ptxas spills when setmaxnreg
     // sits in a loop).
-    init_tma_forward_barriers<STAGES, Tr::kConsumerThreads>(reinterpret_cast<u64*>(swizzle_aligned(smem_raw) + Tr::kBarrierOffset));
+    init_tma_forward_barriers<Tr>(tma_tiles<Tr>(smem_raw));
     const CtaRowBlocks<Tr::kBlockM> row_blocks(cell.x, span.seqlen_q);
     const auto for_each_tile = [&](auto&& tile) {
       for (int r = 0; r < row_blocks.rounds; ++r) {

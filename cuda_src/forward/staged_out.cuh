@@ -8,6 +8,12 @@
 
 namespace cuattn {
 
+// Where column pair (col, col + 1) of row r sits in the staged tile of BLOCK_M rows.
+template <int BLOCK_M>
+__device__ __forceinline__ unsigned char* staged_at(unsigned char* tile, int r, int col) {
+  return tile + (col / kSwizzleBlockElems) * BLOCK_M * kSwizzleRowBytes + swizzled_chunk(r, col % kSwizzleBlockElems / 8) + (col % 8) * 2;
+}
+
 // Row half h (rows g and g + 8 of the warp's m16 tile) of the accumulator, times `scale`, into
 // row r of the staged tile of BLOCK_M rows.
 template <typename T, int BLOCK_M, int D_TILES>
@@ -16,8 +22,7 @@ __device__ __forceinline__ void stage_out_row(unsigned char* tile, const float (
 #pragma unroll
   for (int dt = 0; dt < D_TILES; ++dt) {
     const int col = dt * 8 + 2 * t;
-    unsigned char* dst = tile + (col / kSwizzleBlockElems) * BLOCK_M * kSwizzleRowBytes + swizzled_chunk(r, col % kSwizzleBlockElems / 8) + (col % 8) * 2;
-    *reinterpret_cast<u32*>(dst) = pack2<T>(acc[dt][2 * h] * scale, acc[dt][2 * h + 1] * scale);
+    *reinterpret_cast<u32*>(staged_at<BLOCK_M>(tile, r, col)) = pack2<T>(acc[dt][2 * h] * scale, acc[dt][2 * h + 1] * scale);
   }
 }
 
@@ -44,8 +49,7 @@ __device__ __forceinline__ void fold_out_row(unsigned char* tile, const float (&
         o = make_float2(fmaf(fold.keep, old[dt - d0].x, o.x), fmaf(fold.keep, old[dt - d0].y, o.y));
         *reinterpret_cast<float2*>(acc_row + col) = o;
       }
-      unsigned char* dst = tile + (col / kSwizzleBlockElems) * BLOCK_M * kSwizzleRowBytes + swizzled_chunk(r, col % kSwizzleBlockElems / 8) + (col % 8) * 2;
-      *reinterpret_cast<u32*>(dst) = pack2<T>(o.x, o.y);
+      *reinterpret_cast<u32*>(staged_at<BLOCK_M>(tile, r, col)) = pack2<T>(o.x, o.y);
     }
   }
   if (t == 0 && in_range && lse != nullptr) lse[row] = fold.lse;
