@@ -49,7 +49,7 @@ for dtype in (np.float16, BFLOAT16) if FORWARD_ONLY else ():
         del os.environ["CUATTN_TMA"]
         # The accumulating form over two device pieces of K/V (ring steps, streamed K/V).
         halves = [(k[:, :170], v[:, :170]), (k[:, 170:], v[:, 170:])]
-        cuattn.attention_chunked(q, halves, causal=True, return_lse=True)
+        cuattn.attention_chunked(q, halves, causal=True, return_lse=True, seqlen_k=k.shape[1])
         # Chunked prefill (the forward kernel over a cache): contiguous, then pages of 16 in a
         # shuffled block table, where each key block's offsets come from shared memory.
         q, lengths = arr((1, 128, 4, d), dtype), cupy.asarray([700], dtype=np.int32)

@@ -9,11 +9,11 @@
 // TMA (one box per 64 columns), then its lanes copy the rows' lse and delta. K and V are loaded
 // once, on a barrier of their own.
 // Who waits on what (mbarriers, common/tma.cuh): slot s has a "full" barrier (the TMA bytes lane
-// 0 announces, and its arrival once the lanes have written lse and delta) that consumers wait on
-// before the step's products, and an "empty" barrier every consumer thread arrives at once the
-// step's products that read Q and dO have completed; the producer waits on it before refilling
-// the slot. Parities as in forward/forward_tma.cu: the k-th fill of a slot is awaited on parity
-// k & 1, its release before the refill on (k & 1) ^ 1.
+// 0 announces, and each lane's arrival once it has written its lse and delta rows) that
+// consumers wait on before the step's products, and an "empty" barrier every consumer thread
+// arrives at once the step's products that read Q and dO have completed; the producer waits on
+// it before refilling the slot. Parities as in forward/forward_tma.cu: the k-th fill of a slot is
+// awaited on parity k & 1, its release before the refill on (k & 1) ^ 1.
 // dQ: once dS^T is formed each warpgroup stores its rows into one of two dS^T buffers (by step
 // parity), the consumers meet at one named barrier (kBarDs), and each issues its piece of the
 // step's dQ = dS K over all 128 keys before dK += dS^T Q, so that the piece is staged in fp32 and
@@ -80,7 +80,7 @@ __global__ void __launch_bounds__(TmaBackwardTraits<HEAD_DIM, BLOCK_M, STAGES>::
   if (threadIdx.x == 0) {
     mbarrier_init(kv_full, 1);
     for (int s = 0; s < STAGES; ++s) {
-      mbarrier_init(full + s, 1);
+      mbarrier_init(full + s, 32);  // the producer warp's lanes, each once its lse and delta rows are written
       mbarrier_init(empty + s, Tr::kConsumerThreads);
     }
     mbarrier_init_fence();
@@ -105,7 +105,7 @@ __global__ void __launch_bounds__(TmaBackwardTraits<HEAD_DIM, BLOCK_M, STAGES>::
         const int s = step % STAGES;
         const int head = plan.head(kv_head, step), m0 = plan.m0(step);
         mbarrier_wait(empty + s, ((step / STAGES) & 1) ^ 1);
-        if (lane == 0) {  // Q and dO first: their bytes count on the barrier, lane 0's arrival below
+        if (lane == 0) {  // Q and dO first: their bytes count on the barrier, the lanes' arrivals below
           mbarrier_expect_bytes(full + s, 2 * Tr::kStreamBytes);
 #pragma unroll
           for (int cb = 0; cb < Tr::kColumnBlocks; ++cb) {
@@ -121,10 +121,7 @@ __global__ void __launch_bounds__(TmaBackwardTraits<HEAD_DIM, BLOCK_M, STAGES>::
           sLse_ring[s * BLOCK_M + i] = row < span.seqlen_q ? stats.lse[row] : 0.f;
           sDelta_ring[s * BLOCK_M + i] = row < span.seqlen_q ? stats.delta[row] : 0.f;
         }
-        // The lanes' rows are ordered before lane 0's arrival by the warp barrier, and the
-        // arrival (a release) makes them visible to the consumers that wait on the phase.
-        __syncwarp();
-        if (lane == 0) mbarrier_arrive(full + s);
+        mbarrier_arrive(full + s);  // a release: the lane's rows are visible to the consumers that wait on the phase
       }
     }
     return;  // no CTA barrier follows
