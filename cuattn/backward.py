@@ -118,7 +118,12 @@ def attention_backward(
                            block_mask=block_mask_.kernel_fields(block_mask, a))
         set_mask(attn, pieces[0].fields)
         p = backward_params(a, grads, delta, attn)
-        launch_backward(ctx, c_type, p, grid, deterministic, small=small, sparse=block_mask is not None)
+        sparse = block_mask is not None
+        fused = False if small else plan_backward(ctx, c_type, p, grid, deterministic, sparse=sparse)
+        sums = _split_key_blocks(ctx, c_type, p, grid, grads) if fused else None
+        launch_backward(ctx, c_type, p, grid, deterministic, fused=fused, small=small, sparse=sparse)
+        for total, dst in zip(sums or (), grads[1:3]):
+            sum_rows(ctx, None, total, dst)
     elif batch and heads_q and seqlen_q:
         delta = ctx.empty((batch, heads_q, seqlen_q), np.float32)
         _backward_pieces(ctx, c_type, a, grads, delta, options, pieces, deterministic)
@@ -164,6 +169,34 @@ def _backward_pieces(ctx, c_type, a, grads, delta, options, pieces, deterministi
             for first, out in ((0, dk), (splits * batch, dv)):
                 _sum_splits(ctx, partials, first, splits, batch, out)
     sum_rows(ctx, None, dq_sum, grads[0])
+
+
+def tma_splits(ctx, c_type: str, p: np.void, g: BackwardGrid) -> int:
+    """CTAs per key block of the TMA backward (kernels/backward.py tma_query_splits) for a fused
+    call that it serves, else 1."""
+    a = p["attn"]
+    tile = backward.hopper_bucket(head_dim_bucket(g.head_dim))
+    serves = backward.tma_serves(c_type, tile, bool(a["softcap"] > 0), ctx.arch(), wgmma_enabled() and tma_enabled(), g.layout,
+                                 bool(a["dropout_threshold"]), bool(a["kv_block_counts"]))
+    if not serves or backward.tma_smem_bytes(tile) > device_smem_limit(ctx.device_index()):
+        return 1
+    return backward.tma_query_splits(g, loader.device_sm_count(ctx.device_index()))
+
+
+def _split_key_blocks(ctx, c_type, p, g, grads):
+    """Where the TMA backward splits its key blocks' query steps (``tma_splits``), points p's
+    dK / dV at zeroed fp32 sums that the splits add into, and returns them (to be rounded into
+    dK / dV after the launch); else None. A traced call replays the choice that sized them."""
+    splits = ctx.decide("tma_query_splits", lambda: tma_splits(ctx, c_type, p, g))
+    if splits == 1:
+        return None
+    sums = [ctx.empty(x.shape, np.float32) for x in grads[1:3]]
+    for total in sums:  # zeros by a launch, which a replayed call repeats (a memset is not recorded)
+        sum_rows(ctx, None, total, fresh=True)
+    p["dk"], p["dv"], p["dk_strides"], p["dv_strides"] = sums[0].ptr, sums[1].ptr, sums[0].strides[:3], sums[1].strides[:3]
+    p["sum_grads"] |= SUM_DKDV
+    p["query_splits"] = splits
+    return sums
 
 
 def _sum_splits(ctx, partials, first: int, splits: int, batch: int, out) -> None:
@@ -284,9 +317,11 @@ def launch_backward(
             c_type, tile, softcap, arch, wgmma_enabled() and tma_enabled(), g.layout, dropout, sparse,
         ) and backward.tma_smem_bytes(tile) <= device_smem_limit(ctx.device.id):
             tp = tma_backward_params(c_type, p, g.head_dim)
+        if tp is None and query_splits == 1:  # the TMA backward's splits (tma_splits), where another kernel runs: one CTA per key block
+            p["query_splits"] = 1
         plan = backward.launches(
             g, c_type, softcap, arch, wgmma_enabled(), device_smem_limit(ctx.device.id), fused, sink, query_splits, dropout, sparse, small,
-            tma=tp is not None,
+            tma=tp is not None, tma_splits=int(p["query_splits"]) if tp is not None else 1,
         )
         for variant, variant_launches in plan:
             if stage != "all" and _STAGE_OF_KERNEL.get(variant.kernel, "main") != stage:

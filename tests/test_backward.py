@@ -220,6 +220,23 @@ def test_hopper_default_backward_runs_the_fused_kernel(monkeypatch, d):
     assert backward_loads() == (["backward_prep", "backward_wgmma_dq", "backward_wgmma_dkdv"] if hopper else expected)
 
 
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_grouped_query_backward_split_over_ctas_matches_reference(monkeypatch, d, causal):
+    """GQA 8:1 over 1k query rows: few (key block, KV head) CTAs, so the TMA backward splits
+    each key block's query steps over several CTAs (kernels/backward.py tma_query_splits),
+    which add dK / dV into fp32 sums by atomics, rounded once; on Hopper the split is taken."""
+    from cuattn import loader
+    from cuattn.kernels import backward as backward_kernels
+
+    chosen = []
+    rule = backward_kernels.tma_query_splits
+    monkeypatch.setattr(backward_kernels, "tma_query_splits", lambda *args: chosen.append(rule(*args)) or chosen[-1])
+    _run(np.random.default_rng(d + causal), 2, 1024, 1000, 8, 1, d, "bfloat16", with_dlse=True, causal=causal)
+    if loader.device_arch() == "sm_90a":
+        assert chosen and max(chosen) > 1, chosen
+
+
 def _serves_small(batch, sq, sk, hq, hk, d, dtype) -> bool:
     import cupy
 

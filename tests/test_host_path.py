@@ -210,6 +210,32 @@ def test_tma_kernels_that_do_not_fit_the_devices_shared_memory_give_way(fake, mo
     assert "forward_wgmma" in kernels and not {"forward_tma", "backward_tma"} & set(kernels), kernels
 
 
+def test_grouped_queries_split_the_tma_backwards_key_blocks(fake, monkeypatch):
+    """GQA 16:2 at 1k tokens: four CTAs per key block of the TMA backward (kernels.backward.
+    tma_query_splits) add dK / dV into fp32 sums zeroed by a launch, rounded into dk and dv by
+    two more, and the call replays; with as many KV heads as query heads, one CTA per key block
+    writes dk and dv."""
+    monkeypatch.setenv("CUATTN_SMALL_BACKWARD", "0")
+    for heads_kv, splits in ((2, 4), (16, 1)):
+        q, k, v, dout = _arrays(fake, (16, 1024, 16, 128), (16, 1024, heads_kv, 128), (16, 1024, heads_kv, 128), (16, 1024, 16, 128))
+        out, lse = cuattn.attention(q, k, v, causal=True, return_lse=True)
+        for call in range(2):
+            fake["launched"].clear()
+            recordings = replay.counters.recordings
+            dq, dk, dv = cuattn.attention_backward(dout, q, k, v, out, lse, causal=True)
+            assert replay.counters.recordings == recordings + (2 if call == 0 else 0)
+            names = [launch[0].split("/")[0] + ("/sum_partials" if "sum_partials" in launch[0] else "") for launch in fake["launched"]]
+            one_pass = next(launch for launch in fake["launched"] if launch[0].startswith("backward_tma/"))
+            p = np.frombuffer(one_pass[-1], params.TMA_BACKWARD_PARAMS)[0]["bwd"]
+            assert one_pass[1] == (8 * splits, heads_kv, 16) and int(p["query_splits"]) == splits
+            if splits > 1:
+                assert names == ["merge/sum_partials"] * 2 + ["backward_prep", "backward_tma", "backward_dq_finish"] + ["merge/sum_partials"] * 2
+                assert p["sum_grads"] & 2 and int(p["dk"]) not in (dk.ptr, dv.ptr)
+            else:
+                assert names == ["backward_prep", "backward_tma", "backward_dq_finish"]
+                assert not p["sum_grads"] & 2 and (int(p["dk"]), int(p["dv"])) == (dk.ptr, dv.ptr)
+
+
 @pytest.mark.parametrize("small", ["1", "0"])
 def test_backward_and_merge_replay_the_full_paths_parameters(fake, monkeypatch, small):
     """A small backward replays one launch of backward_small and allocates its three gradients

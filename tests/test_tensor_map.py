@@ -154,3 +154,20 @@ def test_tagged_addresses_are_written_into_a_stand_in_map(monkeypatch, first_wor
         assert encoded == tagged.to_bytes(8, "little") + bytes(range(120))
     else:
         assert encoded is None
+
+
+@pytest.mark.parametrize("batch, seqlen, heads_q, heads_kv, head_dim, expected", [
+    (16, 1024, 16, 2, 128, 4),  # grouped queries: 256 CTAs of (key block, KV head, sequence)
+    (4, 4096, 16, 2, 128, 4),
+    (1, 8192, 32, 8, 128, 2),  # a ring step's own shard: 512 CTAs
+    (32, 512, 16, 2, 128, 4),  # 64 query steps a CTA: four splits of 16
+    (16, 1024, 16, 16, 128, 1),  # as many KV heads as query heads: 2048 CTAs
+    (2, 1024, 32, 32, 64, 1),
+    (1, 128, 4, 1, 64, 1),  # too few steps to share
+    (4, 4096, 8, 8, 256, 1),  # no TMA backward at head_dim 256
+])
+def test_tma_backward_splits_key_blocks_while_their_ctas_are_few(batch, seqlen, heads_q, heads_kv, head_dim, expected):
+    g = backward.BackwardGrid("dense", batch, seqlen, seqlen, heads_q, heads_kv, head_dim, batch * seqlen, batch * seqlen)
+    assert backward.tma_query_splits(g, 132) == expected
+    packed = backward.BackwardGrid("packed", batch, seqlen, seqlen, heads_q, heads_kv, head_dim, batch * seqlen, batch * seqlen)
+    assert backward.tma_query_splits(packed, 132) == 1

@@ -28,7 +28,7 @@ import numpy as np
 
 from cuattn import boundary, validation
 from cuattn.attention import _LAYOUT, attn_params, check_qkv, launch_forward
-from cuattn.backward import SUM_DKDV, SUM_DQ, backward_params, check_dout, launch_backward, plan_backward
+from cuattn.backward import SUM_DKDV, SUM_DQ, backward_params, check_dout, launch_backward, plan_backward, tma_splits
 from cuattn.chunked import check_row_stats
 from cuattn.dist import layout as layouts
 from cuattn.dist import process_group
@@ -188,6 +188,7 @@ class _DqSum:
         tile_bytes = (int(whole["dq_accum_cols"]) // 64) * DQ_TILE_ROWS * 64 * 4  # one 64-row block of a head's columns
         p["dq_accum"] = int(whole["dq_accum"]) + span.local_start // DQ_TILE_ROWS * tile_bytes
         p["dq_accum_tile_strides"], p["dq_accum_cols"] = whole["dq_accum_tile_strides"], whole["dq_accum_cols"]
+        p["query_splits"] = tma_splits(self.ctx, self.c_type, p, grid)  # the splits add into the dK / dV sums by atomics
         launch_backward(self.ctx, self.c_type, p, grid, self.deterministic, fused=True, stage="main")
 
     def finish(self) -> None:

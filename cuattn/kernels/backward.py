@@ -333,6 +333,29 @@ def tma_serves(c_type: str, bucket: int, softcap: bool, arch: str, allow: bool, 
             and layout == "dense" and not dropout and not sparse)
 
 
+# The TMA backward splits each key block's query steps over more CTAs (BackwardParams::
+# query_splits, dK / dV added into fp32 sums by atomics) while its (key block, KV head,
+# sequence) CTAs are fewer than this many waves: grouped queries, where a CTA streams the steps
+# of every query head of its group, and short or few sequences.
+TMA_SPLIT_WAVES = 4
+TMA_MIN_SPLIT_STEPS = 8  # query steps a split keeps at least (half of them under a causal mask)
+TMA_MAX_SPLITS = 8
+
+
+def tma_query_splits(g: "BackwardGrid", sm_count: int) -> int:
+    """CTAs of the TMA backward that share one key block's query steps (a power of two): the
+    fewest that make TMA_SPLIT_WAVES waves of CTAs, each keeping TMA_MIN_SPLIT_STEPS steps."""
+    tile = hopper_bucket(head_dim_bucket(g.head_dim))
+    if g.layout != "dense" or tile not in TMA_TILES or not (g.seqlen_q and g.seqlen_k and g.heads_kv):
+        return 1
+    ctas = g.batch * g.heads_kv * -(-g.seqlen_k // TMA_KEYS)
+    steps = g.heads_q // g.heads_kv * -(-g.seqlen_q // TMA_TILES[tile][0])
+    splits = 1
+    while splits < TMA_MAX_SPLITS and ctas * splits < TMA_SPLIT_WAVES * sm_count and steps // (4 * splits) >= TMA_MIN_SPLIT_STEPS:
+        splits *= 2
+    return splits
+
+
 def hopper_bucket(bucket: int) -> int:
     """The head-dim tile of the Hopper kernels that serve ``bucket`` (WGMMA_WIDER)."""
     return WGMMA_WIDER.get(bucket, bucket)
@@ -418,7 +441,7 @@ def query_splits(c_type: str, g: BackwardGrid, sms: int) -> int:
 
 def launches(
     g: BackwardGrid, c_type: str, softcap: bool, arch: str, allow_wgmma: bool, smem_limit: int, fused: bool, sink: bool = False,
-    query_splits: int = 1, dropout: bool = False, sparse: bool = False, small: bool = False, tma: bool = False,
+    query_splits: int = 1, dropout: bool = False, sparse: bool = False, small: bool = False, tma: bool = False, tma_splits: int = 1,
 ) -> Launches:
     """Every launch of one backward call, in order: (variant, [(grid, block, batch_offset)]);
     ``fused``: dQ through the accumulator by the fused kernel (``select_fused`` serves it);
@@ -426,7 +449,8 @@ def launches(
     block of the dK / dV kernel (BackwardParams::query_splits; 16-bit types, not fused);
     ``dropout``: the gradient kernels with dropout; ``sparse``: the block-sparse ones (one split);
     ``small``: the one launch of backward_small (``small_serves`` holds; no delta pass); ``tma``:
-    the fused kernel's TMA form (``tma_serves`` holds and its tensor maps are encoded)."""
+    the fused kernel's TMA form (``tma_serves`` holds and its tensor maps are encoded), with
+    ``tma_splits`` CTAs per key block (``tma_query_splits``)."""
     bucket, layout = head_dim_bucket(g.head_dim), g.layout
     if small:
         if fused or query_splits > 1 or not small_computes(g, c_type, sink, dropout, sparse):
@@ -448,8 +472,11 @@ def launches(
     if fused:
         one_pass = (tma_variant(c_type, hopper_bucket(bucket), softcap) if tma
                     else select_fused(c_type, bucket, softcap, arch, layout=layout, dropout=dropout, sparse=sparse))
+        if tma_splits > 1 and not tma:
+            raise ValueError("only the TMA backward splits the query steps of its key blocks when fused")
         if g.keys:
-            out.append((one_pass, tile_launches(one_pass, grid_k, g.heads_kv, g.batch)))
+            tiles = tile_launches(one_pass, grid_k, g.heads_kv, g.batch)
+            out.append((one_pass, [((x * tma_splits, y, z), block, b0) for (x, y, z), block, b0 in tiles]))
         if row_groups:
             out.append((row_variant("backward_dq_finish", c_type, bucket, layout), row_launch))
         return out

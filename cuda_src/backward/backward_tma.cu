@@ -72,10 +72,11 @@ __global__ void __launch_bounds__(TmaBackwardTraits<HEAD_DIM, BLOCK_M, STAGES>::
 
   const GridCell cell = grid_cell<false>(a);
   const int kv_head = cell.y, batch = cta_batch(a);
-  const int n0 = cell.x * BN;
+  const int splits = p.query_splits, split = cell.x % splits;  // CTAs sharing the key block's query steps
+  const int n0 = cell.x / splits * BN;
   const SeqSpan span = seq_span<SeqLayout::kDense>(a, batch);
   const KeyBand band(a, span);
-  const QuerySteps<BLOCK_M> plan(a, span, band, n0, BN, 0, 1);
+  const QuerySteps<BLOCK_M> plan(a, span, band, n0, BN, split, splits);
 
   if (threadIdx.x == 0) {
     mbarrier_init(kv_full, 1);
@@ -184,11 +185,16 @@ __global__ void __launch_bounds__(TmaBackwardTraits<HEAD_DIM, BLOCK_M, STAGES>::
   }
   if (issuer) bulk_wait<0>();
 
-  if (p.sum_grads & kSumDkDv) {  // added into fp32 sums
+  if (p.sum_grads & kSumDkDv) {  // added into fp32 sums; by atomics where the query steps are split
     float* dk_sum = head_rows<float>(p.dk, p.dk_strides, batch, kv_head, span.k_row0);
     float* dv_sum = head_rows<float>(p.dv, p.dv_strides, batch, kv_head, span.k_row0);
-    add_acc_rows<Tr::kDTiles>(dk, a.scale, dk_sum, p.dk_strides[1], warp_key0, span.seqlen_k, a.head_dim, lane);
-    add_acc_rows<Tr::kDTiles>(dv, 1.f, dv_sum, p.dv_strides[1], warp_key0, span.seqlen_k, a.head_dim, lane);
+    if (splits > 1) {
+      atomic_add_acc_rows<Tr::kDTiles>(dk, a.scale, dk_sum, p.dk_strides[1], warp_key0, span.seqlen_k, a.head_dim, lane);
+      atomic_add_acc_rows<Tr::kDTiles>(dv, 1.f, dv_sum, p.dv_strides[1], warp_key0, span.seqlen_k, a.head_dim, lane);
+    } else {
+      add_acc_rows<Tr::kDTiles>(dk, a.scale, dk_sum, p.dk_strides[1], warp_key0, span.seqlen_k, a.head_dim, lane);
+      add_acc_rows<Tr::kDTiles>(dv, 1.f, dv_sum, p.dv_strides[1], warp_key0, span.seqlen_k, a.head_dim, lane);
+    }
     return;
   }
   T* dk_out = head_rows<T>(p.dk, p.dk_strides, batch, kv_head, span.k_row0);

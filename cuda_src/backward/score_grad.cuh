@@ -186,4 +186,23 @@ __device__ __forceinline__ void add_acc_rows(const float (&acc)[D][4], float mul
   }
 }
 
+// add_acc_rows by atomic adds, for CTAs that add into the same rows (the TMA backward's query
+// splits, BackwardParams::query_splits): the order of their additions, and so the sums' last
+// bits, vary from run to run. Hopper and later (vector atomics).
+template <int D>
+__device__ __forceinline__ void atomic_add_acc_rows(const float (&acc)[D][4], float mul, float* base, i64 row_stride, int row0, int row_end, int head_dim,
+                                                    int lane) {
+  const int g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = row0 + g + h * 8;
+    if (row >= row_end) continue;
+#pragma unroll
+    for (int dt = 0; dt < D; ++dt) {
+      const int col = dt * 8 + 2 * t;
+      if (col < head_dim) atomicAdd(reinterpret_cast<float2*>(base + row * row_stride + col), make_float2(acc[dt][2 * h] * mul, acc[dt][2 * h + 1] * mul));
+    }
+  }
+}
+
 }  // namespace cuattn
