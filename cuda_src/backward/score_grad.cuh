@@ -144,10 +144,10 @@ __device__ __forceinline__ void mma_frag_by_tile(float (&acc)[D][4], const float
   }
 }
 
-// Stores a warp's 16 x 8*D fp32 accumulator times `mul` as T rows row0 + (g, g + 8), columns
-// < head_dim, rows < row_end.
-template <typename T, int D>
-__device__ __forceinline__ void store_acc_rows(const float (&acc)[D][4], float mul, T* base, i64 row_stride, int row0, int row_end, int head_dim, int lane) {
+// put(row, col, x, y) for each column pair (col, col + 1) of a warp's 16 x 8*D fp32 accumulator
+// at rows row0 + (g, g + 8) below row_end and columns below head_dim.
+template <int D, class Put>
+__device__ __forceinline__ void for_acc_pairs(const float (&acc)[D][4], int row0, int row_end, int head_dim, int lane, Put&& put) {
   const int g = lane / 4, t = lane % 4;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -156,11 +156,17 @@ __device__ __forceinline__ void store_acc_rows(const float (&acc)[D][4], float m
 #pragma unroll
     for (int dt = 0; dt < D; ++dt) {
       const int col = dt * 8 + 2 * t;
-      if (col < head_dim) {
-        *reinterpret_cast<u32*>(base + row * row_stride + col) = pack2<T>(acc[dt][2 * h] * mul, acc[dt][2 * h + 1] * mul);
-      }
+      if (col < head_dim) put(row, col, acc[dt][2 * h], acc[dt][2 * h + 1]);
     }
   }
+}
+
+// Stores the accumulator times `mul` as T rows (for_acc_pairs' rows and columns).
+template <typename T, int D>
+__device__ __forceinline__ void store_acc_rows(const float (&acc)[D][4], float mul, T* base, i64 row_stride, int row0, int row_end, int head_dim, int lane) {
+  for_acc_pairs(acc, row0, row_end, head_dim, lane, [&](int row, int col, float x, float y) {
+    *reinterpret_cast<u32*>(base + row * row_stride + col) = pack2<T>(x * mul, y * mul);
+  });
 }
 
 // Bits of BackwardParams::sum_grads: which gradients the kernels add into fp32 sums.
@@ -169,21 +175,11 @@ constexpr int kSumDq = 1, kSumDkDv = 2;
 // store_acc_rows' rows added into fp32 ones instead (BackwardParams::sum_grads).
 template <int D>
 __device__ __forceinline__ void add_acc_rows(const float (&acc)[D][4], float mul, float* base, i64 row_stride, int row0, int row_end, int head_dim, int lane) {
-  const int g = lane / 4, t = lane % 4;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int row = row0 + g + h * 8;
-    if (row >= row_end) continue;
-#pragma unroll
-    for (int dt = 0; dt < D; ++dt) {
-      const int col = dt * 8 + 2 * t;
-      if (col < head_dim) {
-        float2* slot = reinterpret_cast<float2*>(base + row * row_stride + col);
-        const float2 old = *slot;
-        *slot = make_float2(fmaf(acc[dt][2 * h], mul, old.x), fmaf(acc[dt][2 * h + 1], mul, old.y));
-      }
-    }
-  }
+  for_acc_pairs(acc, row0, row_end, head_dim, lane, [&](int row, int col, float x, float y) {
+    float2* slot = reinterpret_cast<float2*>(base + row * row_stride + col);
+    const float2 old = *slot;
+    *slot = make_float2(fmaf(x, mul, old.x), fmaf(y, mul, old.y));
+  });
 }
 
 // add_acc_rows by atomic adds, for CTAs that add into the same rows (the TMA backward's query
@@ -192,17 +188,9 @@ __device__ __forceinline__ void add_acc_rows(const float (&acc)[D][4], float mul
 template <int D>
 __device__ __forceinline__ void atomic_add_acc_rows(const float (&acc)[D][4], float mul, float* base, i64 row_stride, int row0, int row_end, int head_dim,
                                                     int lane) {
-  const int g = lane / 4, t = lane % 4;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int row = row0 + g + h * 8;
-    if (row >= row_end) continue;
-#pragma unroll
-    for (int dt = 0; dt < D; ++dt) {
-      const int col = dt * 8 + 2 * t;
-      if (col < head_dim) atomicAdd(reinterpret_cast<float2*>(base + row * row_stride + col), make_float2(acc[dt][2 * h] * mul, acc[dt][2 * h + 1] * mul));
-    }
-  }
+  for_acc_pairs(acc, row0, row_end, head_dim, lane, [&](int row, int col, float x, float y) {
+    atomicAdd(reinterpret_cast<float2*>(base + row * row_stride + col), make_float2(x * mul, y * mul));
+  });
 }
 
 }  // namespace cuattn
