@@ -1,11 +1,11 @@
 """The ring's kernels alone, on one GPU, causal zigzag, d128, GQA 32:8, bf16:
-- ``single``: attention over the whole sequence (W T tokens);
+- ``single``: attention over the whole sequence (2 T tokens: W = 2 ranks of T);
 - ``ring``: the simulated ring (every rank's steps in turn, the exchange as device copies);
 - ``pieces``: the same (query, key) pieces as plain calls, each writing its own out / grads (what
   a ring costs with no fold, no gradient sums and no exchange).
 Ratio = single / ring: the efficiency the ring's kernels allow before any transfer or host cost.
 
-    PYTHONPATH=<tree>:. python scripts/ring_pieces_probe.py [--tokens-per-rank 8192,16384] [--world 2]
+    PYTHONPATH=<tree>:. python scripts/ring_pieces_probe.py [--tokens-per-rank 8192,16384] [--tag TEXT]
 """
 
 import argparse
