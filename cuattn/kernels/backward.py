@@ -540,7 +540,6 @@ def variants(arch: str | None = None) -> list[Variant]:
                         out.append(wgmma_variant(kernel, c_type, bucket, softcap, layout))
             for bucket in WGMMA_FUSED_TILES:
                 out.append(row_variant("backward_dq_finish", c_type, bucket, layout))
-
                 for softcap in (False, True):
                     out.append(fused_variant(c_type, bucket, softcap, layout))
     return out
