@@ -46,8 +46,10 @@ def attention_backward(
         summed over a GQA group in registers and dQ is computed by its own kernel, with no
         atomics. ``False`` (default) may sum dQ with fp32 atomics in one pass over the scores
         (on Hopper, float16 / bfloat16, head_dim 33-128: one fp32 value per element
-        of ``q`` of extra memory), so its last bits can differ between runs; elsewhere it is
-        the deterministic path.
+        of ``q`` of extra memory), so its last bits can differ between runs; where that pass
+        has few CTAs (grouped queries, few or short sequences) it also splits each key block
+        over CTAs that add dK / dV into fp32 sums by atomics (two fp32 arrays shaped like ``k``
+        and ``v``), so theirs can too; elsewhere it is the deterministic path.
 
     Returns
     -------
@@ -120,7 +122,7 @@ def attention_backward(
         p = backward_params(a, grads, delta, attn)
         sparse = block_mask is not None
         fused = False if small else plan_backward(ctx, c_type, p, grid, deterministic, sparse=sparse)
-        sums = _split_key_blocks(ctx, c_type, p, grid, grads) if fused else None
+        sums = _split_key_blocks(ctx, c_type, p, grid, grads, sparse) if fused else None
         launch_backward(ctx, c_type, p, grid, deterministic, fused=fused, small=small, sparse=sparse)
         for total, dst in zip(sums or (), grads[1:3]):
             sum_rows(ctx, None, total, dst)
@@ -171,23 +173,29 @@ def _backward_pieces(ctx, c_type, a, grads, delta, options, pieces, deterministi
     sum_rows(ctx, None, dq_sum, grads[0])
 
 
-def tma_splits(ctx, c_type: str, p: np.void, g: BackwardGrid) -> int:
-    """CTAs per key block of the TMA backward (kernels/backward.py tma_query_splits) for a fused
-    call that it serves, else 1."""
+def _tma_serves(ctx, c_type: str, p: np.void, g: BackwardGrid, sparse: bool) -> bool:
+    """Whether the TMA backward takes a fused call (its tensor maps aside: tma_backward_params).
+    ``sparse``: whether p has a block mask (a traced call's null addresses cannot tell)."""
     a = p["attn"]
     tile = backward.hopper_bucket(head_dim_bucket(g.head_dim))
-    serves = backward.tma_serves(c_type, tile, bool(a["softcap"] > 0), ctx.arch(), wgmma_enabled() and tma_enabled(), g.layout,
-                                 bool(a["dropout_threshold"]), bool(a["kv_block_counts"]))
-    if not serves or backward.tma_smem_bytes(tile) > device_smem_limit(ctx.device_index()):
+    return backward.tma_serves(
+        c_type, tile, bool(a["softcap"] > 0), ctx.arch(), wgmma_enabled() and tma_enabled(), g.layout, bool(a["dropout_threshold"]), sparse,
+    ) and backward.tma_smem_bytes(tile) <= device_smem_limit(ctx.device_index())
+
+
+def tma_splits(ctx, c_type: str, p: np.void, g: BackwardGrid, sparse: bool = False) -> int:
+    """CTAs per key block of the TMA backward (kernels/backward.py tma_query_splits) for a fused
+    call that it serves, else 1."""
+    if not _tma_serves(ctx, c_type, p, g, sparse):
         return 1
     return backward.tma_query_splits(g, loader.device_sm_count(ctx.device_index()))
 
 
-def _split_key_blocks(ctx, c_type, p, g, grads):
+def _split_key_blocks(ctx, c_type, p, g, grads, sparse: bool):
     """Where the TMA backward splits its key blocks' query steps (``tma_splits``), points p's
     dK / dV at zeroed fp32 sums that the splits add into, and returns them (to be rounded into
     dK / dV after the launch); else None. A traced call replays the choice that sized them."""
-    splits = ctx.decide("tma_query_splits", lambda: tma_splits(ctx, c_type, p, g))
+    splits = ctx.decide("tma_query_splits", lambda: tma_splits(ctx, c_type, p, g, sparse))
     if splits == 1:
         return None
     sums = [ctx.empty(x.shape, np.float32) for x in grads[1:3]]
@@ -297,6 +305,8 @@ def launch_backward(
         raise ValueError(f"stage must be one of {', '.join(_STAGES)}, got {stage!r}")
     if query_splits > 1 and not (p["sum_grads"] & SUM_DKDV and p["query_splits"] == query_splits):
         raise ValueError("query splits add dK / dV into fp32 partials: set sum_grads' SUM_DKDV bit and query_splits")
+    if p["query_splits"] > 1 and not p["sum_grads"] & SUM_DKDV:
+        raise ValueError("CTAs sharing a key block add dK / dV into fp32 sums: set sum_grads' SUM_DKDV bit")
     if small and (stage != "all" or fused):
         raise ValueError("backward_small is one launch: stage 'all', not fused")
     sparse = bool(p["attn"]["kv_block_counts"]) if sparse is None else sparse
@@ -312,10 +322,7 @@ def launch_backward(
     schedules = {side: block_mask_.schedule_buffer(ctx, p["attn"], side, g.batch) for side in ("q", "k")} if sparse else {}
     with ctx.device, ctx.stream:
         tp = None
-        tile = backward.hopper_bucket(head_dim_bucket(g.head_dim))
-        if fused and stage in ("all", "main") and backward.tma_serves(
-            c_type, tile, softcap, arch, wgmma_enabled() and tma_enabled(), g.layout, dropout, sparse,
-        ) and backward.tma_smem_bytes(tile) <= device_smem_limit(ctx.device.id):
+        if fused and stage in ("all", "main") and _tma_serves(ctx, c_type, p, g, sparse):
             tp = tma_backward_params(c_type, p, g.head_dim)
         if tp is None and query_splits == 1:  # the TMA backward's splits (tma_splits), where another kernel runs: one CTA per key block
             p["query_splits"] = 1

@@ -209,10 +209,6 @@ def test_a_traced_call_allocates_the_launch_orders():
     assert [a for a in backward.allocations if a[1] == np.int32] == [((1, 4 * 19), np.int32), ((1, 2 * 2 * 19), np.int32)]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known bug: the TMA backward's split rule (cuattn.backward.tma_splits) reads the block mask from its address, null in a "
-    "trace, so on Hopper a traced block-sparse call with few (key block, KV head) CTAs plans fp32 dK / dV sums and stops at "
-    "their zeroing launch before the launch orders are allocated; the fix is on branch wip/tma-split-sparse-trace"))
 def test_a_traced_block_sparse_call_on_hopper_allocates_the_launch_orders(monkeypatch):
     """As above on a Hopper device, with grouped queries that would split the TMA backward's key
     blocks over CTAs if the call had no block mask (block-sparse calls never take that kernel)."""

@@ -452,6 +452,8 @@ def launches(
     the fused kernel's TMA form (``tma_serves`` holds and its tensor maps are encoded), with
     ``tma_splits`` CTAs per key block (``tma_query_splits``)."""
     bucket, layout = head_dim_bucket(g.head_dim), g.layout
+    if tma_splits > 1 and not (fused and tma):
+        raise ValueError("only the TMA backward (fused) splits the query steps of its key blocks over CTAs")
     if small:
         if fused or query_splits > 1 or not small_computes(g, c_type, sink, dropout, sparse):
             raise ValueError("backward_small runs alone (not fused, one query split) on dense 16-bit rows of head_dim <= "
@@ -472,8 +474,6 @@ def launches(
     if fused:
         one_pass = (tma_variant(c_type, hopper_bucket(bucket), softcap) if tma
                     else select_fused(c_type, bucket, softcap, arch, layout=layout, dropout=dropout, sparse=sparse))
-        if tma_splits > 1 and not tma:
-            raise ValueError("only the TMA backward splits the query steps of its key blocks when fused")
         if g.keys:
             tiles = tile_launches(one_pass, grid_k, g.heads_kv, g.batch)
             out.append((one_pass, [((x * tma_splits, y, z), block, b0) for (x, y, z), block, b0 in tiles]))
@@ -540,7 +540,6 @@ def variants(arch: str | None = None) -> list[Variant]:
                         out.append(wgmma_variant(kernel, c_type, bucket, softcap, layout))
             for bucket in WGMMA_FUSED_TILES:
                 out.append(row_variant("backward_dq_finish", c_type, bucket, layout))
-
                 for softcap in (False, True):
                     out.append(fused_variant(c_type, bucket, softcap, layout))
     return out

@@ -189,6 +189,7 @@ __global__ void __launch_bounds__(TmaBackwardTraits<HEAD_DIM, BLOCK_M, STAGES>::
     float* dk_sum = head_rows<float>(p.dk, p.dk_strides, batch, kv_head, span.k_row0);
     float* dv_sum = head_rows<float>(p.dv, p.dv_strides, batch, kv_head, span.k_row0);
     if (splits > 1) {
+      if (plan.steps == 0) return;  // zeros: the sums hold them already
       atomic_add_acc_rows<Tr::kDTiles>(dk, a.scale, dk_sum, p.dk_strides[1], warp_key0, span.seqlen_k, a.head_dim, lane);
       atomic_add_acc_rows<Tr::kDTiles>(dv, 1.f, dv_sum, p.dv_strides[1], warp_key0, span.seqlen_k, a.head_dim, lane);
     } else {

@@ -91,6 +91,7 @@ struct TmaForwardTraits {
 
 constexpr int kBarTurn = 4;       // + warpgroup: its turn to issue (1 + wg: the epilogue's)
 constexpr int kBarConsumers = 7;  // every consumer thread
+static_assert(kBarTurn + 3 <= kBarConsumers, "named barriers: 1 + wg, kBarTurn + wg for up to 3 consumer warpgroups, then kBarConsumers");
 
 // Where a CTA's rings stand: K / V blocks passed through them so far, and Q's fills.
 struct TmaPipe {
@@ -142,7 +143,8 @@ enum class TmaRole { kWholeCta, kProducer, kConsumers };
 
 // Rows [first_row, BLOCK_N) of a V tile (128-byte-swizzled column blocks) set to zero by the
 // consumer warpgroups together, each thread a share of the chunks, visible to every consumer's
-// products (async proxy) once this returns.
+// products (async proxy) once this returns. The consumers are threads [0, CONSUMER_THREADS):
+// the whole-CTA role, which the cache layouts take.
 template <int HEAD_DIM, int BLOCK_N, int CONSUMER_THREADS>
 __device__ __forceinline__ void zero_values_past(unsigned char* tile, int first_row) {
   constexpr int kChunksPerRow = HEAD_DIM / 8;  // 16-byte chunks; a row of a column block is 8 of them
