@@ -220,6 +220,23 @@ def test_hopper_default_backward_runs_the_fused_kernel(monkeypatch, d):
     assert backward_loads() == (["backward_prep", "backward_wgmma_dq", "backward_wgmma_dkdv"] if hopper else expected)
 
 
+@pytest.mark.parametrize("d", [160, 256])
+def test_hopper_backward_above_d128_splits_gradient_columns_over_ctas(monkeypatch, d):
+    """Above head_dim 128 the default Hopper backward is the one-pass kernel at the 256 tile,
+    two CTAs per key block each forming its half of dK, dV and dQ's columns (the portable
+    kernels elsewhere, and for deterministic=True); its gradients match the float64 reference
+    within the bound of the other paths, on a GQA causal call with ragged lengths."""
+    from cuattn import loader
+
+    launched = []
+    load = loader.load_kernel
+    monkeypatch.setattr(loader, "load_kernel", lambda variant: launched.append(variant.uri) or load(variant))
+    rng = np.random.default_rng()
+    _run(rng, 2, 300, 333, 6, 2, d, "bfloat16", causal=True, with_dlse=True)
+    fused = [u for u in dict.fromkeys(launched) if u.startswith("backward_wgmma_fused")]
+    assert fused == (["backward_wgmma_fused/bf16/d256/s64wg2c1"] if loader.device_arch() == "sm_90a" else [])
+
+
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 def test_grouped_query_backward_split_over_ctas_matches_reference(monkeypatch, d, causal):

@@ -170,7 +170,18 @@ def test_backward_kernel_selection():
     assert fused("f16", 64, True, "sm_90a").uri.endswith("/softcap")
     assert fused("bf16", 128, False, "sm_90a", allow_wgmma=False) is None
     assert fused("bf16", 128, False, "sm_80") is None
-    assert fused("bf16", 160, False, "sm_90a") is None
+    # Above head_dim 128 the 256 tile, whose two warpgroups share 64 keys and split the
+    # gradients' columns: 64 keys per CTA, and no dQ stage of its own.
+    for bucket in (160, 192, 224, 256):
+        assert fused("bf16", bucket, False, "sm_90a") == backward.fused_variant("bf16", 256, False)
+    wide_variant = backward.fused_variant("bf16", 256, False)
+    assert (wide_variant.block_m, wide_variant.threads) == (64, 256)
+    assert ("cuattn::WgmmaFusedTraits<256, 64, 2>::kBlockResident", 64) in wide_variant.contract
+    wide = backward.BackwardGrid("dense", 3, 200, 300, 8, 2, 192, 600, 900)
+    (one_pass, tiles), = [(v, t) for v, t in backward.launches(wide, "bf16", False, "sm_90a", True, 232448, fused=True)
+                          if v.kernel == "backward_wgmma_fused"]
+    assert [grid for grid, _, _ in tiles] == [(5, 2, 3)]  # 300 keys in blocks of 64
+    assert wide.dq_accumulator(backward.hopper_bucket(192))[0][-1] == 256
     assert fused("float", 64, False, "sm_90a") is None
     select = backward.select
     assert select("backward_dq", "bf16", 128, False, "sm_90a").kernel == "backward_wgmma_dq"

@@ -36,10 +36,13 @@ WGMMA_TILES = {
     "backward_dq": {64: (64, 2, 2), 128: (64, 1, 2)},
     "backward_dkdv": {64: (64, 1, 2), 128: (64, 1, 2)},
 }
-WGMMA_FUSED_TILES = {64: (64, 1, 3), 128: (64, 2, 1)}
+WGMMA_FUSED_TILES = {64: (64, 1, 3), 128: (64, 2, 1), 256: (64, 2, 1)}
+# Above head_dim 128 the fused kernel's two warpgroups share 64 keys, each with half of the
+# gradients' columns (WgmmaBackwardTraits::kColumnSplits).
+WGMMA_COLUMN_SPLIT_ABOVE = 128
 # Buckets without a Hopper tile of their own that run the next wider one, as the forward's
 # (forward.WGMMA_WIDER): columns past head_dim zero-filled by the copies, never stored.
-WGMMA_WIDER = {96: 128}
+WGMMA_WIDER = {96: 128, 160: 256, 192: 256, 224: 256}
 # The TMA backward (backward_tma.cu; dense 16-bit calls of the fused kernel without dropout or
 # block mask): 128 keys per CTA on two consumer warpgroups and a producer warpgroup; per head-dim
 # tile (BLOCK_M query rows per step, STAGES ring slots).
@@ -58,7 +61,7 @@ WGMMA_DROPOUT_CTAS = {
 WGMMA_DROPOUT_PORTABLE = {("backward_dkdv", 128, True, "packed")}
 # Likewise (kernel, bucket, softcap) of the block-sparse forms (the fused one: the two-kernel
 # backward serves it), and CTAs per SM of those that need more registers.
-WGMMA_SPARSE_PORTABLE = {("backward_dkdv", 128, True), ("backward_wgmma_fused", 128, True)}
+WGMMA_SPARSE_PORTABLE = {("backward_dkdv", 128, True), ("backward_wgmma_fused", 128, True), ("backward_wgmma_fused", 256, True)}
 WGMMA_SPARSE_CTAS = {"backward_wgmma_dq": {(64, True): 1}, "backward_wgmma_fused": {(64, True): 2}}
 # (kernel, bucket, softcap) of portable block-sparse forms that keep the grid's own order: the
 # launch order's registers would spill (dkdv_block.cuh kDkdvOrdered).
@@ -114,12 +117,18 @@ def wgmma_smem_bytes(kernel: str, bucket: int) -> int:
     return (2 * resident + 2 * STAGES * stream) * bucket * 2 + 2 * STAGES * stream * 4 + swizzle_alignment
 
 
+def fused_keys(bucket: int) -> int:
+    """Keys per CTA of the fused kernel (WgmmaBackwardTraits::kBlockResident)."""
+    return 64 if bucket > WGMMA_COLUMN_SPLIT_ABOVE else 64 * WGMMA_FUSED_TILES[bucket][1]
+
+
 def fused_smem_bytes(bucket: int) -> int:
     stream, warpgroups, _ = WGMMA_FUSED_TILES[bucket]
-    resident, swizzle_alignment = 64 * warpgroups, 1024
+    resident, swizzle_alignment = fused_keys(bucket), 1024
     ds_tile = resident * stream * 2
     dq_cols = bucket if stream // 64 >= warpgroups else bucket * (stream // 64) // warpgroups
-    dq_stages = warpgroups * 64 * dq_cols * 4
+    # Column shares stage their dQ pieces in the step's Q and dO tiles (WgmmaFusedTraits).
+    dq_stages = 0 if bucket > WGMMA_COLUMN_SPLIT_ABOVE else warpgroups * 64 * dq_cols * 4
     return (2 * resident + 2 * STAGES * stream) * bucket * 2 + 2 * STAGES * stream * 4 + ds_tile + dq_stages + swizzle_alignment
 
 
@@ -294,7 +303,10 @@ def fused_variant(c_type: str, bucket: int, softcap: bool, layout: str = "dense"
         "backward_wgmma_fused", c_type, bucket, softcap, layout, WGMMA_FUSED_TILES[bucket], fused_smem_bytes(bucket), "WgmmaFusedTraits",
         dropout, sparse,
     )
-    return dataclasses.replace(v, contract=v.contract + (("cuattn::kDqTileRows", DQ_TILE_ROWS),))
+    keys = fused_keys(bucket)
+    traits = f"cuattn::WgmmaFusedTraits<{bucket}, {WGMMA_FUSED_TILES[bucket][0]}, {WGMMA_FUSED_TILES[bucket][1]}>"
+    contract = tuple(c for c in v.contract if not c[0].endswith("::kBlockResident")) + ((f"{traits}::kBlockResident", keys),)
+    return dataclasses.replace(v, block_m=keys, contract=contract + (("cuattn::kDqTileRows", DQ_TILE_ROWS),))
 
 
 def tma_smem_bytes(tile: int) -> int:

@@ -42,11 +42,12 @@ __device__ __forceinline__ void store_ds_transposed(unsigned char* sdS, const u3
 
 // Stages a warpgroup's dQ piece (64 rows x COLS, fp32 C fragments) in its stage and hands it to
 // one bulk reduction into the dq_accum tile dst() (where `store` holds) issued by `issuer`; the
-// warpgroup's previous reduction must have read the stage first.
-template <int COLS, int STAGE_BYTES, class Dst>
+// warpgroup's previous reduction must have read the stage first (WAIT_READ; without it the
+// stage is one that no reduction in flight reads).
+template <int COLS, int STAGE_BYTES, bool WAIT_READ = true, class Dst>
 __device__ __forceinline__ void reduce_dq_piece(const float (&dq)[COLS / 8][4], float* stage, bool issuer, int wg, int lane, Dst&& dst, bool store) {
   const int warp = (threadIdx.x / 32) % 4, g = lane / 4, t = lane % 4;
-  if (issuer) bulk_wait_read<0>();
+  if (WAIT_READ && issuer) bulk_wait_read<0>();
   named_barrier_sync(1 + wg, 128);  // the warpgroup's previous reduction has read the stage
 #pragma unroll
   for (int i = 0; i < COLS / 8; ++i)
@@ -66,12 +67,14 @@ __device__ __forceinline__ void reduce_dq_piece(const float (&dq)[COLS / 8][4], 
 
 // One step of the dK/dV loop for this warp's 16 keys x BLOCK_M streamed queries (K and V tiles of
 // BN rows, this warpgroup's 64 from row 64 * wg; Q and dO tiles of BLOCK_M rows; their rows'
-// lse and delta in shared memory). P^T and dS^T are left in p_frag and ds_frag as 16-bit A
-// operands, and the product dK += dS^T Q still in flight (wgmma_wait<0> completes it).
-// `under_scores` runs while the score products compute.
-template <typename T, int HEAD_DIM, int BLOCK_M, int BN, bool SOFTCAP, bool DROPOUT, class UnderScores, class BeforeDk>
-__device__ __forceinline__ void dkdv_step_products(float (&dk)[HEAD_DIM / 8][4], float (&dv)[HEAD_DIM / 8][4], u32 (&p_frag)[BLOCK_M / 16][4],
-                                                   u32 (&ds_frag)[BLOCK_M / 16][4], u32 k_addr, u32 v_addr, u32 q_addr, u32 do_addr, int wg,
+// lse and delta in shared memory). dK and dV take OUT_TILES x 8 columns of Q and dO from
+// `out_offset` bytes into their tiles (a column split's share; the scores use every column).
+// P^T and dS^T are left in p_frag and ds_frag as 16-bit A operands, and the product
+// dK += dS^T Q still in flight (wgmma_wait<0> completes it). `under_scores` runs while the
+// score products compute.
+template <typename T, int HEAD_DIM, int BLOCK_M, int BN, bool SOFTCAP, bool DROPOUT, int OUT_TILES, class UnderScores, class BeforeDk>
+__device__ __forceinline__ void dkdv_step_products(float (&dk)[OUT_TILES][4], float (&dv)[OUT_TILES][4], u32 (&p_frag)[BLOCK_M / 16][4],
+                                                   u32 (&ds_frag)[BLOCK_M / 16][4], u32 k_addr, u32 v_addr, u32 q_addr, u32 do_addr, u32 out_offset, int wg,
                                                    const float* sLse, const float* sDelta, const KeyBand& band, bool masked, int m0,
                                                    int warp_key0, int lane, const AttnParams& a, int batch, int head, UnderScores&& under_scores, BeforeDk&& before_dk) {
   constexpr int kNTiles = BLOCK_M / 8, kSteps = BLOCK_M / 16;
@@ -100,7 +103,7 @@ __device__ __forceinline__ void dkdv_step_products(float (&dk)[HEAD_DIM / 8][4],
   }
   wgmma_fence();
 #pragma unroll
-  for (int kk = 0; kk < kSteps; ++kk) wgmma_rs_mn<T, HEAD_DIM>(dv, p_frag[kk], mn_major_desc(do_addr, BLOCK_M, kk));  // dV += P^T dO
+  for (int kk = 0; kk < kSteps; ++kk) wgmma_rs_mn<T, OUT_TILES * 8>(dv, p_frag[kk], mn_major_desc(do_addr + out_offset, BLOCK_M, kk));  // dV += P^T dO
   wgmma_commit();
   wgmma_wait<1>();  // dP^T (dV may still run)
   fence_registers(dp);
@@ -112,20 +115,24 @@ __device__ __forceinline__ void dkdv_step_products(float (&dk)[HEAD_DIM / 8][4],
   before_dk();
   wgmma_fence();
 #pragma unroll
-  for (int kk = 0; kk < kSteps; ++kk) wgmma_rs_mn<T, HEAD_DIM>(dk, ds_frag[kk], mn_major_desc(q_addr, BLOCK_M, kk));  // dK += dS^T Q
+  for (int kk = 0; kk < kSteps; ++kk) wgmma_rs_mn<T, OUT_TILES * 8>(dk, ds_frag[kk], mn_major_desc(q_addr + out_offset, BLOCK_M, kk));  // dK += dS^T Q
   wgmma_commit();
 }
 
 // DROPOUT: dropout on the probabilities (common/dropout.cuh): dV from the kept P^T, dS^T from the
 // kept dP^T. SPARSE: only the blocks of a block mask (common/block_sparse.cuh; dense layout, one
-// split).
+// split). Above head_dim 128 (Tr::kColumnSplits; fused only) the two warpgroups share the
+// CTA's 64 keys: each forms the whole S^T and dP^T and its half of dK, dV and dQ's columns.
 template <typename T, int HEAD_DIM, int BLOCK_M, int WARPGROUPS, int CTAS_PER_SM, bool SOFTCAP, bool FUSE_DQ, SeqLayout LAYOUT, bool DROPOUT,
           bool SPARSE>
 __device__ __forceinline__ void backward_wgmma_dkdv_body(const BackwardParams& p) {
   using Tr = WgmmaFusedTraits<HEAD_DIM, BLOCK_M, WARPGROUPS>;
   constexpr int BN = Tr::kBlockResident;  // keys per CTA
   constexpr int kSteps = BLOCK_M / 16;     // k16 steps of the dV / dK products
-  constexpr int kDsBytes = FUSE_DQ ? Tr::kDsBytes : 0, kDqStageBytes = FUSE_DQ ? Tr::kDqStageBytes : 0;
+  constexpr bool kSplit = Tr::kColumnSplits > 1;
+  static_assert(!kSplit || FUSE_DQ, "column shares: the fused kernel");
+  // Shared memory of the dS^T tile and of the dQ stages (column shares stage in the Q / dO tiles).
+  constexpr int kDsBytes = FUSE_DQ ? Tr::kDsBytes : 0, kDqStageBytes = FUSE_DQ && !kSplit ? Tr::kDqStageBytes : 0;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   if (dynamic_smem_bytes() < (FUSE_DQ ? Tr::kSmemBytes : Tr::Base::kSmemBytes)) __trap();  // launch contract
   unsigned char* sK = smem_raw + (kSwizzleAtomBytes - smem_addr(smem_raw) % kSwizzleAtomBytes) % kSwizzleAtomBytes;
@@ -144,6 +151,8 @@ __device__ __forceinline__ void backward_wgmma_dkdv_body(const BackwardParams& p
   const int kv_head = cell.y, batch = cta_batch(a);
   const int n0 = n_block * BN;
   const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+  const int key_wg = kSplit ? 0 : wg;                   // whose 64 keys this warpgroup's rows are
+  const int out_col0 = kSplit ? wg * Tr::kOutCols : 0;  // and its first gradient column
   const SeqSpan span = seq_span<LAYOUT>(a, batch);
   if (!grid_covers<LAYOUT, BN>(span.seqlen_k, int(gridDim.x) / splits) && cell.x == 0)
     mark_uncovered_key_grads<T>(p, batch, kv_head, span, int(gridDim.x) / splits * BN);
@@ -174,20 +183,28 @@ __device__ __forceinline__ void backward_wgmma_dkdv_body(const BackwardParams& p
 #pragma unroll
     for (int e = 0; e < 4; ++e) dk[dt][e] = dv[dt][e] = 0.f;
 
-  const int warp_key_row = wg * 64 + warp * 16;  // in the CTA's key block
+  const int warp_key_row = key_wg * 64 + warp * 16;  // in the CTA's key block
   const int warp_key0 = n0 + warp_key_row;
   const u32 k_addr = smem_addr(sK), v_addr = smem_addr(sV), ds_addr = smem_addr(sdS);
 
-  // This warpgroup's piece of each step's dQ tile: rows 64 * row_piece.., columns col0.. .
-  static_assert(Tr::kDqPieces == WARPGROUPS, "one dQ piece per warpgroup");
-  const int row_piece = wg / Tr::kDqColPieces, col0 = (wg % Tr::kDqColPieces) * Tr::kDqCols;
+  // This warpgroup's pieces of each step's dQ tile: piece wg * kPieces + i has rows
+  // 64 * row_piece.. and columns col0 + i * kDqCols.. .
+  constexpr int kPieces = Tr::kDqPiecesPerWarpgroup;
+  static_assert(kPieces == 1 || Tr::kDqColPieces % kPieces == 0, "a warpgroup's pieces in one row of pieces");
+  const int row_piece = wg * kPieces / Tr::kDqColPieces, col0 = (wg * kPieces % Tr::kDqColPieces) * Tr::kDqCols;
   const u32 ds_piece_addr = ds_addr + row_piece * BN * kSwizzleRowBytes, k_piece_addr = k_addr + col0 * BN * 2;
+  const u32 out_offset = out_col0 * BLOCK_M * 2;  // the warpgroup's columns in the Q and dO tiles
   float* stage_dq = sDq_stage + wg * Tr::kDqStageBytes / 4;
+  // Column shares stage piece i in the warpgroup's columns of the step's Q (i = 0) or dO tile.
+  const auto piece_stage = [&](int stage, int piece) {
+    if constexpr (!kSplit) return stage_dq;
+    return reinterpret_cast<float*>((piece == 0 ? sQ_ring : sdO_ring) + stage * Tr::kStreamBytes + out_offset);
+  };
   const bool issuer = threadIdx.x % 128 == 0;
   // With one CTA per SM nothing else fills the tensor cores while a warpgroup stages its dQ
   // piece, so that moves under the next step's score products (the piece's registers stay live
   // across the step). With more CTAs per SM they overlap it instead, and registers are scarcer.
-  constexpr bool kDeferDq = FUSE_DQ && CTAS_PER_SM == 1;
+  constexpr bool kDeferDq = FUSE_DQ && CTAS_PER_SM == 1 && kPieces == 1;
   float dq[Tr::kDqCols / 8][4];  // the last step's piece (deferred: its product in flight)
   int dq_head = 0, dq_m0 = 0;    // and where it goes
 #pragma unroll
@@ -195,9 +212,10 @@ __device__ __forceinline__ void backward_wgmma_dkdv_body(const BackwardParams& p
 #pragma unroll
     for (int e = 0; e < 4; ++e) dq[i][e] = 0.f;
 
-  const auto reduce_dq = [&]() {
-    reduce_dq_piece<Tr::kDqCols, Tr::kDqStageBytes>(
-        dq, stage_dq, issuer, wg, lane, [&] { return dq_accum_tile(p, batch, dq_head, span, dq_m0 / 64 + row_piece, col0 / 64); },
+  const auto reduce_dq = [&](int stage = 0, int piece = 0) {
+    reduce_dq_piece<Tr::kDqCols, Tr::kDqStageBytes, !kSplit>(
+        dq, piece_stage(stage, piece), issuer, wg, lane,
+        [&] { return dq_accum_tile(p, batch, dq_head, span, dq_m0 / 64 + row_piece, col0 / 64 + piece * Tr::kDqCols / 64); },
         dq_m0 + row_piece * 64 < span.seqlen_q);
   };
 
@@ -207,6 +225,7 @@ __device__ __forceinline__ void backward_wgmma_dkdv_body(const BackwardParams& p
       wgmma_wait<0>();  // the last step's dQ product, which read sdS
       fence_registers(dq);
     }
+    if (kSplit && issuer) bulk_wait_read<0>();  // the last step's dQ pieces, staged in the tiles loaded next
     fence_proxy_async();
     __syncthreads();  // this stage landed; every warpgroup finished with the other one and with sdS
     if (step + 1 < plan.steps) {
@@ -221,13 +240,13 @@ __device__ __forceinline__ void backward_wgmma_dkdv_body(const BackwardParams& p
     const float* sDelta = sDelta_ring + stage * BLOCK_M;
 
     u32 p_frag[kSteps][4], ds_frag[kSteps][4];  // P^T and dS^T as 16-bit A operands
-    dkdv_step_products<T, HEAD_DIM, BLOCK_M, BN, SOFTCAP, DROPOUT>(dk, dv, p_frag, ds_frag, k_addr, v_addr, q_addr, do_addr, wg, sLse, sDelta,
+    dkdv_step_products<T, HEAD_DIM, BLOCK_M, BN, SOFTCAP, DROPOUT>(dk, dv, p_frag, ds_frag, k_addr, v_addr, q_addr, do_addr, out_offset, key_wg, sLse, sDelta,
                                                                    band, masked, m0, warp_key0, lane, a, batch, head, [&] {
                                                                      if (kDeferDq && step > 0) reduce_dq();  // under the score products
                                                                    }, [] {});
 
     if constexpr (FUSE_DQ) {
-      store_ds_transposed<BN>(sdS, ds_frag, warp_key_row, lane);
+      if (!kSplit || wg == 0) store_ds_transposed<BN>(sdS, ds_frag, warp_key_row, lane);  // column shares hold the same dS^T
       fence_proxy_async();
       __syncthreads();  // the CTA's dS^T is in shared memory
     }
@@ -238,19 +257,23 @@ __device__ __forceinline__ void backward_wgmma_dkdv_body(const BackwardParams& p
     fence_registers(dk);
 
     if constexpr (FUSE_DQ) {
-      // This step's dQ piece (unscaled) = dS K over the CTA's keys.
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk) {
-        wgmma_ss_mn<T, Tr::kDqCols>(dq, mn_major_desc(ds_piece_addr, BN, kk), mn_major_desc(k_piece_addr, BN, kk), kk > 0);
-      }
-      wgmma_commit();
+      // This step's dQ pieces (unscaled) = dS K over the CTA's keys.
       dq_head = head;
       dq_m0 = m0;
-      if constexpr (!kDeferDq) {
-        wgmma_wait<0>();
-        fence_registers(dq);
-        reduce_dq();
+#pragma unroll
+      for (int piece = 0; piece < kPieces; ++piece) {
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+          wgmma_ss_mn<T, Tr::kDqCols>(dq, mn_major_desc(ds_piece_addr, BN, kk), mn_major_desc(k_piece_addr + piece * Tr::kDqCols * BN * 2, BN, kk),
+                                      kk > 0);
+        }
+        wgmma_commit();
+        if constexpr (!kDeferDq) {
+          wgmma_wait<0>();
+          fence_registers(dq);
+          reduce_dq(stage, piece);
+        }
       }
     }
   }
@@ -263,16 +286,16 @@ __device__ __forceinline__ void backward_wgmma_dkdv_body(const BackwardParams& p
 
   if (LAYOUT == SeqLayout::kDense && (p.sum_grads & kSumDkDv)) {  // added into fp32 sums, this split's
     const int split = FUSE_DQ || SPARSE ? 0 : cell.x % p.query_splits;  // one split under a mask
-    float* dk_sum = head_rows<float>(static_cast<float*>(p.dk) + split * p.split_stride, p.dk_strides, batch, kv_head, span.k_row0);
-    float* dv_sum = head_rows<float>(static_cast<float*>(p.dv) + split * p.split_stride, p.dv_strides, batch, kv_head, span.k_row0);
-    add_acc_rows<Tr::kDTiles>(dk, a.scale, dk_sum, p.dk_strides[1], warp_key0, span.seqlen_k, a.head_dim, lane);
-    add_acc_rows<Tr::kDTiles>(dv, DROPOUT ? a.dropout_scale : 1.f, dv_sum, p.dv_strides[1], warp_key0, span.seqlen_k, a.head_dim, lane);
+    float* dk_sum = head_rows<float>(static_cast<float*>(p.dk) + split * p.split_stride, p.dk_strides, batch, kv_head, span.k_row0) + out_col0;
+    float* dv_sum = head_rows<float>(static_cast<float*>(p.dv) + split * p.split_stride, p.dv_strides, batch, kv_head, span.k_row0) + out_col0;
+    add_acc_rows<Tr::kDTiles>(dk, a.scale, dk_sum, p.dk_strides[1], warp_key0, span.seqlen_k, a.head_dim - out_col0, lane);
+    add_acc_rows<Tr::kDTiles>(dv, DROPOUT ? a.dropout_scale : 1.f, dv_sum, p.dv_strides[1], warp_key0, span.seqlen_k, a.head_dim - out_col0, lane);
     return;
   }
-  T* dk_out = head_rows<T>(p.dk, p.dk_strides, batch, kv_head, span.k_row0);
-  T* dv_out = head_rows<T>(p.dv, p.dv_strides, batch, kv_head, span.k_row0);
-  store_acc_rows<T, Tr::kDTiles>(dk, a.scale, dk_out, p.dk_strides[1], warp_key0, span.seqlen_k, a.head_dim, lane);
-  store_acc_rows<T, Tr::kDTiles>(dv, DROPOUT ? a.dropout_scale : 1.f, dv_out, p.dv_strides[1], warp_key0, span.seqlen_k, a.head_dim, lane);
+  T* dk_out = head_rows<T>(p.dk, p.dk_strides, batch, kv_head, span.k_row0) + out_col0;
+  T* dv_out = head_rows<T>(p.dv, p.dv_strides, batch, kv_head, span.k_row0) + out_col0;
+  store_acc_rows<T, Tr::kDTiles>(dk, a.scale, dk_out, p.dk_strides[1], warp_key0, span.seqlen_k, a.head_dim - out_col0, lane);
+  store_acc_rows<T, Tr::kDTiles>(dv, DROPOUT ? a.dropout_scale : 1.f, dv_out, p.dv_strides[1], warp_key0, span.seqlen_k, a.head_dim - out_col0, lane);
 }
 
 }  // namespace cuattn

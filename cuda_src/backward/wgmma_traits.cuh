@@ -13,10 +13,15 @@ struct WgmmaBackwardTraits {
   static constexpr int kHeadDim = HEAD_DIM;
   static constexpr int kWarpgroups = WARPGROUPS;
   static constexpr int kThreads = 128 * kWarpgroups;
-  static constexpr int kBlockResident = 64 * kWarpgroups;
+  // Above head_dim 128 the warpgroups share the CTA's 64 resident rows and split the gradients'
+  // columns: each forms the whole scores of those rows and its kOutCols columns of the gradients
+  // (64 x 256 fp32 accumulators would not fit one warpgroup's registers).
+  static constexpr int kColumnSplits = HEAD_DIM > 128 ? 2 : 1;
+  static constexpr int kOutCols = HEAD_DIM / kColumnSplits;
+  static constexpr int kBlockResident = kColumnSplits > 1 ? 64 : 64 * kWarpgroups;
   static constexpr int kBlockStream = BLOCK_STREAM;
   static constexpr int kNTiles = BLOCK_STREAM / 8;  // n8 tiles of a warp's 16 x BLOCK_STREAM scores
-  static constexpr int kDTiles = HEAD_DIM / 8;      // n8 tiles of a 16 x head_dim accumulator
+  static constexpr int kDTiles = kOutCols / 8;      // n8 tiles of a 16 x kOutCols accumulator
   static constexpr int kChunksPerRow = HEAD_DIM / 8;
   static constexpr int kStages = 2;
   static constexpr int kResidentBytes = kBlockResident * HEAD_DIM * 2;
@@ -25,26 +30,37 @@ struct WgmmaBackwardTraits {
   // realignment of the dynamic shared memory to the swizzle period.
   static constexpr int kSmemBytes = 2 * kResidentBytes + 2 * kStages * kStreamBytes + 2 * kStages * BLOCK_STREAM * 4 + kSwizzleAtomBytes;
 
-  static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "wgmma N of the gradient products");
+  static_assert(kOutCols == 64 || kOutCols == 128, "wgmma N of the gradient products");
+  static_assert(HEAD_DIM % 64 == 0, "whole swizzled column blocks");
+  static_assert(kColumnSplits == 1 || kWarpgroups == kColumnSplits, "a column share per warpgroup");
   static_assert(BLOCK_STREAM == 64 || BLOCK_STREAM == 128, "wgmma N of the score products");
 };
 
 // The fused kernel (backward_wgmma_fused.cu) adds to the dK/dV tiles the step's dS^T in shared
 // memory (keys x streamed queries, column blocks of 64 queries) and splits the step's dQ tile
-// (BLOCK_STREAM x HEAD_DIM) into pieces of 64 rows x kDqCols columns, dealt round-robin to the
-// warpgroups; each warpgroup stages its piece in fp32 for the bulk reduction into dq_accum.
+// (BLOCK_STREAM x head_dim) into pieces of 64 rows x kDqCols columns, kDqPiecesPerWarpgroup to
+// each warpgroup; each warpgroup stages a piece in fp32 for the bulk reduction into dq_accum.
+// Where the columns are split (kColumnSplits) a warpgroup's two 64-column pieces are staged in
+// its own columns of the step's Q and dO tiles, which nothing reads by then (no stage of their own:
+// the tiles leave no room for it).
 template <int HEAD_DIM, int BLOCK_STREAM, int WARPGROUPS>
 struct WgmmaFusedTraits : WgmmaBackwardTraits<HEAD_DIM, BLOCK_STREAM, WARPGROUPS> {
   using Base = WgmmaBackwardTraits<HEAD_DIM, BLOCK_STREAM, WARPGROUPS>;
   static constexpr int kDsBytes = Base::kBlockResident * BLOCK_STREAM * 2;
   static constexpr int kDqRowPieces = BLOCK_STREAM / 64;
-  static constexpr int kDqCols = kDqRowPieces >= WARPGROUPS ? HEAD_DIM : HEAD_DIM * kDqRowPieces / WARPGROUPS;
+  static constexpr int kOutCols = Base::kOutCols;
+  static constexpr bool kSplit = Base::kColumnSplits > 1;
+  static constexpr int kDqCols = kSplit ? 64 : kDqRowPieces >= WARPGROUPS ? HEAD_DIM : HEAD_DIM * kDqRowPieces / WARPGROUPS;
   static constexpr int kDqColPieces = HEAD_DIM / kDqCols;
   static constexpr int kDqPieces = kDqRowPieces * kDqColPieces;
+  static constexpr int kDqPiecesPerWarpgroup = kDqPieces / WARPGROUPS;
   static constexpr int kDqStageBytes = 64 * kDqCols * 4;  // per warpgroup
-  static constexpr int kSmemBytes = Base::kSmemBytes + kDsBytes + WARPGROUPS * kDqStageBytes;
+  static constexpr int kSmemBytes = Base::kSmemBytes + kDsBytes + (kSplit ? 0 : WARPGROUPS * kDqStageBytes);
 
   static_assert(kDqCols == 64 || kDqCols == 128, "wgmma N of the dQ product");
+  static_assert(kDqPieces % WARPGROUPS == 0, "as many dQ pieces for every warpgroup");
+  static_assert(!kSplit || (kDqPiecesPerWarpgroup == 2 && 2 * kDqStageBytes * WARPGROUPS == 2 * Base::kStreamBytes),
+                "a warpgroup's pieces fill its columns of the Q and dO tiles");
 };
 
 }  // namespace cuattn
