@@ -61,7 +61,7 @@ WGMMA_DROPOUT_CTAS = {
 WGMMA_DROPOUT_PORTABLE = {("backward_dkdv", 128, True, "packed")}
 # Likewise (kernel, bucket, softcap) of the block-sparse forms (the fused one: the two-kernel
 # backward serves it), and CTAs per SM of those that need more registers.
-WGMMA_SPARSE_PORTABLE = {("backward_dkdv", 128, True), ("backward_wgmma_fused", 128, True), ("backward_wgmma_fused", 256, True)}
+WGMMA_SPARSE_PORTABLE = {("backward_dkdv", 128, True), ("backward_wgmma_fused", 128, True)}
 WGMMA_SPARSE_CTAS = {"backward_wgmma_dq": {(64, True): 1}, "backward_wgmma_fused": {(64, True): 2}}
 # (kernel, bucket, softcap) of portable block-sparse forms that keep the grid's own order: the
 # launch order's registers would spill (dkdv_block.cuh kDkdvOrdered).
@@ -127,8 +127,9 @@ def fused_smem_bytes(bucket: int) -> int:
     resident, swizzle_alignment = fused_keys(bucket), 1024
     ds_tile = resident * stream * 2
     dq_cols = bucket if stream // 64 >= warpgroups else bucket * (stream // 64) // warpgroups
-    # Column shares stage their dQ pieces in the step's Q and dO tiles (WgmmaFusedTraits).
-    dq_stages = 0 if bucket > WGMMA_COLUMN_SPLIT_ABOVE else warpgroups * 64 * dq_cols * 4
+    # Column shares stage their dQ pieces in the step's Q and dO tiles and keep P^T beside dS^T
+    # (WgmmaFusedTraits).
+    dq_stages = ds_tile if bucket > WGMMA_COLUMN_SPLIT_ABOVE else warpgroups * 64 * dq_cols * 4
     return (2 * resident + 2 * STAGES * stream) * bucket * 2 + 2 * STAGES * stream * 4 + ds_tile + dq_stages + swizzle_alignment
 
 

@@ -168,7 +168,7 @@ __global__ void __launch_bounds__(TmaBackwardTraits<HEAD_DIM, BLOCK_M, STAGES>::
         wgmma_ss_mn<T, Tr::kDqCols>(dq, mn_major_desc(ds_piece_addr, BN, kk), mn_major_desc(k_piece_addr, BN, kk), kk > 0);
       wgmma_commit();
     };
-    dkdv_step_products<T, HEAD_DIM, BLOCK_M, BN, SOFTCAP, false>(dk, dv, p_frag, ds_frag, k_addr, v_addr, q_addr, do_addr, 0, wg,
+    dkdv_step_products<T, HEAD_DIM, BLOCK_M, BN, SOFTCAP, false>(dk, dv, p_frag, ds_frag, k_addr, v_addr, q_addr, do_addr, wg,
                                                                  sLse_ring + s * BLOCK_M, sDelta_ring + s * BLOCK_M, band, masked, m0,
                                                                  warp_key0, lane, a, batch, head, [] {}, issue_dq);
     wgmma_wait<1>();  // dV and dQ (dK may still run)

@@ -14,8 +14,8 @@ struct WgmmaBackwardTraits {
   static constexpr int kWarpgroups = WARPGROUPS;
   static constexpr int kThreads = 128 * kWarpgroups;
   // Above head_dim 128 the warpgroups share the CTA's 64 resident rows and split the gradients'
-  // columns: each forms the whole scores of those rows and its kOutCols columns of the gradients
-  // (64 x 256 fp32 accumulators would not fit one warpgroup's registers).
+  // columns (64 x 256 fp32 accumulators would not fit one warpgroup's registers): each forms the
+  // scores of half of the streamed rows, and its kOutCols columns of the gradients over all of them.
   static constexpr int kColumnSplits = HEAD_DIM > 128 ? 2 : 1;
   static constexpr int kOutCols = HEAD_DIM / kColumnSplits;
   static constexpr int kBlockResident = kColumnSplits > 1 ? 64 : 64 * kWarpgroups;
@@ -40,9 +40,9 @@ struct WgmmaBackwardTraits {
 // memory (keys x streamed queries, column blocks of 64 queries) and splits the step's dQ tile
 // (BLOCK_STREAM x head_dim) into pieces of 64 rows x kDqCols columns, kDqPiecesPerWarpgroup to
 // each warpgroup; each warpgroup stages a piece in fp32 for the bulk reduction into dq_accum.
-// Where the columns are split (kColumnSplits) a warpgroup's two 64-column pieces are staged in
-// its own columns of the step's Q and dO tiles, which nothing reads by then (no stage of their own:
-// the tiles leave no room for it).
+// Where the columns are split (kColumnSplits) the step's P^T goes through shared memory too
+// (kPBytes), and a warpgroup's two 64-column pieces are staged in its own columns of the step's
+// Q and dO tiles, which nothing reads by then (no stage of their own: the tiles leave no room).
 template <int HEAD_DIM, int BLOCK_STREAM, int WARPGROUPS>
 struct WgmmaFusedTraits : WgmmaBackwardTraits<HEAD_DIM, BLOCK_STREAM, WARPGROUPS> {
   using Base = WgmmaBackwardTraits<HEAD_DIM, BLOCK_STREAM, WARPGROUPS>;
@@ -55,7 +55,8 @@ struct WgmmaFusedTraits : WgmmaBackwardTraits<HEAD_DIM, BLOCK_STREAM, WARPGROUPS
   static constexpr int kDqPieces = kDqRowPieces * kDqColPieces;
   static constexpr int kDqPiecesPerWarpgroup = kDqPieces / WARPGROUPS;
   static constexpr int kDqStageBytes = 64 * kDqCols * 4;  // per warpgroup
-  static constexpr int kSmemBytes = Base::kSmemBytes + kDsBytes + (kSplit ? 0 : WARPGROUPS * kDqStageBytes);
+  static constexpr int kPBytes = kSplit ? kDsBytes : 0;
+  static constexpr int kSmemBytes = Base::kSmemBytes + kDsBytes + kPBytes + (kSplit ? 0 : WARPGROUPS * kDqStageBytes);
 
   static_assert(kDqCols == 64 || kDqCols == 128, "wgmma N of the dQ product");
   static_assert(kDqPieces % WARPGROUPS == 0, "as many dQ pieces for every warpgroup");

@@ -55,10 +55,11 @@ __device__ __forceinline__ void fence_registers(u32 (&a)[TILES][4]) {
 }
 
 #define CUATTN_ACC_TILE(i) "+f"(d[i][0]), "+f"(d[i][1]), "+f"(d[i][2]), "+f"(d[i][3])
-#define CUATTN_ACC_64 CUATTN_ACC_TILE(0), CUATTN_ACC_TILE(1), CUATTN_ACC_TILE(2), CUATTN_ACC_TILE(3), \
-    CUATTN_ACC_TILE(4), CUATTN_ACC_TILE(5), CUATTN_ACC_TILE(6), CUATTN_ACC_TILE(7)
+#define CUATTN_ACC_32 CUATTN_ACC_TILE(0), CUATTN_ACC_TILE(1), CUATTN_ACC_TILE(2), CUATTN_ACC_TILE(3)
+#define CUATTN_ACC_64 CUATTN_ACC_32, CUATTN_ACC_TILE(4), CUATTN_ACC_TILE(5), CUATTN_ACC_TILE(6), CUATTN_ACC_TILE(7)
 #define CUATTN_ACC_128 CUATTN_ACC_64, CUATTN_ACC_TILE(8), CUATTN_ACC_TILE(9), CUATTN_ACC_TILE(10), \
     CUATTN_ACC_TILE(11), CUATTN_ACC_TILE(12), CUATTN_ACC_TILE(13), CUATTN_ACC_TILE(14), CUATTN_ACC_TILE(15)
+#define CUATTN_REGS_16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
 #define CUATTN_REGS_32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
 #define CUATTN_REGS_64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
@@ -75,6 +76,9 @@ __device__ __forceinline__ void wgmma_rs_mn(float (&d)[N / 8][4], const u32 (&a)
 // d (64 x N) = A B + (accumulate ? d : 0), A (64 x 16) and B (16 x N) both MN-major in shared memory.
 template <typename T, int N>
 __device__ __forceinline__ void wgmma_ss_mn(float (&d)[N / 8][4], u64 desc_a, u64 desc_b, bool accumulate);
+// d (64 x N) = A B + (accumulate ? d : 0), A (64 x 16) K-major and B (16 x N) MN-major in shared memory.
+template <typename T, int N>
+__device__ __forceinline__ void wgmma_ss_kmn(float (&d)[N / 8][4], u64 desc_a, u64 desc_b, bool accumulate);
 
 // NAME: the function; TRANSPOSE: its two transpose flags ("0, 0": both operands K-major, "1, 1": both MN-major).
 #define CUATTN_WGMMA_SS(NAME, TRANSPOSE, TYPE, N, REGS, ACC, DESC_A, DESC_B, SCALE_D)                        \
@@ -93,7 +97,9 @@ __device__ __forceinline__ void wgmma_ss_mn(float (&d)[N / 8][4], u64 desc_a, u6
                  ", p, 1, 1, 1;\n}\n"                                                                              \
                  : ACC : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));                        \
   }
-// The operands after the N / 2 accumulators are numbered from %32 (N = 64) or %64 (N = 128).
+// The operands after the N / 2 accumulators are numbered from %16 (N = 32), %32 (N = 64) or %64 (N = 128).
+CUATTN_WGMMA_SS(wgmma_ss, "0, 0", f16, 32, CUATTN_REGS_16, CUATTN_ACC_32, "%16", "%17", "%18")
+CUATTN_WGMMA_SS(wgmma_ss, "0, 0", bf16, 32, CUATTN_REGS_16, CUATTN_ACC_32, "%16", "%17", "%18")
 CUATTN_WGMMA_SS(wgmma_ss, "0, 0", f16, 64, CUATTN_REGS_32, CUATTN_ACC_64, "%32", "%33", "%34")
 CUATTN_WGMMA_SS(wgmma_ss, "0, 0", bf16, 64, CUATTN_REGS_32, CUATTN_ACC_64, "%32", "%33", "%34")
 CUATTN_WGMMA_SS(wgmma_ss, "0, 0", f16, 128, CUATTN_REGS_64, CUATTN_ACC_128, "%64", "%65", "%66")
@@ -102,6 +108,8 @@ CUATTN_WGMMA_SS(wgmma_ss_mn, "1, 1", f16, 64, CUATTN_REGS_32, CUATTN_ACC_64, "%3
 CUATTN_WGMMA_SS(wgmma_ss_mn, "1, 1", bf16, 64, CUATTN_REGS_32, CUATTN_ACC_64, "%32", "%33", "%34")
 CUATTN_WGMMA_SS(wgmma_ss_mn, "1, 1", f16, 128, CUATTN_REGS_64, CUATTN_ACC_128, "%64", "%65", "%66")
 CUATTN_WGMMA_SS(wgmma_ss_mn, "1, 1", bf16, 128, CUATTN_REGS_64, CUATTN_ACC_128, "%64", "%65", "%66")
+CUATTN_WGMMA_SS(wgmma_ss_kmn, "0, 1", f16, 128, CUATTN_REGS_64, CUATTN_ACC_128, "%64", "%65", "%66")
+CUATTN_WGMMA_SS(wgmma_ss_kmn, "0, 1", bf16, 128, CUATTN_REGS_64, CUATTN_ACC_128, "%64", "%65", "%66")
 CUATTN_WGMMA_RS(f16, 64, CUATTN_REGS_32, CUATTN_ACC_64, "{%32, %33, %34, %35}", "%36", "%37")
 CUATTN_WGMMA_RS(bf16, 64, CUATTN_REGS_32, CUATTN_ACC_64, "{%32, %33, %34, %35}", "%36", "%37")
 CUATTN_WGMMA_RS(f16, 128, CUATTN_REGS_64, CUATTN_ACC_128, "{%64, %65, %66, %67}", "%68", "%69")
