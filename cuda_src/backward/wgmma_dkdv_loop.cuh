@@ -293,12 +293,10 @@ __device__ __forceinline__ void backward_wgmma_dkdv_body(const BackwardParams& p
     if constexpr (kSplit) {
       dkdv_share_step<T, HEAD_DIM, BLOCK_M, SOFTCAP, DROPOUT>(dk, dv, sP, sdS, k_addr, v_addr, q_addr, do_addr, out_offset, wg, sLse, sDelta, band,
                                                               masked, m0, warp_key_row, warp_key0, lane, a, batch, head);
-      wgmma_wait<0>();
-      fence_registers(dv);
-      fence_registers(dk);
-      // The step's dQ pieces (unscaled) = dS K over the CTA's keys, one after the other, each
-      // staged in this warpgroup's columns of the step's Q (piece 0) or dO tile, which dK and dV
-      // have read. (Issuing both behind dV and dK needs 64 more registers: 1.5% slower, H100.)
+      // The step's dQ pieces (unscaled) = dS K over the CTA's keys, one after the other (the first
+      // behind dV and dK), each staged in this warpgroup's columns of the step's Q (piece 0) or dO
+      // tile, which dK and dV have read by then. (Both behind dV and dK need 64 more registers:
+      // 1.5% slower, H100.)
 #pragma unroll
       for (int piece = 0; piece < kPieces; ++piece) {
         wgmma_fence();
@@ -308,6 +306,10 @@ __device__ __forceinline__ void backward_wgmma_dkdv_body(const BackwardParams& p
                                       kk > 0);
         wgmma_commit();
         wgmma_wait<0>();
+        if (piece == 0) {
+          fence_registers(dv);
+          fence_registers(dk);
+        }
         fence_registers(dq);
         float* staged = reinterpret_cast<float*>((piece == 0 ? sQ_ring : sdO_ring) + stage * Tr::kStreamBytes + out_offset);
         reduce_dq_piece<Tr::kDqCols, Tr::kDqStageBytes, false>(
