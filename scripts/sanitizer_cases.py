@@ -8,7 +8,9 @@ backward kernels of larger calls serve the small cases too (CUATTN_SMALL_BACKWAR
 ``forward``: only the forward, over several key blocks at every Hopper tile (the padded
 buckets included), dense by both Hopper kernels (TMA and copying), the accumulating form, the
 TMA kernel's CTAs taking several row blocks, and over contiguous and paged caches, so that its
-K/V rings, mbarriers, key-offset buffers and named barriers turn over.
+K/V rings, mbarriers, key-offset buffers and named barriers turn over. ``wide``: only the
+Hopper backward above head_dim 128 (its warpgroups' column shares, the dQ pieces staged in the
+spent Q / dO tiles) over several key and query blocks.
 """
 
 import os
@@ -23,6 +25,7 @@ from cuattn.dtypes import BFLOAT16
 rng = np.random.default_rng(0)
 SMALL_ONLY = sys.argv[1:] == ["small"]
 FORWARD_ONLY = sys.argv[1:] == ["forward"]
+WIDE_ONLY = sys.argv[1:] == ["wide"]
 os.environ["CUATTN_SMALL_BACKWARD"] = "1" if SMALL_ONLY else "0"
 
 
@@ -57,6 +60,13 @@ for dtype in (np.float16, BFLOAT16) if FORWARD_ONLY else ():
         table = cupy.asarray(rng.permutation(48)[:44][None].astype(np.int32))
         cuattn.attention_with_kvcache(q, arr((48, 16, 2, d), dtype), arr((48, 16, 2, d), dtype), cache_seqlens=lengths, block_table=table)
 
+for dtype in (np.float16, BFLOAT16) if WIDE_ONLY else ():
+    for d in (200, 256):
+        q, k, v, do = arr((1, 300, 4, d), dtype), arr((1, 333, 2, d), dtype), arr((1, 333, 2, d), dtype), arr((1, 300, 4, d), dtype)
+        for kw in ({}, {"causal": True, "window": (100, None), "softcap": 10.0}):
+            out, lse = cuattn.attention(q, k, v, return_lse=True, **kw)
+            cuattn.attention_backward(do, q, k, v, out, lse, dlse=lse, **kw)
+
 # The TMA forward's CTAs taking several row blocks in turn (its SEVERAL form, where the host
 # picks it: here forced at every tile that has it), over rows that end inside a block.
 if FORWARD_ONLY:
@@ -70,7 +80,7 @@ if FORWARD_ONLY:
                 cuattn.attention(q, k, v, return_lse=True, **kw)
 
 # The 16-bit cases run twice on Hopper: the wgmma kernels (default), then the portable ones.
-cases = () if SMALL_ONLY or FORWARD_ONLY else ((np.float16, "1"), (BFLOAT16, "1"), (np.float16, "0"), (BFLOAT16, "0"), (np.float32, "1"))
+cases = () if SMALL_ONLY or FORWARD_ONLY or WIDE_ONLY else ((np.float16, "1"), (BFLOAT16, "1"), (np.float16, "0"), (BFLOAT16, "0"), (np.float32, "1"))
 for dtype, wgmma in cases:
     os.environ["CUATTN_WGMMA"] = wgmma
     for d in (40, 128, 200, 240):
@@ -83,7 +93,7 @@ for dtype, wgmma in cases:
         cuattn.attention_backward(do, q, k, v, out, lse)
     # Several key and query blocks: the K/V (Q/dO) rings turn over; the default backward (on
     # Hopper the fused kernel) and the deterministic one.
-    for d in (64, 128):
+    for d in (64, 128, 256):
         q, k, v, do = arr((1, 300, 2, d), dtype), arr((1, 333, 1, d), dtype), arr((1, 333, 1, d), dtype), arr((1, 300, 2, d), dtype)
         out, lse = cuattn.attention(q, k, v, causal=True, return_lse=True)
         for deterministic in (False, True):
