@@ -119,7 +119,8 @@ def test_hopper_kernel_buckets_backward_matches_reference(**drawn):
     **_OPTIONS,
 )
 def test_large_head_dim_backward_matches_reference(**drawn):
-    """Above head_dim 128 the dK/dV columns are split over two CTAs."""
+    """Above head_dim 128 the dK/dV columns are split over two CTAs (portable kernels) or two
+    warpgroups (Hopper's one-pass kernel)."""
     _run_drawn(**drawn)
 
 
@@ -221,11 +222,12 @@ def test_hopper_default_backward_runs_the_fused_kernel(monkeypatch, d):
 
 
 @pytest.mark.parametrize("d", [160, 256])
-def test_hopper_backward_above_d128_splits_gradient_columns_over_ctas(monkeypatch, d):
+def test_hopper_backward_above_d128_splits_gradient_columns_over_warpgroups(monkeypatch, d):
     """Above head_dim 128 the default Hopper backward is the one-pass kernel at the 256 tile,
-    two CTAs per key block each forming its half of dK, dV and dQ's columns (the portable
-    kernels elsewhere, and for deterministic=True); its gradients match the float64 reference
-    within the bound of the other paths, on a GQA causal call with ragged lengths."""
+    whose two warpgroups share a CTA's 64 keys, each forming the scores of half of a step's
+    queries and half of dK, dV and dQ's columns (the portable kernels elsewhere, and for
+    deterministic=True); its gradients match the float64 reference within the bound of the
+    other paths, on a GQA causal call with ragged lengths and dlse."""
     from cuattn import loader
 
     launched = []

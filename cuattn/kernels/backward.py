@@ -126,11 +126,12 @@ def fused_smem_bytes(bucket: int) -> int:
     stream, warpgroups, _ = WGMMA_FUSED_TILES[bucket]
     resident, swizzle_alignment = fused_keys(bucket), 1024
     ds_tile = resident * stream * 2
-    dq_cols = bucket if stream // 64 >= warpgroups else bucket * (stream // 64) // warpgroups
-    # Column shares stage their dQ pieces in the step's Q and dO tiles and keep P^T beside dS^T
-    # (WgmmaFusedTraits).
-    dq_stages = ds_tile if bucket > WGMMA_COLUMN_SPLIT_ABOVE else warpgroups * 64 * dq_cols * 4
-    return (2 * resident + 2 * STAGES * stream) * bucket * 2 + 2 * STAGES * stream * 4 + ds_tile + dq_stages + swizzle_alignment
+    if bucket > WGMMA_COLUMN_SPLIT_ABOVE:  # column shares: P^T beside dS^T, dQ staged in the Q and dO tiles (WgmmaFusedTraits)
+        p_tile, dq_stages = ds_tile, 0
+    else:
+        dq_cols = bucket if stream // 64 >= warpgroups else bucket * (stream // 64) // warpgroups
+        p_tile, dq_stages = 0, warpgroups * 64 * dq_cols * 4
+    return (2 * resident + 2 * STAGES * stream) * bucket * 2 + 2 * STAGES * stream * 4 + ds_tile + p_tile + dq_stages + swizzle_alignment
 
 
 @functools.cache
@@ -551,8 +552,10 @@ def variants(arch: str | None = None) -> list[Variant]:
                 for bucket in buckets:
                     for softcap in (False, True):
                         out.append(wgmma_variant(kernel, c_type, bucket, softcap, layout))
+            for bucket in HEAD_DIM_BUCKETS:  # every bucket the fused kernel serves (WGMMA_WIDER)
+                if hopper_bucket(bucket) in WGMMA_FUSED_TILES:
+                    out.append(row_variant("backward_dq_finish", c_type, bucket, layout))
             for bucket in WGMMA_FUSED_TILES:
-                out.append(row_variant("backward_dq_finish", c_type, bucket, layout))
                 for softcap in (False, True):
                     out.append(fused_variant(c_type, bucket, softcap, layout))
     return out

@@ -1,7 +1,8 @@
 // The dK/dV loop of the Hopper (sm_90a) backward kernels, FlashAttention-2's scheme on warpgroup
-// tensor cores. One CTA per (key block of 64 keys per warpgroup, KV head, sequence) keeps K, V and
-// the fp32 dK / dV accumulators on chip and streams the query blocks of every query head of the
-// KV head's group (GQA sums in registers; dK and dV written once, deterministic). Per query
+// tensor cores. One CTA per (key block, KV head, sequence): 64 keys per warpgroup, or above
+// head_dim 128 64 keys shared by two warpgroups (dkdv_share_step). It keeps K, V and the fp32
+// dK / dV accumulators on chip and streams the query blocks of every query head of the KV
+// head's group (GQA sums in registers; dK and dV written once, deterministic). Per query
 // block each warpgroup forms S^T = K Q^T and dP^T = V dO^T for its keys, P^T and dS^T,
 // dV += P^T dO and dK += dS^T Q.
 //
@@ -65,6 +66,25 @@ __device__ __forceinline__ void reduce_dq_piece(const float (&dq)[COLS / 8][4], 
   }
 }
 
+// P^T of a warp's 16 keys x N_TILES * 8 queries (from query m0; their lse from sLse) as 16-bit
+// A operands, in place of the scores s (times softcap's gradient); returns the dropout keeps.
+template <typename T, bool SOFTCAP, bool DROPOUT, int N_TILES>
+__device__ __forceinline__ u64 transposed_probs(float (&s)[N_TILES][4], u32 (&p_frag)[N_TILES / 2][4], const float* sLse, const KeyBand& band,
+                                                bool masked, int m0, int key0, int lane, const AttnParams& a, int batch, int head) {
+  u64 keeps = 0;
+  if constexpr (DROPOUT) keeps = DropoutDraws(a, batch, head).transposed_keeps<N_TILES>(m0, key0, lane);
+  if (SOFTCAP || masked) {  // softcap: one path, the two do not fit the registers at d64
+#pragma unroll
+    for (int kk = 0; kk < N_TILES / 2; ++kk)
+      transposed_probs_k_step<T, SOFTCAP, true, N_TILES, DROPOUT>(s, kk, p_frag[kk], sLse, band, m0, key0, lane, a, keeps);
+  } else {
+#pragma unroll
+    for (int kk = 0; kk < N_TILES / 2; ++kk)
+      transposed_probs_k_step<T, SOFTCAP, false, N_TILES, DROPOUT>(s, kk, p_frag[kk], sLse, band, m0, key0, lane, a, keeps);
+  }
+  return keeps;
+}
+
 // One step of the dK/dV loop for this warp's 16 keys x BLOCK_M streamed queries (K and V tiles of
 // BN rows, this warpgroup's 64 from row 64 * wg; Q and dO tiles of BLOCK_M rows; their rows'
 // lse and delta in shared memory). P^T and dS^T are left in p_frag and ds_frag as 16-bit A
@@ -88,17 +108,7 @@ __device__ __forceinline__ void dkdv_step_products(float (&dk)[HEAD_DIM / 8][4],
   wgmma_wait<1>();
   fence_registers(s);
 
-  u64 keeps = 0;
-  if constexpr (DROPOUT) keeps = DropoutDraws(a, batch, head).transposed_keeps<kNTiles>(m0, warp_key0, lane);
-  if (SOFTCAP || masked) {  // softcap: one path, the two do not fit the registers at d64
-#pragma unroll
-    for (int kk = 0; kk < kSteps; ++kk)
-      transposed_probs_k_step<T, SOFTCAP, true, kNTiles, DROPOUT>(s, kk, p_frag[kk], sLse, band, m0, warp_key0, lane, a, keeps);
-  } else {
-#pragma unroll
-    for (int kk = 0; kk < kSteps; ++kk)
-      transposed_probs_k_step<T, SOFTCAP, false, kNTiles, DROPOUT>(s, kk, p_frag[kk], sLse, band, m0, warp_key0, lane, a, keeps);
-  }
+  const u64 keeps = transposed_probs<T, SOFTCAP, DROPOUT>(s, p_frag, sLse, band, masked, m0, warp_key0, lane, a, batch, head);
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < kSteps; ++kk) wgmma_rs_mn<T, HEAD_DIM>(dv, p_frag[kk], mn_major_desc(do_addr, BLOCK_M, kk));  // dV += P^T dO
@@ -118,12 +128,12 @@ __device__ __forceinline__ void dkdv_step_products(float (&dk)[HEAD_DIM / 8][4],
 }
 
 // One step of the column-share form (head_dim above 128; WgmmaBackwardTraits::kColumnSplits):
-// warpgroup wg forms S^T and dP^T of the CTA's 64 keys against queries wg * BLOCK_M / 2.. of the
+// warpgroup wg forms S^T and dP^T of the CTA's BN = 64 keys against queries wg * BLOCK_M / 2.. of the
 // step (n32 products over every column), then P^T and dS^T, and stores both (16-bit) into the
 // shared tiles sP and sdS (key rows, query columns). After both warpgroups have, it issues
 // dV += P^T dO and dK += dS^T Q over all the step's queries for its columns (`out_offset` bytes
 // into the Q and dO tiles); wgmma_wait<0> completes them.
-template <typename T, int HEAD_DIM, int BLOCK_M, bool SOFTCAP, bool DROPOUT, int OUT_TILES>
+template <typename T, int HEAD_DIM, int BLOCK_M, int BN, bool SOFTCAP, bool DROPOUT, int OUT_TILES>
 __device__ __forceinline__ void dkdv_share_step(float (&dk)[OUT_TILES][4], float (&dv)[OUT_TILES][4], unsigned char* sP, unsigned char* sdS,
                                                 u32 k_addr, u32 v_addr, u32 q_addr, u32 do_addr, u32 out_offset, int wg, const float* sLse,
                                                 const float* sDelta, const KeyBand& band, bool masked, int m0, int warp_key_row, int warp_key0,
@@ -133,34 +143,24 @@ __device__ __forceinline__ void dkdv_share_step(float (&dk)[OUT_TILES][4], float
   float s[kNTiles][4], dp[kNTiles][4];
   wgmma_fence();
 #pragma unroll
-  for (int kk = 0; kk < HEAD_DIM / 16; ++kk) wgmma_ss<T, kQueries>(s, k_major_desc(k_addr, 64, 0, kk), k_major_desc(q_addr, BLOCK_M, q0, kk), kk > 0);
+  for (int kk = 0; kk < HEAD_DIM / 16; ++kk) wgmma_ss<T, kQueries>(s, k_major_desc(k_addr, BN, 0, kk), k_major_desc(q_addr, BLOCK_M, q0, kk), kk > 0);
   wgmma_commit();
 #pragma unroll
-  for (int kk = 0; kk < HEAD_DIM / 16; ++kk) wgmma_ss<T, kQueries>(dp, k_major_desc(v_addr, 64, 0, kk), k_major_desc(do_addr, BLOCK_M, q0, kk), kk > 0);
+  for (int kk = 0; kk < HEAD_DIM / 16; ++kk) wgmma_ss<T, kQueries>(dp, k_major_desc(v_addr, BN, 0, kk), k_major_desc(do_addr, BLOCK_M, q0, kk), kk > 0);
   wgmma_commit();
   wgmma_wait<1>();
   fence_registers(s);
 
-  u64 keeps = 0;
-  if constexpr (DROPOUT) keeps = DropoutDraws(a, batch, head).transposed_keeps<kNTiles>(m0 + q0, warp_key0, lane);
   u32 frag[kSteps][4];  // P^T, then dS^T, as 16-bit fragments
-  if (SOFTCAP || masked) {
-#pragma unroll
-    for (int kk = 0; kk < kSteps; ++kk)
-      transposed_probs_k_step<T, SOFTCAP, true, kNTiles, DROPOUT>(s, kk, frag[kk], sLse + q0, band, m0 + q0, warp_key0, lane, a, keeps);
-  } else {
-#pragma unroll
-    for (int kk = 0; kk < kSteps; ++kk)
-      transposed_probs_k_step<T, SOFTCAP, false, kNTiles, DROPOUT>(s, kk, frag[kk], sLse + q0, band, m0 + q0, warp_key0, lane, a, keeps);
-  }
-  store_ds_transposed<64>(sP, frag, warp_key_row, lane, q0);
+  const u64 keeps = transposed_probs<T, SOFTCAP, DROPOUT>(s, frag, sLse + q0, band, masked, m0 + q0, warp_key0, lane, a, batch, head);
+  store_ds_transposed<BN>(sP, frag, warp_key_row, lane, q0);
   wgmma_wait<0>();
   fence_registers(dp);
   if constexpr (DROPOUT) apply_keeps(dp, keeps, a.dropout_scale);
   transposed_score_grads(dp, s, sDelta + q0, lane);
 #pragma unroll
   for (int kk = 0; kk < kSteps; ++kk) c_tiles_to_a<T>(dp, kk, frag[kk]);
-  store_ds_transposed<64>(sdS, frag, warp_key_row, lane, q0);
+  store_ds_transposed<BN>(sdS, frag, warp_key_row, lane, q0);
   fence_proxy_async();
   __syncthreads();  // both warpgroups' P^T and dS^T are in shared memory
 
@@ -168,10 +168,10 @@ __device__ __forceinline__ void dkdv_share_step(float (&dk)[OUT_TILES][4], float
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < BLOCK_M / 16; ++kk)
-    wgmma_ss_kmn<T, OUT_TILES * 8>(dv, k_major_desc(p_addr, 64, 0, kk), mn_major_desc(do_addr + out_offset, BLOCK_M, kk), true);  // dV += P^T dO
+    wgmma_ss_kmn<T, OUT_TILES * 8>(dv, k_major_desc(p_addr, BN, 0, kk), mn_major_desc(do_addr + out_offset, BLOCK_M, kk), true);  // dV += P^T dO
 #pragma unroll
   for (int kk = 0; kk < BLOCK_M / 16; ++kk)
-    wgmma_ss_kmn<T, OUT_TILES * 8>(dk, k_major_desc(ds_addr, 64, 0, kk), mn_major_desc(q_addr + out_offset, BLOCK_M, kk), true);  // dK += dS^T Q
+    wgmma_ss_kmn<T, OUT_TILES * 8>(dk, k_major_desc(ds_addr, BN, 0, kk), mn_major_desc(q_addr + out_offset, BLOCK_M, kk), true);  // dK += dS^T Q
   wgmma_commit();
 }
 
@@ -247,11 +247,11 @@ __device__ __forceinline__ void backward_wgmma_dkdv_body(const BackwardParams& p
   // This warpgroup's piece of each step's dQ tile: rows 64 * row_piece.., columns col0.. (column
   // shares: kPieces pieces from col0, one 64-column tile each).
   constexpr int kPieces = Tr::kDqPiecesPerWarpgroup;
-  static_assert(kPieces == 1 || (kSplit && Tr::kDqColPieces % kPieces == 0), "a warpgroup's pieces in one row of pieces");
+  static_assert(kSplit ? kPieces == 2 && Tr::kDqRowPieces == 1 : kPieces == 1, "column shares: two pieces, staged in the Q and dO tiles");
   const int row_piece = wg * kPieces / Tr::kDqColPieces, col0 = (wg * kPieces % Tr::kDqColPieces) * Tr::kDqCols;
   const u32 ds_piece_addr = ds_addr + row_piece * BN * kSwizzleRowBytes, k_piece_addr = k_addr + col0 * BN * 2;
   const u32 out_offset = out_col0 * BLOCK_M * 2;  // the warpgroup's columns in the Q and dO tiles
-  float* stage_dq = sDq_stage + wg * Tr::kDqStageBytes / 4;
+  float* stage_dq = sDq_stage + wg * kDqStageBytes / 4;  // (column shares: none)
   const bool issuer = threadIdx.x % 128 == 0;
   // With one CTA per SM nothing else fills the tensor cores while a warpgroup stages its dQ
   // piece, so that moves under the next step's score products (the piece's registers stay live
@@ -291,7 +291,7 @@ __device__ __forceinline__ void backward_wgmma_dkdv_body(const BackwardParams& p
     const float* sDelta = sDelta_ring + stage * BLOCK_M;
 
     if constexpr (kSplit) {
-      dkdv_share_step<T, HEAD_DIM, BLOCK_M, SOFTCAP, DROPOUT>(dk, dv, sP, sdS, k_addr, v_addr, q_addr, do_addr, out_offset, wg, sLse, sDelta, band,
+      dkdv_share_step<T, HEAD_DIM, BLOCK_M, BN, SOFTCAP, DROPOUT>(dk, dv, sP, sdS, k_addr, v_addr, q_addr, do_addr, out_offset, wg, sLse, sDelta, band,
                                                               masked, m0, warp_key_row, warp_key0, lane, a, batch, head);
       // The step's dQ pieces (unscaled) = dS K over the CTA's keys, one after the other (the first
       // behind dV and dK), each staged in this warpgroup's columns of the step's Q (piece 0) or dO
@@ -313,8 +313,8 @@ __device__ __forceinline__ void backward_wgmma_dkdv_body(const BackwardParams& p
         fence_registers(dq);
         float* staged = reinterpret_cast<float*>((piece == 0 ? sQ_ring : sdO_ring) + stage * Tr::kStreamBytes + out_offset);
         reduce_dq_piece<Tr::kDqCols, Tr::kDqStageBytes, false>(
-            dq, staged, issuer, wg, lane, [&] { return dq_accum_tile(p, batch, head, span, m0 / 64 + row_piece, col0 / 64 + piece); },
-            m0 + row_piece * 64 < span.seqlen_q);
+            dq, staged, issuer, wg, lane, [&] { return dq_accum_tile(p, batch, head, span, m0 / 64, col0 / 64 + piece); },
+            m0 < span.seqlen_q && col0 + piece * Tr::kDqCols < a.head_dim);  // (columns past head_dim: zeros)
       }
     } else {
       u32 p_frag[kSteps][4], ds_frag[kSteps][4];  // P^T and dS^T as 16-bit A operands

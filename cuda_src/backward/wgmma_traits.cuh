@@ -1,5 +1,6 @@
 // Tile shapes of the Hopper backward kernels (backward_wgmma_dq.cu, backward_wgmma_dkdv.cu).
-// WARPGROUPS of 64 resident rows each (queries for dQ, keys for dK/dV); the other operand pair
+// WARPGROUPS of 64 resident rows each (queries for dQ, keys for dK/dV; above head_dim 128 the
+// fused kernel's two warpgroups share 64 keys, kColumnSplits); the other operand pair
 // streams through a two-stage ring in blocks of BLOCK_STREAM rows, in the 128-byte-swizzled
 // layout of common/wgmma.cuh. cuattn/kernels/backward.py computes the same shared-memory size
 // (Variant.contract: tests/test_compile.py asserts they agree).
@@ -60,7 +61,7 @@ struct WgmmaFusedTraits : WgmmaBackwardTraits<HEAD_DIM, BLOCK_STREAM, WARPGROUPS
 
   static_assert(kDqCols == 64 || kDqCols == 128, "wgmma N of the dQ product");
   static_assert(kDqPieces % WARPGROUPS == 0, "as many dQ pieces for every warpgroup");
-  static_assert(!kSplit || (kDqPiecesPerWarpgroup == 2 && 2 * kDqStageBytes * WARPGROUPS == 2 * Base::kStreamBytes),
+  static_assert(!kSplit || (kDqPiecesPerWarpgroup == 2 && kDqStageBytes * WARPGROUPS == Base::kStreamBytes),
                 "a warpgroup's pieces fill its columns of the Q and dO tiles");
 };
 

@@ -80,7 +80,8 @@ __device__ __forceinline__ void wgmma_ss_mn(float (&d)[N / 8][4], u64 desc_a, u6
 template <typename T, int N>
 __device__ __forceinline__ void wgmma_ss_kmn(float (&d)[N / 8][4], u64 desc_a, u64 desc_b, bool accumulate);
 
-// NAME: the function; TRANSPOSE: its two transpose flags ("0, 0": both operands K-major, "1, 1": both MN-major).
+// NAME: the function; TRANSPOSE: its two transpose flags ("0, 0": both operands K-major, "1, 1": both MN-major,
+// "0, 1": A K-major, B MN-major).
 #define CUATTN_WGMMA_SS(NAME, TRANSPOSE, TYPE, N, REGS, ACC, DESC_A, DESC_B, SCALE_D)                        \
   template <>                                                                                                   \
   __device__ __forceinline__ void NAME<TYPE, N>(float (&d)[N / 8][4], u64 desc_a, u64 desc_b, bool accumulate) { \
