@@ -233,3 +233,25 @@ def test_small_backward_selection_and_grid():
     for g, c_type in ((grid(1, 64, 64, 1, 1, 64), "float"), (grid(1, 64, 64, 1, 1, 64, "packed"), "bf16"), (grid(1, 64, 64, 1, 1, 160), "bf16")):
         with pytest.raises(ValueError, match="backward_small"):
             launches(g, c_type, False, "sm_90a", True, 232448, False, small=True)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_every_backward_launch_is_a_listed_variant(arch):
+    """Every kernel a backward call can launch (any head-dim bucket, layout, path and option the
+    plan takes) is in the list that the offline compile and ``warmup --all`` build, so none
+    first compiles inside a user's call (the dQ conversion of the zero-padded Hopper buckets
+    was missing once)."""
+    from cuattn.kernels.variant import SEQ_LAYOUTS, arch_smem_limit
+
+    listed = {v.uri for v in kernels.all_variants(arch)}
+    for c_type in ("f16", "bf16", "float"):
+        for bucket in HEAD_DIM_BUCKETS:
+            for layout in SEQ_LAYOUTS:
+                grid = backward.BackwardGrid(layout, 2, 300, 333, 4, 2, bucket, 600, 666)
+                for softcap in (False, True):
+                    for dropout, sparse in ((False, False), (True, False)) + (((False, True),) if layout == "dense" else ()):
+                        fused = backward.select_fused(c_type, bucket, softcap, arch, layout=layout, dropout=dropout, sparse=sparse) is not None
+                        for one_pass in {False, fused}:
+                            for variant, _ in backward.launches(grid, c_type, softcap, arch, True, arch_smem_limit(arch), fused=one_pass,
+                                                                dropout=dropout, sparse=sparse):
+                                assert variant.uri in listed, (variant.uri, layout, one_pass, dropout, sparse)
