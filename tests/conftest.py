@@ -90,12 +90,44 @@ def pytest_unconfigure(config):
         _warmup.wait()
 
 
+_SHARD_KEY = pytest.StashKey[str]()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if _SHARD_KEY in config.stash:
+        terminalreporter.write_line(f"cuattn: {config.stash[_SHARD_KEY]}")
+
+
 def pytest_report_header(config):
     warmup = f"; kernels compiling in a background process ({_warmup.pid})" if _warmup is not None else ""
     return f"cuattn: GPU {'present' if HAS_GPU else 'absent'}; CUPY_CACHE_DIR={os.environ.get('CUPY_CACHE_DIR', '(default)')}{warmup}"
 
 
+def _shard() -> tuple[int, int] | None:
+    text = os.environ.get("CUATTN_TEST_SHARD")
+    if not text:
+        return None
+    try:
+        index, count = (int(part) for part in text.split("/"))
+    except ValueError:
+        index = count = 0
+    if not 1 <= index <= count:
+        raise pytest.UsageError(f"CUATTN_TEST_SHARD must be I/N with 1 <= I <= N, got {text!r}")
+    return index, count
+
+
 def pytest_collection_modifyitems(config, items):
+    """``CUATTN_TEST_SHARD=I/N``: run every N-th collected test starting at the I-th (round robin
+    over the collection order, so each shard gets a share of every file), for a suite split
+    over several runs under a per-run time limit; the N shards together run every test once."""
+    shard = _shard()
+    if shard is not None:
+        index, count = shard
+        kept = [item for position, item in enumerate(items) if position % count == index - 1]
+        dropped = [item for position, item in enumerate(items) if position % count != index - 1]
+        config.hook.pytest_deselected(items=dropped)
+        config.stash[_SHARD_KEY] = f"CUATTN_TEST_SHARD={index}/{count}: {len(kept)} of the {len(items)} collected tests"
+        items[:] = kept
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     skip_offline = pytest.mark.skip(reason="offline compile runs in CI (no GPU); here the GPU tests compile what they run")
     for item in items:
