@@ -29,6 +29,7 @@ def pytest_configure(config):
     ``CUATTN_TEST_WARMUP=0`` turns it off. It dies with the test process, however that ends."""
     global _warmup, _DEADLINE
     _DEADLINE = _deadline()
+    _shard()  # a malformed value stops the run before collection
     if not HAS_GPU or os.environ.get("CUATTN_TEST_WARMUP", "1") == "0" or hasattr(config, "workerinput"):
         return
     if config.option.collectonly or config.option.help or not _shared_gpu():
