@@ -129,7 +129,7 @@ def test_hopper_dense_forwards_take_the_tma_kernel(monkeypatch):
 
 
 
-@pytest.mark.parametrize("per_cta", [2, 3, 64])
+@pytest.mark.parametrize("per_cta", [2, 3, 4, 64])
 @pytest.mark.parametrize("d", [64, 128, 192, 256])
 def test_tma_ctas_taking_several_row_blocks_match_reference(monkeypatch, per_cta, d):
     """The TMA forward's SEVERAL form, whose CTAs take several row blocks in turn (forward_tma.cu

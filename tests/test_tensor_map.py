@@ -73,7 +73,9 @@ def test_tma_variants_are_compiled_for_hopper_only():
         (128, 33, 64, 1 << 10, True, 1),  # long sequences: one
         (128, 8, 64, 1 << 10, False, 1),  # under two waves
         (128, 9, 60, 1 << 10, False, 2),
-        (64, 8, 512, 1 << 18, True, 2),  # d64 1k causal
+        (64, 8, 512, 1 << 18, True, 4),  # d64 1k causal
+        (64, 4, 140, 1 << 17, True, 2),  # d64 512 causal: four per CTA would leave one wave
+        (64, 4, 1024, 1 << 17, True, 4),  # d64 512 causal
         (64, 8, 512, 1 << 18, False, 1),  # d64: three consumers without a band
         (64, 16, 256, 1 << 19, True, 1),  # d64 2k causal
     ],
@@ -81,8 +83,8 @@ def test_tma_variants_are_compiled_for_hopper_only():
 def test_tma_forward_ctas_take_two_row_blocks_on_short_sequences(tile, row_blocks, heads_batch, kv_bytes, banded, expected):
     """Two row blocks per CTA of the TMA forward on sequences of up to 32 row blocks where that
     leaves two waves of CTAs on 132 SMs and the K / V in flight fits the L2 share (or the mask is
-    a band over 16+ blocks), at head_dim 64 under a band up to 8 blocks; else one. The grid's x
-    shrinks to match, on the SEVERAL form only."""
+    a band over 16+ blocks), at head_dim 64 under a band up to 8 blocks, four there where that
+    too leaves two waves; else one. The grid's x shrinks to match, on the SEVERAL form only."""
     rows = row_blocks * 128 - 5
     assert forward.tma_row_blocks_per_cta(rows, 128, heads_batch, 132, kv_bytes, banded, tile) == expected
     several = forward.tma_variant("bf16", tile, False, several=True)

@@ -243,27 +243,33 @@ def launches(v: Variant, rows: int, heads_q: int, batch: int) -> list[tuple[tupl
 # The TMA forward's CTAs take two row blocks each on sequences of at most this many row blocks,
 # and while the K / V that the CTAs running at once read stays within this share of L2
 # (tma_row_blocks_per_cta). At head_dim 64 the SEVERAL form has two consumer warpgroups against
-# the one-block form's three, and wins only under a band mask up to TMA_D64_SEVERAL_ROW_BLOCKS.
+# the one-block form's three, and wins only under a band mask up to TMA_D64_SEVERAL_ROW_BLOCKS,
+# there with four row blocks per CTA (TMA_D64_BANDED_PER_CTA) where that still leaves two waves.
 TMA_PAIRED_MAX_ROW_BLOCKS = 32
 TMA_L2_SHARE = 24 << 20
 TMA_D64_SEVERAL_ROW_BLOCKS = 8
+TMA_D64_BANDED_PER_CTA = 4
 
 
 def tma_row_blocks_per_cta(rows: int, block_m: int, heads_batch: int, sm_count: int, kv_bytes_per_head: int, banded: bool, tile: int) -> int:
-    """Row blocks of one (head, sequence) that a CTA of the TMA forward takes in turn (2: its
-    SEVERAL form, whose tiles are ``block_m`` rows: forward_tma.cu CtaRowBlocks; the producer
-    loads a tile's Q and first K block while the consumers finish the one before, and under a
-    causal mask a CTA's two blocks add up to about the same work), or 1. Two where the sequence
-    has at most TMA_PAIRED_MAX_ROW_BLOCKS, that leaves two waves of CTAs, and either the K / V of
-    the heads worked on at once (``kv_bytes_per_head`` each) fits TMA_L2_SHARE or the mask is a
-    band (causal, window) over 16 or more blocks; at head_dim 64 (``tile``) only under a band up
-    to TMA_D64_SEVERAL_ROW_BLOCKS. Measured in NOTES ("Hopper forward with a producer warpgroup")."""
+    """Row blocks of one (head, sequence) that a CTA of the TMA forward takes in turn (2 or 4:
+    its SEVERAL form, whose tiles are ``block_m`` rows: forward_tma.cu CtaRowBlocks; the
+    producer loads a tile's Q and first K block while the consumers finish the one before, and
+    under a causal mask a CTA's blocks, taken in pairs, add up to about the same work), or 1.
+    Two where the sequence has at most TMA_PAIRED_MAX_ROW_BLOCKS, that leaves two waves of CTAs,
+    and either the K / V of the heads worked on at once (``kv_bytes_per_head`` each) fits
+    TMA_L2_SHARE or the mask is a band (causal, window) over 16 or more blocks; at head_dim 64
+    (``tile``) only under a band up to TMA_D64_SEVERAL_ROW_BLOCKS, and then
+    TMA_D64_BANDED_PER_CTA where that too leaves two waves. Measured in NOTES ("Hopper forward
+    with a producer warpgroup")."""
     row_blocks = -(-rows // block_m)
     ctas_per_head = -(-row_blocks // 2)
     if row_blocks > TMA_PAIRED_MAX_ROW_BLOCKS or ctas_per_head * heads_batch < 2 * sm_count:
         return 1
     if tile == 64:
-        return 2 if banded and row_blocks <= TMA_D64_SEVERAL_ROW_BLOCKS else 1
+        if not banded or row_blocks > TMA_D64_SEVERAL_ROW_BLOCKS:
+            return 1
+        return TMA_D64_BANDED_PER_CTA if -(-row_blocks // TMA_D64_BANDED_PER_CTA) * heads_batch >= 2 * sm_count else 2
     fits_l2 = -(-sm_count // ctas_per_head) * kv_bytes_per_head <= TMA_L2_SHARE
     return 2 if fits_l2 or (banded and row_blocks >= 16) else 1
 
