@@ -9,8 +9,9 @@ backward kernels of larger calls serve the small cases too (CUATTN_SMALL_BACKWAR
 buckets included), dense by both Hopper kernels (TMA and copying), the accumulating form, the
 TMA kernel's CTAs taking several row blocks, and over contiguous and paged caches, so that its
 K/V rings, mbarriers, key-offset buffers and named barriers turn over. ``wide``: only the
-Hopper backward above head_dim 128 (its warpgroups' column shares, the dQ pieces staged in the
-spent Q / dO tiles) over several key and query blocks.
+Hopper backward above head_dim 128 (its warpgroups' column shares at the 192 and 256 tiles, the
+dQ pieces staged in the spent Q / dO tiles or the 64-column share's stage, the causal launch
+order) over several key and query blocks.
 """
 
 import os
@@ -61,9 +62,9 @@ for dtype in (np.float16, BFLOAT16) if FORWARD_ONLY else ():
         cuattn.attention_with_kvcache(q, arr((48, 16, 2, d), dtype), arr((48, 16, 2, d), dtype), cache_seqlens=lengths, block_table=table)
 
 for dtype in (np.float16, BFLOAT16) if WIDE_ONLY else ():
-    for d in (200, 256):
+    for d in (160, 192, 200, 256):
         q, k, v, do = arr((1, 300, 4, d), dtype), arr((1, 333, 2, d), dtype), arr((1, 333, 2, d), dtype), arr((1, 300, 4, d), dtype)
-        for kw in ({}, {"causal": True, "window": (100, None), "softcap": 10.0}):
+        for kw in ({}, {"causal": True}, {"causal": True, "window": (100, None), "softcap": 10.0}):
             out, lse = cuattn.attention(q, k, v, return_lse=True, **kw)
             cuattn.attention_backward(do, q, k, v, out, lse, dlse=lse, **kw)
 

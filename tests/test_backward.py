@@ -221,13 +221,14 @@ def test_hopper_default_backward_runs_the_fused_kernel(monkeypatch, d):
     assert backward_loads() == (["backward_prep", "backward_wgmma_dq", "backward_wgmma_dkdv"] if hopper else expected)
 
 
-@pytest.mark.parametrize("d", [160, 256])
-def test_hopper_backward_above_d128_splits_gradient_columns_over_warpgroups(monkeypatch, d):
-    """Above head_dim 128 the default Hopper backward is the one-pass kernel at the 256 tile,
-    whose two warpgroups share a CTA's 64 keys, each forming the scores of half of a step's
-    queries and half of dK, dV and dQ's columns (the portable kernels elsewhere, and for
-    deterministic=True); its gradients match the float64 reference within the bound of the
-    other paths, on a GQA causal call with ragged lengths and dlse."""
+@pytest.mark.parametrize("d, tile", [(160, 192), (192, 192), (200, 256), (256, 256)])
+def test_hopper_backward_above_d128_splits_gradient_columns_over_warpgroups(monkeypatch, d, tile):
+    """Above head_dim 128 the default Hopper backward is the one-pass kernel at the 192 or 256
+    tile, whose two warpgroups share a CTA's 64 keys, each forming the scores of half of a step's
+    queries and its share of dK, dV and dQ's columns (128 + 128, or 128 + 64 with the second
+    share's dQ staged apart); the portable kernels elsewhere, and for deterministic=True. Its
+    gradients match the float64 reference within the bound of the other paths, on a GQA causal
+    call with ragged lengths and dlse."""
     from cuattn import loader
 
     launched = []
@@ -236,7 +237,7 @@ def test_hopper_backward_above_d128_splits_gradient_columns_over_warpgroups(monk
     rng = np.random.default_rng()
     _run(rng, 2, 300, 333, 6, 2, d, "bfloat16", causal=True, with_dlse=True)
     fused = [u for u in dict.fromkeys(launched) if u.startswith("backward_wgmma_fused")]
-    assert fused == (["backward_wgmma_fused/bf16/d256/s64wg2c1"] if loader.device_arch() == "sm_90a" else [])
+    assert fused == ([f"backward_wgmma_fused/bf16/d{tile}/s64wg2c1"] if loader.device_arch() == "sm_90a" else [])
 
 
 @pytest.mark.parametrize("d", [64, 128])

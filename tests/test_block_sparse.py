@@ -252,6 +252,7 @@ CASES = [  # dtype, batch, sq, sk, hq, hk, d, kw, mask
     ("float16", 1, 113, 700, 4, 4, 64, {"window": (64, 64), "softcap": 30.0}, "random"),
     ("float32", 2, 300, 260, 4, 2, 64, {"causal": True, "align": "top_left"}, "random per batch"),
     ("bfloat16", 1, 1, 300, 8, 1, 256, {}, "random"),
+    ("bfloat16", 2, 300, 333, 4, 2, 160, {"causal": True}, "random per head"),  # the 192 tile, padded
     ("bfloat16", 1, 640, 640, 6, 2, 96, {"sink": True}, "local_global"),
     ("float16", 1, 1000, 1000, 2, 1, 64, {"causal": True}, "strided"),
 ]

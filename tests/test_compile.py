@@ -170,18 +170,23 @@ def test_backward_kernel_selection():
     assert fused("f16", 64, True, "sm_90a").uri.endswith("/softcap")
     assert fused("bf16", 128, False, "sm_90a", allow_wgmma=False) is None
     assert fused("bf16", 128, False, "sm_80") is None
-    # Above head_dim 128 the 256 tile, whose two warpgroups share 64 keys and split the
-    # gradients' columns: 64 keys per CTA, and no dQ stage of its own.
-    for bucket in (160, 192, 224, 256):
-        assert fused("bf16", bucket, False, "sm_90a") == backward.fused_variant("bf16", 256, False)
-    wide_variant = backward.fused_variant("bf16", 256, False)
-    assert (wide_variant.block_m, wide_variant.threads) == (64, 256)
-    assert ("cuattn::WgmmaFusedTraits<256, 64, 2>::kBlockResident", 64) in wide_variant.contract
+    # Above head_dim 128 the 192 or 256 tile, whose two warpgroups share 64 keys and split the
+    # gradients' columns (128 + 64 or 128 + 128): 64 keys per CTA; at 256 no dQ stage of its own,
+    # at 192 one for the 64-column share's piece.
+    for bucket, tile in ((160, 192), (192, 192), (224, 256), (256, 256)):
+        assert fused("bf16", bucket, False, "sm_90a") == backward.fused_variant("bf16", tile, False)
+    for tile, stage in ((192, 64 * 64 * 4), (256, 0)):
+        wide_variant = backward.fused_variant("bf16", tile, False)
+        assert (wide_variant.block_m, wide_variant.threads) == (64, 256)
+        assert (f"cuattn::WgmmaFusedTraits<{tile}, 64, 2>::kBlockResident", 64) in wide_variant.contract
+        tiles = (2 * 64 + 2 * 2 * 64) * tile * 2 + 2 * 2 * 64 * 4  # K, V, the two-slot Q / dO ring, its lse / delta
+        assert wide_variant.dynamic_smem == tiles + 2 * 64 * 64 * 2 + stage + 1024  # dS^T, P^T, the stage, alignment
     wide = backward.BackwardGrid("dense", 3, 200, 300, 8, 2, 192, 600, 900)
     (one_pass, tiles), = [(v, t) for v, t in backward.launches(wide, "bf16", False, "sm_90a", True, 232448, fused=True)
                           if v.kernel == "backward_wgmma_fused"]
     assert [grid for grid, _, _ in tiles] == [(5, 2, 3)]  # 300 keys in blocks of 64
-    assert wide.dq_accumulator(backward.hopper_bucket(192))[0][-1] == 256
+    assert wide.dq_accumulator(backward.hopper_bucket(192))[0][-1] == 192
+    assert wide.dq_accumulator(backward.hopper_bucket(224))[0][-1] == 256
     assert fused("float", 64, False, "sm_90a") is None
     select = backward.select
     assert select("backward_dq", "bf16", 128, False, "sm_90a").kernel == "backward_wgmma_dq"

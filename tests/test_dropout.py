@@ -184,6 +184,7 @@ CASES = [  # dtype, sq, sk, hq, hk, d, p, kw
     ("float16", 113, 1023, 4, 4, 64, 0.5, {"window": (64, 64), "softcap": 30.0}),
     ("float32", 37, 70, 4, 2, 64, 0.2, {"causal": True, "align": "top_left"}),
     ("bfloat16", 1, 300, 8, 1, 256, 0.3, {}),
+    ("float16", 150, 333, 4, 2, 192, 0.3, {"causal": True, "softcap": 30.0}),  # the 192 tile's unequal column shares
     ("bfloat16", 200, 500, 4, 2, 96, 0.9, {"causal": True}),
 ]
 

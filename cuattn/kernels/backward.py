@@ -36,13 +36,13 @@ WGMMA_TILES = {
     "backward_dq": {64: (64, 2, 2), 128: (64, 1, 2)},
     "backward_dkdv": {64: (64, 1, 2), 128: (64, 1, 2)},
 }
-WGMMA_FUSED_TILES = {64: (64, 1, 3), 128: (64, 2, 1), 256: (64, 2, 1)}
-# Above head_dim 128 the fused kernel's two warpgroups share 64 keys, each with half of the
-# gradients' columns (WgmmaBackwardTraits::kColumnSplits).
+WGMMA_FUSED_TILES = {64: (64, 1, 3), 128: (64, 2, 1), 192: (64, 2, 1), 256: (64, 2, 1)}
+# Above head_dim 128 the fused kernel's two warpgroups share 64 keys, each with a share of the
+# gradients' columns (WgmmaBackwardTraits::kColumnSplits: 128 + 128 at 256, 128 + 64 at 192).
 WGMMA_COLUMN_SPLIT_ABOVE = 128
 # Buckets without a Hopper tile of their own that run the next wider one, as the forward's
 # (forward.WGMMA_WIDER): columns past head_dim zero-filled by the copies, never stored.
-WGMMA_WIDER = {96: 128, 160: 256, 192: 256, 224: 256}
+WGMMA_WIDER = {96: 128, 160: 192, 224: 256}
 # The TMA backward (backward_tma.cu; dense 16-bit calls of the fused kernel without dropout or
 # block mask): 128 keys per CTA on two consumer warpgroups and a producer warpgroup; per head-dim
 # tile (BLOCK_M query rows per step, STAGES ring slots).
@@ -127,7 +127,7 @@ def fused_smem_bytes(bucket: int) -> int:
     resident, swizzle_alignment = fused_keys(bucket), 1024
     ds_tile = resident * stream * 2
     if bucket > WGMMA_COLUMN_SPLIT_ABOVE:  # column shares: P^T beside dS^T, dQ staged in the Q and dO tiles (WgmmaFusedTraits)
-        p_tile, dq_stages = ds_tile, 0
+        p_tile, dq_stages = ds_tile, 0 if bucket % 128 == 0 else 64 * 64 * 4  # a 64-column share's stage
     else:
         dq_cols = bucket if stream // 64 >= warpgroups else bucket * (stream // 64) // warpgroups
         p_tile, dq_stages = 0, warpgroups * 64 * dq_cols * 4

@@ -25,4 +25,18 @@ __device__ __forceinline__ GridCell grid_cell(const AttnParams& p) {
   }
 }
 
+// The cell of a key-block grid (the dK / dV kernels: x key block, y KV head). Under a mask whose
+// band is bounded on the right only (causal), key block x's query steps fall with x, and the
+// grid's own order (a head's blocks heaviest first, one head after another) leaves the last
+// heads' heaviest blocks to start in the last wave. There the cells of a sequence are taken key
+// block by key block, heads fastest: every head's heaviest blocks start first and the grid ends
+// on light ones. Other masks keep the grid's own order.
+__device__ __forceinline__ GridCell key_block_cell(const AttnParams& p) {
+  if (p.window_right >= 0 && p.window_left < 0) {
+    const int i = int(blockIdx.y * gridDim.x + blockIdx.x);
+    return {i / int(gridDim.y), i % int(gridDim.y)};
+  }
+  return {int(blockIdx.x), int(blockIdx.y)};
+}
+
 }  // namespace cuattn

@@ -44,12 +44,15 @@ __device__ __forceinline__ void load_tile(T* smem, const T* gmem, i64 row_stride
 }
 
 // The same copy into the 128-byte-swizzled column-block layout of common/wgmma.cuh (no padding);
-// smem is 1024-byte aligned.
+// smem is 1024-byte aligned. Each thread keeps one chunk column and swizzle phase, so a round
+// copies a multiple of 8 rows; threads past a round's chunks (24 chunks a row at head_dim 192)
+// copy nothing.
 template <typename Tr, int ROWS, typename T>
 __device__ __forceinline__ void load_tile_sw128(unsigned char* smem, const T* gmem, i64 row_stride, int row0, int row_end, int head_dim) {
-  constexpr int kRowsPerRound = Tr::kThreads / Tr::kChunksPerRow;
+  constexpr int kRowsPerRound = Tr::kThreads / Tr::kChunksPerRow / 8 * 8;
   constexpr int kRounds = (ROWS + kRowsPerRound - 1) / kRowsPerRound;
-  static_assert(Tr::kThreads % Tr::kChunksPerRow == 0 && kRowsPerRound % 8 == 0, "one chunk column and swizzle phase per thread");
+  static_assert(kRowsPerRound >= 8, "one chunk column and swizzle phase per thread");
+  if (kRowsPerRound * Tr::kChunksPerRow < Tr::kThreads && int(threadIdx.x) >= kRowsPerRound * Tr::kChunksPerRow) return;
   const int r = threadIdx.x / Tr::kChunksPerRow, c = threadIdx.x % Tr::kChunksPerRow;
   unsigned char* dst = smem + (c / 8) * (ROWS * kSwizzleRowBytes) + swizzled_chunk(r, c % 8);
   const T* src = gmem + (row0 + r) * row_stride + c * 8;

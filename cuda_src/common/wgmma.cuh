@@ -109,6 +109,8 @@ CUATTN_WGMMA_SS(wgmma_ss_mn, "1, 1", f16, 64, CUATTN_REGS_32, CUATTN_ACC_64, "%3
 CUATTN_WGMMA_SS(wgmma_ss_mn, "1, 1", bf16, 64, CUATTN_REGS_32, CUATTN_ACC_64, "%32", "%33", "%34")
 CUATTN_WGMMA_SS(wgmma_ss_mn, "1, 1", f16, 128, CUATTN_REGS_64, CUATTN_ACC_128, "%64", "%65", "%66")
 CUATTN_WGMMA_SS(wgmma_ss_mn, "1, 1", bf16, 128, CUATTN_REGS_64, CUATTN_ACC_128, "%64", "%65", "%66")
+CUATTN_WGMMA_SS(wgmma_ss_kmn, "0, 1", f16, 64, CUATTN_REGS_32, CUATTN_ACC_64, "%32", "%33", "%34")
+CUATTN_WGMMA_SS(wgmma_ss_kmn, "0, 1", bf16, 64, CUATTN_REGS_32, CUATTN_ACC_64, "%32", "%33", "%34")
 CUATTN_WGMMA_SS(wgmma_ss_kmn, "0, 1", f16, 128, CUATTN_REGS_64, CUATTN_ACC_128, "%64", "%65", "%66")
 CUATTN_WGMMA_SS(wgmma_ss_kmn, "0, 1", bf16, 128, CUATTN_REGS_64, CUATTN_ACC_128, "%64", "%65", "%66")
 CUATTN_WGMMA_RS(f16, 64, CUATTN_REGS_32, CUATTN_ACC_64, "{%32, %33, %34, %35}", "%36", "%37")
