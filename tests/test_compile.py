@@ -2,6 +2,7 @@
 report, and the host mirrors of the parameter structs."""
 
 import os
+import re
 import shutil
 import subprocess
 
@@ -24,6 +25,21 @@ def test_source_hash_tracks_every_header(tmp_path, monkeypatch):
     after = loader.translation_unit("merge/merge.cu")
     loader.source_hash.cache_clear()
     assert before != after
+
+
+_GENERIC_LAMBDA = re.compile(r"\[[^\[\]]*\]\s*\(([^()]*\bauto\b[^()]*)\)")
+
+
+def test_device_code_has_no_generic_lambdas():
+    """NVRTC 12.x and 13.0 / 13.1 refuse generic lambdas in device code ("A function without
+    execution space annotations ... is considered a host function"); 13.2+ accept them, so
+    only an older NVRTC (the cu12 extra) would find one."""
+    found = [
+        f"{path.relative_to(loader.source_dir())}: {match.group(0)}"
+        for path in sorted(loader.source_dir().rglob("*.cu*"))
+        for match in _GENERIC_LAMBDA.finditer(path.read_text())
+    ]
+    assert not found, found
 
 
 def test_arch_selection():

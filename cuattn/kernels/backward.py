@@ -126,8 +126,8 @@ def fused_smem_bytes(bucket: int) -> int:
     stream, warpgroups, _ = WGMMA_FUSED_TILES[bucket]
     resident, swizzle_alignment = fused_keys(bucket), 1024
     ds_tile = resident * stream * 2
-    if bucket > WGMMA_COLUMN_SPLIT_ABOVE:  # column shares: P^T beside dS^T, dQ staged in the Q and dO tiles (WgmmaFusedTraits)
-        p_tile, dq_stages = ds_tile, 0 if bucket % 128 == 0 else 64 * 64 * 4  # a 64-column share's stage
+    if bucket > WGMMA_COLUMN_SPLIT_ABOVE:  # column shares: P^T beside dS^T, dQ staged in the Q and dO tiles or a share's stage
+        p_tile, dq_stages = ds_tile, 64 * 64 * 4 if bucket - 128 < 128 else 0  # the 64-column share's stage (WgmmaFusedTraits)
     else:
         dq_cols = bucket if stream // 64 >= warpgroups else bucket * (stream // 64) // warpgroups
         p_tile, dq_stages = 0, warpgroups * 64 * dq_cols * 4

@@ -162,7 +162,12 @@ __device__ __forceinline__ void dkdv_share_step(float (&dk)[OUT_TILES][4], float
   for (int kk = 0; kk < kSteps; ++kk) c_tiles_to_a<T>(dp, kk, frag[kk]);
   store_ds_transposed<BN>(sdS, frag, warp_key_row, lane, q0);
   fence_proxy_async();
-  __syncthreads();  // both warpgroups' P^T and dS^T are in shared memory
+  // Both warpgroups' P^T and dS^T are in shared memory. (Shares of unequal widths reach this
+  // barrier from their own instantiations: the non-aligned form.)
+  if constexpr (HEAD_DIM % 128 != 0)
+    cta_barrier_unaligned();
+  else
+    __syncthreads();
 
   const u32 p_addr = smem_addr(sP), ds_addr = smem_addr(sdS);
   wgmma_fence();
@@ -175,21 +180,11 @@ __device__ __forceinline__ void dkdv_share_step(float (&dk)[OUT_TILES][4], float
   wgmma_commit();
 }
 
-// The n8 column tiles of dK and dV that one warpgroup accumulates (a type, so that the loop
-// compiles once per width).
-template <int TILES>
-struct ColumnShare {
-  static constexpr int kTiles = TILES;
-};
-
-// DROPOUT: dropout on the probabilities (common/dropout.cuh): dV from the kept P^T, dS^T from the
-// kept dP^T. SPARSE: only the blocks of a block mask (common/block_sparse.cuh; dense layout, one
-// split). Above head_dim 128 (Tr::kColumnSplits; fused only) the two warpgroups share the
-// CTA's 64 keys (dkdv_share_step): each forms the scores of half of a step's queries, and its
-// share of dK, dV and dQ's columns (128 and 128 at 256; 128 and 64 at 192).
+// backward_wgmma_dkdv_body as run by a warpgroup that accumulates TILES n8 column tiles of dK and
+// dV (column shares of unequal widths, at 192, compile it once for each).
 template <typename T, int HEAD_DIM, int BLOCK_M, int WARPGROUPS, int CTAS_PER_SM, bool SOFTCAP, bool FUSE_DQ, SeqLayout LAYOUT, bool DROPOUT,
-          bool SPARSE>
-__device__ __forceinline__ void backward_wgmma_dkdv_body(const BackwardParams& p) {
+          bool SPARSE, int TILES>
+__device__ __forceinline__ void backward_wgmma_dkdv_share(const BackwardParams& p) {
   using Tr = WgmmaFusedTraits<HEAD_DIM, BLOCK_M, WARPGROUPS>;
   constexpr int BN = Tr::kBlockResident;  // keys per CTA
   constexpr int kSteps = BLOCK_M / 16;     // k16 steps of the dV / dK products
@@ -249,154 +244,167 @@ __device__ __forceinline__ void backward_wgmma_dkdv_body(const BackwardParams& p
   const u32 out_offset = out_col0 * BLOCK_M * 2;  // the warpgroup's columns in the Q and dO tiles
   const bool issuer = threadIdx.x % 128 == 0;
 
-  // The loop and the epilogue of a warpgroup that owns TILES n8 tiles of the gradients' columns
-  // (column shares of unequal widths, at 192, compile one for each).
-  const auto run = [&](auto share) {
-    constexpr int kTiles = decltype(share)::kTiles;
-    float dk[kTiles][4], dv[kTiles][4];
+  constexpr int kTiles = TILES;
+  float dk[kTiles][4], dv[kTiles][4];
 #pragma unroll
-    for (int dt = 0; dt < kTiles; ++dt)
+  for (int dt = 0; dt < kTiles; ++dt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) dk[dt][e] = dv[dt][e] = 0.f;
+    for (int e = 0; e < 4; ++e) dk[dt][e] = dv[dt][e] = 0.f;
 
-    // This warpgroup's piece of each step's dQ tile: rows 64 * row_piece.., columns col0.. (column
-    // shares: one 64-column piece per 64 of its columns, from its first).
-    constexpr int kPieces = kSplit ? kTiles * 8 / 64 : Tr::kDqPiecesPerWarpgroup;
-    constexpr bool kShareStage = kSplit && kTiles * 8 < 128;  // too few columns in the Q / dO tiles for its piece
-    static_assert(kSplit ? Tr::kDqRowPieces == 1 && kPieces <= (kShareStage ? Tr::kShareStageBytes / Tr::kDqStageBytes : 2) : kPieces == 1,
-                  "column shares: pieces staged in the Q and dO tiles (one each) or in the share's stage");
-    const int row_piece = kSplit ? 0 : wg * kPieces / Tr::kDqColPieces;
-    const int col0 = kSplit ? out_col0 : (wg * kPieces % Tr::kDqColPieces) * Tr::kDqCols;
-    const u32 ds_piece_addr = ds_addr + row_piece * BN * kSwizzleRowBytes, k_piece_addr = k_addr + col0 * BN * 2;
-    float* stage_dq = sDq_stage + wg * kDqStageBytes / 4;  // (column shares: none)
-    // With one CTA per SM nothing else fills the tensor cores while a warpgroup stages its dQ
-    // piece, so that moves under the next step's score products (the piece's registers stay live
-    // across the step). With more CTAs per SM they overlap it instead, and registers are scarcer.
-    constexpr bool kDeferDq = FUSE_DQ && CTAS_PER_SM == 1 && !kSplit;
-    float dq[Tr::kDqCols / 8][4];  // the last step's piece (deferred: its product in flight)
-    int dq_head = 0, dq_m0 = 0;    // and where it goes
+  // This warpgroup's piece of each step's dQ tile: rows 64 * row_piece.., columns col0.. (column
+  // shares: one 64-column piece per 64 of its columns, from its first).
+  constexpr int kPieces = kSplit ? kTiles * 8 / 64 : Tr::kDqPiecesPerWarpgroup;
+  constexpr bool kShareStage = kSplit && kTiles * 8 < 128;  // too few columns in the Q / dO tiles for its piece
+  static_assert(kSplit ? Tr::kDqRowPieces == 1 && kPieces <= (kShareStage ? Tr::kShareStageBytes / Tr::kDqStageBytes : 2) : kPieces == 1,
+                "column shares: pieces staged in the Q and dO tiles (one each) or in the share's stage");
+  const int row_piece = kSplit ? 0 : wg * kPieces / Tr::kDqColPieces;
+  const int col0 = kSplit ? out_col0 : (wg * kPieces % Tr::kDqColPieces) * Tr::kDqCols;
+  const u32 ds_piece_addr = ds_addr + row_piece * BN * kSwizzleRowBytes, k_piece_addr = k_addr + col0 * BN * 2;
+  float* stage_dq = sDq_stage + wg * kDqStageBytes / 4;  // (column shares: none)
+  // With one CTA per SM nothing else fills the tensor cores while a warpgroup stages its dQ
+  // piece, so that moves under the next step's score products (the piece's registers stay live
+  // across the step). With more CTAs per SM they overlap it instead, and registers are scarcer.
+  constexpr bool kDeferDq = FUSE_DQ && CTAS_PER_SM == 1 && !kSplit;
+  float dq[Tr::kDqCols / 8][4];  // the last step's piece (deferred: its product in flight)
+  int dq_head = 0, dq_m0 = 0;    // and where it goes
 #pragma unroll
-    for (int i = 0; i < Tr::kDqCols / 8; ++i)
+  for (int i = 0; i < Tr::kDqCols / 8; ++i)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) dq[i][e] = 0.f;
+    for (int e = 0; e < 4; ++e) dq[i][e] = 0.f;
 
-    const auto reduce_dq = [&]() {
-      reduce_dq_piece<Tr::kDqCols, Tr::kDqStageBytes>(
-          dq, stage_dq, issuer, wg, lane, [&] { return dq_accum_tile(p, batch, dq_head, span, dq_m0 / 64 + row_piece, col0 / 64); },
-          dq_m0 + row_piece * 64 < span.seqlen_q);
-    };
-
-    for (int step = 0, stage = 0; step < plan.steps; ++step, stage ^= 1) {
-      cp_async_wait<0>();
-      if constexpr (kDeferDq) {
-        wgmma_wait<0>();  // the last step's dQ product, which read sdS
-        fence_registers(dq);
-      }
-      if (kSplit && issuer) bulk_wait_read<0>();  // the last step's dQ pieces, staged in the tiles loaded next
-      fence_proxy_async();
-      __syncthreads();  // this stage landed; every warpgroup finished with the other one and with sdS
-      if (step + 1 < plan.steps) {
-        load_step(step + 1, stage ^ 1);
-        cp_async_commit();
-      }
-      const int head = plan.head(kv_head, step), m0 = plan.m0(step);
-      const int m_last = min(m0 + BLOCK_M, span.seqlen_q) - 1;
-      const bool masked = !band.all_visible(m0, m_last, warp_key0, warp_key0 + 15);
-      const u32 q_addr = smem_addr(sQ_ring + stage * Tr::kStreamBytes), do_addr = smem_addr(sdO_ring + stage * Tr::kStreamBytes);
-      const float* sLse = sLse_ring + stage * BLOCK_M;
-      const float* sDelta = sDelta_ring + stage * BLOCK_M;
-
-      if constexpr (kSplit) {
-        dkdv_share_step<T, HEAD_DIM, BLOCK_M, BN, SOFTCAP, DROPOUT>(dk, dv, sP, sdS, k_addr, v_addr, q_addr, do_addr, out_offset, wg, sLse, sDelta, band,
-                                                                masked, m0, warp_key_row, warp_key0, lane, a, batch, head);
-        // The step's dQ pieces (unscaled) = dS K over the CTA's keys, one after the other (the first
-        // behind dV and dK), each staged in this warpgroup's columns of the step's Q (piece 0) or dO
-        // tile, which dK and dV have read by then, or in the share's own stage, which the last
-        // step's reduction has read (bulk_wait_read above). (Both behind dV and dK need 64 more
-        // registers: 1.5% slower, H100.)
-#pragma unroll
-        for (int piece = 0; piece < kPieces; ++piece) {
-          wgmma_fence();
-#pragma unroll
-          for (int kk = 0; kk < BN / 16; ++kk)
-            wgmma_ss_mn<T, Tr::kDqCols>(dq, mn_major_desc(ds_piece_addr, BN, kk), mn_major_desc(k_piece_addr + piece * Tr::kDqCols * BN * 2, BN, kk),
-                                        kk > 0);
-          wgmma_commit();
-          wgmma_wait<0>();
-          if (piece == 0) {
-            fence_registers(dv);
-            fence_registers(dk);
-          }
-          fence_registers(dq);
-          float* staged = kShareStage ? sDq_stage + piece * Tr::kDqStageBytes / 4
-                                      : reinterpret_cast<float*>((piece == 0 ? sQ_ring : sdO_ring) + stage * Tr::kStreamBytes + out_offset);
-          reduce_dq_piece<Tr::kDqCols, Tr::kDqStageBytes, false>(
-              dq, staged, issuer, wg, lane, [&] { return dq_accum_tile(p, batch, head, span, m0 / 64, col0 / 64 + piece); },
-              m0 < span.seqlen_q && col0 + piece * Tr::kDqCols < a.head_dim);  // (columns past head_dim: zeros)
-        }
-      } else {
-        u32 p_frag[kSteps][4], ds_frag[kSteps][4];  // P^T and dS^T as 16-bit A operands
-        dkdv_step_products<T, HEAD_DIM, BLOCK_M, BN, SOFTCAP, DROPOUT>(dk, dv, p_frag, ds_frag, k_addr, v_addr, q_addr, do_addr, wg, sLse, sDelta,
-                                                                       band, masked, m0, warp_key0, lane, a, batch, head, [&] {
-                                                                         if (kDeferDq && step > 0) reduce_dq();  // under the score products
-                                                                       }, [] {});
-
-        if constexpr (FUSE_DQ) {
-          store_ds_transposed<BN>(sdS, ds_frag, warp_key_row, lane);
-          fence_proxy_async();
-          __syncthreads();  // the CTA's dS^T is in shared memory
-        }
-        wgmma_wait<0>();
-        fence_registers(p_frag);
-        fence_registers(ds_frag);
-        fence_registers(dv);
-        fence_registers(dk);
-
-        if constexpr (FUSE_DQ) {
-          // This step's dQ piece (unscaled) = dS K over the CTA's keys.
-          wgmma_fence();
-#pragma unroll
-          for (int kk = 0; kk < BN / 16; ++kk) {
-            wgmma_ss_mn<T, Tr::kDqCols>(dq, mn_major_desc(ds_piece_addr, BN, kk), mn_major_desc(k_piece_addr, BN, kk), kk > 0);
-          }
-          wgmma_commit();
-          dq_head = head;
-          dq_m0 = m0;
-          if constexpr (!kDeferDq) {
-            wgmma_wait<0>();
-            fence_registers(dq);
-            reduce_dq();
-          }
-        }
-      }
-    }
-    if (kDeferDq && plan.steps > 0) {
-      wgmma_wait<0>();
-      fence_registers(dq);
-      reduce_dq();
-    }
-    if (FUSE_DQ && issuer) bulk_wait<0>();
-
-    if (LAYOUT == SeqLayout::kDense && (p.sum_grads & kSumDkDv)) {  // added into fp32 sums, this split's
-      const int split = FUSE_DQ || SPARSE ? 0 : cell.x % p.query_splits;  // one split under a mask
-      float* dk_sum = head_rows<float>(static_cast<float*>(p.dk) + split * p.split_stride, p.dk_strides, batch, kv_head, span.k_row0) + out_col0;
-      float* dv_sum = head_rows<float>(static_cast<float*>(p.dv) + split * p.split_stride, p.dv_strides, batch, kv_head, span.k_row0) + out_col0;
-      add_acc_rows<kTiles>(dk, a.scale, dk_sum, p.dk_strides[1], warp_key0, span.seqlen_k, a.head_dim - out_col0, lane);
-      add_acc_rows<kTiles>(dv, DROPOUT ? a.dropout_scale : 1.f, dv_sum, p.dv_strides[1], warp_key0, span.seqlen_k, a.head_dim - out_col0, lane);
-      return;
-    }
-    T* dk_out = head_rows<T>(p.dk, p.dk_strides, batch, kv_head, span.k_row0) + out_col0;
-    T* dv_out = head_rows<T>(p.dv, p.dv_strides, batch, kv_head, span.k_row0) + out_col0;
-    store_acc_rows<T, kTiles>(dk, a.scale, dk_out, p.dk_strides[1], warp_key0, span.seqlen_k, a.head_dim - out_col0, lane);
-    store_acc_rows<T, kTiles>(dv, DROPOUT ? a.dropout_scale : 1.f, dv_out, p.dv_strides[1], warp_key0, span.seqlen_k, a.head_dim - out_col0, lane);
+  const auto reduce_dq = [&]() {
+    reduce_dq_piece<Tr::kDqCols, Tr::kDqStageBytes>(
+        dq, stage_dq, issuer, wg, lane, [&] { return dq_accum_tile(p, batch, dq_head, span, dq_m0 / 64 + row_piece, col0 / 64); },
+        dq_m0 + row_piece * 64 < span.seqlen_q);
   };
-  if constexpr (kSplit && Tr::kLastOutCols != Tr::kOutCols) {
-    if (wg == 0)
-      run(ColumnShare<Tr::kOutCols / 8>{});
+
+  for (int step = 0, stage = 0; step < plan.steps; ++step, stage ^= 1) {
+    cp_async_wait<0>();
+    if constexpr (kDeferDq) {
+      wgmma_wait<0>();  // the last step's dQ product, which read sdS
+      fence_registers(dq);
+    }
+    if (kSplit && issuer) bulk_wait_read<0>();  // the last step's dQ pieces, staged in the tiles loaded next
+    fence_proxy_async();
+    // This stage landed; every warpgroup finished with the other one and with sdS.
+    if constexpr (kSplit && Tr::kLastOutCols != Tr::kOutCols)
+      cta_barrier_unaligned();
     else
-      run(ColumnShare<Tr::kLastOutCols / 8>{});
+      __syncthreads();
+    if (step + 1 < plan.steps) {
+      load_step(step + 1, stage ^ 1);
+      cp_async_commit();
+    }
+    const int head = plan.head(kv_head, step), m0 = plan.m0(step);
+    const int m_last = min(m0 + BLOCK_M, span.seqlen_q) - 1;
+    const bool masked = !band.all_visible(m0, m_last, warp_key0, warp_key0 + 15);
+    const u32 q_addr = smem_addr(sQ_ring + stage * Tr::kStreamBytes), do_addr = smem_addr(sdO_ring + stage * Tr::kStreamBytes);
+    const float* sLse = sLse_ring + stage * BLOCK_M;
+    const float* sDelta = sDelta_ring + stage * BLOCK_M;
+
+    if constexpr (kSplit) {
+      dkdv_share_step<T, HEAD_DIM, BLOCK_M, BN, SOFTCAP, DROPOUT>(dk, dv, sP, sdS, k_addr, v_addr, q_addr, do_addr, out_offset, wg, sLse, sDelta, band,
+                                                              masked, m0, warp_key_row, warp_key0, lane, a, batch, head);
+      // The step's dQ pieces (unscaled) = dS K over the CTA's keys, one after the other (the first
+      // behind dV and dK), each staged in this warpgroup's columns of the step's Q (piece 0) or dO
+      // tile, which dK and dV have read by then, or in the share's own stage, which the last
+      // step's reduction has read (bulk_wait_read above). (Both behind dV and dK need 64 more
+      // registers: 1.5% slower, H100.)
+#pragma unroll
+      for (int piece = 0; piece < kPieces; ++piece) {
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk)
+          wgmma_ss_mn<T, Tr::kDqCols>(dq, mn_major_desc(ds_piece_addr, BN, kk), mn_major_desc(k_piece_addr + piece * Tr::kDqCols * BN * 2, BN, kk),
+                                      kk > 0);
+        wgmma_commit();
+        wgmma_wait<0>();
+        if (piece == 0) {
+          fence_registers(dv);
+          fence_registers(dk);
+        }
+        fence_registers(dq);
+        float* staged = kShareStage ? sDq_stage + piece * Tr::kDqStageBytes / 4
+                                    : reinterpret_cast<float*>((piece == 0 ? sQ_ring : sdO_ring) + stage * Tr::kStreamBytes + out_offset);
+        reduce_dq_piece<Tr::kDqCols, Tr::kDqStageBytes, false>(
+            dq, staged, issuer, wg, lane, [&] { return dq_accum_tile(p, batch, head, span, m0 / 64, col0 / 64 + piece); },
+            m0 < span.seqlen_q && col0 + piece * Tr::kDqCols < a.head_dim);  // (columns past head_dim: zeros)
+      }
+    } else {
+      u32 p_frag[kSteps][4], ds_frag[kSteps][4];  // P^T and dS^T as 16-bit A operands
+      dkdv_step_products<T, HEAD_DIM, BLOCK_M, BN, SOFTCAP, DROPOUT>(dk, dv, p_frag, ds_frag, k_addr, v_addr, q_addr, do_addr, wg, sLse, sDelta,
+                                                                     band, masked, m0, warp_key0, lane, a, batch, head, [&] {
+                                                                       if (kDeferDq && step > 0) reduce_dq();  // under the score products
+                                                                     }, [] {});
+
+      if constexpr (FUSE_DQ) {
+        store_ds_transposed<BN>(sdS, ds_frag, warp_key_row, lane);
+        fence_proxy_async();
+        __syncthreads();  // the CTA's dS^T is in shared memory
+      }
+      wgmma_wait<0>();
+      fence_registers(p_frag);
+      fence_registers(ds_frag);
+      fence_registers(dv);
+      fence_registers(dk);
+
+      if constexpr (FUSE_DQ) {
+        // This step's dQ piece (unscaled) = dS K over the CTA's keys.
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+          wgmma_ss_mn<T, Tr::kDqCols>(dq, mn_major_desc(ds_piece_addr, BN, kk), mn_major_desc(k_piece_addr, BN, kk), kk > 0);
+        }
+        wgmma_commit();
+        dq_head = head;
+        dq_m0 = m0;
+        if constexpr (!kDeferDq) {
+          wgmma_wait<0>();
+          fence_registers(dq);
+          reduce_dq();
+        }
+      }
+    }
+  }
+  if (kDeferDq && plan.steps > 0) {
+    wgmma_wait<0>();
+    fence_registers(dq);
+    reduce_dq();
+  }
+  if (FUSE_DQ && issuer) bulk_wait<0>();
+
+  if (LAYOUT == SeqLayout::kDense && (p.sum_grads & kSumDkDv)) {  // added into fp32 sums, this split's
+    const int split = FUSE_DQ || SPARSE ? 0 : cell.x % p.query_splits;  // one split under a mask
+    float* dk_sum = head_rows<float>(static_cast<float*>(p.dk) + split * p.split_stride, p.dk_strides, batch, kv_head, span.k_row0) + out_col0;
+    float* dv_sum = head_rows<float>(static_cast<float*>(p.dv) + split * p.split_stride, p.dv_strides, batch, kv_head, span.k_row0) + out_col0;
+    add_acc_rows<kTiles>(dk, a.scale, dk_sum, p.dk_strides[1], warp_key0, span.seqlen_k, a.head_dim - out_col0, lane);
+    add_acc_rows<kTiles>(dv, DROPOUT ? a.dropout_scale : 1.f, dv_sum, p.dv_strides[1], warp_key0, span.seqlen_k, a.head_dim - out_col0, lane);
+    return;
+  }
+  T* dk_out = head_rows<T>(p.dk, p.dk_strides, batch, kv_head, span.k_row0) + out_col0;
+  T* dv_out = head_rows<T>(p.dv, p.dv_strides, batch, kv_head, span.k_row0) + out_col0;
+  store_acc_rows<T, kTiles>(dk, a.scale, dk_out, p.dk_strides[1], warp_key0, span.seqlen_k, a.head_dim - out_col0, lane);
+  store_acc_rows<T, kTiles>(dv, DROPOUT ? a.dropout_scale : 1.f, dv_out, p.dv_strides[1], warp_key0, span.seqlen_k, a.head_dim - out_col0, lane);
+}
+
+// DROPOUT: dropout on the probabilities (common/dropout.cuh): dV from the kept P^T, dS^T from the
+// kept dP^T. SPARSE: only the blocks of a block mask (common/block_sparse.cuh; dense layout, one
+// split). Above head_dim 128 (Tr::kColumnSplits; fused only) the two warpgroups share the
+// CTA's 64 keys (dkdv_share_step): each forms the scores of half of a step's queries, and its
+// share of dK, dV and dQ's columns (128 and 128 at 256; 128 and 64 at 192), each warpgroup
+// running the body compiled for its share's width (not a generic lambda inside one body: NVRTC
+// 12.x and 13.0-13.1 refuse those in device code).
+template <typename T, int HEAD_DIM, int BLOCK_M, int WARPGROUPS, int CTAS_PER_SM, bool SOFTCAP, bool FUSE_DQ, SeqLayout LAYOUT, bool DROPOUT,
+          bool SPARSE>
+__device__ __forceinline__ void backward_wgmma_dkdv_body(const BackwardParams& p) {
+  using Tr = WgmmaFusedTraits<HEAD_DIM, BLOCK_M, WARPGROUPS>;
+  if constexpr (Tr::kColumnSplits > 1 && Tr::kLastOutCols != Tr::kOutCols) {
+    if (threadIdx.x < 128)
+      backward_wgmma_dkdv_share<T, HEAD_DIM, BLOCK_M, WARPGROUPS, CTAS_PER_SM, SOFTCAP, FUSE_DQ, LAYOUT, DROPOUT, SPARSE, Tr::kOutCols / 8>(p);
+    else
+      backward_wgmma_dkdv_share<T, HEAD_DIM, BLOCK_M, WARPGROUPS, CTAS_PER_SM, SOFTCAP, FUSE_DQ, LAYOUT, DROPOUT, SPARSE, Tr::kLastOutCols / 8>(p);
   } else {
-    run(ColumnShare<Tr::kDTiles>{});
+    backward_wgmma_dkdv_share<T, HEAD_DIM, BLOCK_M, WARPGROUPS, CTAS_PER_SM, SOFTCAP, FUSE_DQ, LAYOUT, DROPOUT, SPARSE, Tr::kDTiles>(p);
   }
 }
 

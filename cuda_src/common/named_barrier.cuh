@@ -16,4 +16,9 @@ __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+// The CTA's barrier 0 in its non-aligned form: for threads that reach it from different
+// instructions (warpgroups running different instantiations of one loop). __syncthreads and
+// bar.sync are barrier.sync.aligned, undefined unless every thread executes the same one.
+__device__ __forceinline__ void cta_barrier_unaligned() { asm volatile("barrier.sync 0;\n" ::: "memory"); }
+
 }  // namespace cuattn

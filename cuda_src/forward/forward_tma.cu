@@ -416,6 +416,15 @@ struct CtaRowBlocks {
     const int index = r * ctas + (r % 2 == 0 ? x : ctas - 1 - x);
     return index < row_blocks ? row_blocks - 1 - index : -1;
   }
+  // tile(m_block) for each of the CTA's row blocks, in turn. (A member template taking a plain
+  // lambda: NVRTC 12.x and 13.0-13.1 refuse generic lambdas in device code.)
+  template <class Tile>
+  __device__ __forceinline__ void for_each(Tile&& tile) const {
+    for (int r = 0; r < rounds; ++r) {
+      const int m_block = at(r);
+      if (m_block >= 0) tile(m_block);
+    }
+  }
 };
 
 /// \brief Attention forward with TMA loads from a producer warpgroup: CTAs of (head, sequence)
@@ -447,23 +456,17 @@ __global__ void __launch_bounds__(TmaForwardTraits<HEAD_DIM, BLOCK_N, STAGES, CO
     // sits in a loop).
     init_tma_forward_barriers<Tr>(tma_tiles<Tr>(smem_raw));
     const CtaRowBlocks<Tr::kBlockM> row_blocks(cell.x, span.seqlen_q);
-    const auto for_each_tile = [&](auto&& tile) {
-      for (int r = 0; r < row_blocks.rounds; ++r) {
-        const int m_block = row_blocks.at(r);
-        if (m_block >= 0) tile(m_block);
-      }
-    };
     if (threadIdx.x >= Tr::kConsumerThreads) {
       set_max_registers_dec<Tr::kProducerRegisters>();
       if (threadIdx.x == Tr::kConsumerThreads) {
-        for_each_tile([&](int m_block) {
+        row_blocks.for_each([&](int m_block) {
           forward_tma_tile<T, HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, SOFTCAP, SPARSE, TmaRole::kProducer>(tp, seq, head, span, m_block, smem_raw,
                                                                                                         pipe);
         });
       }
     } else {
       set_max_registers_inc<Tr::kConsumerRegisters>();
-      for_each_tile([&](int m_block) {
+      row_blocks.for_each([&](int m_block) {
         forward_tma_tile<T, HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, SOFTCAP, SPARSE, TmaRole::kConsumers>(tp, seq, head, span, m_block, smem_raw,
                                                                                                        pipe);
       });
