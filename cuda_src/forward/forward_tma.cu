@@ -159,8 +159,8 @@ __device__ __forceinline__ void zero_values_past(unsigned char* tile, int first_
 // The producer's loads over a paged KV cache, by its first warp: a key block is BLOCK_N / box
 // boxes of `box` = min(page size, BLOCK_N) rows (the host maps K and V as (pages, page size,
 // heads, head_dim) with that box: page sizes that are multiples of 8 and divide BLOCK_N or are
-// multiples of it), lane i looking up the page of box i in the block table and issuing it, so a
-// block costs one table latency; V_j reuses the pages looked up for K_j. Lane 0 loads Q and
+// multiples of it), lane i looking up the page of box i in the block table (a block ahead) and
+// issuing it; V_j reuses the pages looked up for K_j. Lane 0 loads Q and
 // announces each slot's bytes before the lanes issue. Keys past the capacity (a last block that
 // reaches past it) load the capacity's last page again: past the sequence, never used.
 template <typename Tr, int BLOCK_N, int STAGES, typename BlockAt>
@@ -172,12 +172,10 @@ __device__ __forceinline__ void produce_paged(const TmaAttnParams& tp, int seq, 
   const int lane = threadIdx.x % 32, kv_head = head / (p.heads_q / p.heads_kv);
   const CacheRows<true> cache(p, seq);
   const int box = min(cache.page_size, BLOCK_N), boxes = BLOCK_N / box;
-  int page = 0, pos = 0;  // this lane's box of the block whose K was loaded last
-  const auto look_up = [&](int j) {
-    const int key = min(block_at(j) * BLOCK_N + lane * box, p.capacity - 1);
-    page = lane < boxes ? cache.clamp_row(cache.table_entry(key)) : 0;
-    pos = cache.pos_of(key) / box * box;
-  };
+  // Block j's table entry is read one block ahead and clamped only where its loads are issued,
+  // so the read's latency passes under the wait for a free slot.
+  const auto entry_of = [&](int j) { return lane < boxes && j < blocks ? cache.table_entry(min(block_at(j) * BLOCK_N + lane * box, p.capacity - 1)) : 0; };
+  const auto pos_at = [&](int j) { return cache.pos_of(min(block_at(j) * BLOCK_N + lane * box, p.capacity - 1)) / box * box; };
   const auto load = [&](unsigned char* ring, const TensorMap* map, u64* full, u64* empty, int j, int pg, int ps) {
     const int s = j % STAGES;
     if (lane == 0) {
@@ -192,21 +190,23 @@ __device__ __forceinline__ void produce_paged(const TmaAttnParams& tp, int seq, 
                     kv_head, pg);
     }
   };
+  int next_entry = entry_of(0);
   if (lane == 0) {
     mbarrier_arrive_expect_bytes(q_full, Tr::kQBytes);
 #pragma unroll
     for (int cb = 0; cb < Tr::kColumnBlocks; ++cb)
       tma_load_4d(sQ + cb * Tr::kBlockM * kSwizzleRowBytes, &tp.q_map, q_full, cb * kSwizzleBlockElems, m0, head, seq);
   }
-  look_up(0);
-  load(sK_ring, &tp.k_map, k_full, k_empty, 0, page, pos);
-  for (int j = 1; j < blocks; ++j) {  // K_j, then V_{j-1} from the pages of K_{j-1}
+  int page = 0, pos = 0;  // this lane's box of the block whose K was loaded last
+  for (int j = 0; j < blocks; ++j) {  // K_j, then V_{j-1} from the pages of K_{j-1}
     const int v_page = page, v_pos = pos;
-    look_up(j);
+    page = cache.clamp_row(next_entry);
+    pos = pos_at(j);
+    next_entry = entry_of(j + 1);
     load(sK_ring, &tp.k_map, k_full, k_empty, j, page, pos);
-    load(sV_ring, &tp.v_map, v_full, v_empty, j - 1, v_page, v_pos);
+    if (j > 0) load(sV_ring, &tp.v_map, v_full, v_empty, j - 1, v_page, v_pos);
   }
-  load(sV_ring, &tp.v_map, v_full, v_empty, blocks - 1, page, pos);
+  if (blocks > 0) load(sV_ring, &tp.v_map, v_full, v_empty, blocks - 1, page, pos);
 }
 
 // One row block of a CTA: the producer thread's loads, or the consumers' products, softmax and
