@@ -211,7 +211,7 @@ def test_a_traced_call_allocates_the_launch_orders():
 
 def test_a_traced_block_sparse_call_on_hopper_allocates_the_launch_orders(monkeypatch):
     """As above on a Hopper device, with grouped queries that would split the TMA backward's key
-    blocks over CTAs if the call had no block mask (block-sparse calls never take that kernel)."""
+    blocks over CTAs if the call had no block mask (a block mask's steps are never split)."""
     import importlib
     from types import SimpleNamespace
 
@@ -358,6 +358,43 @@ def test_launch_order_puts_the_heaviest_cells_first(family, kernel, c_type, buck
         rows = (grid[0] - 1 - x if side == "q" else x) * variant.block_m // B
         first = int((rows == 0).sum())
         assert 0 < first < len(rows) and (rows[:first] == 0).all()
+
+
+@gpu
+@pytest.mark.parametrize("d", [96, 128])
+def test_hopper_block_sparse_backward_takes_the_tma_kernel(monkeypatch, d):
+    """On Hopper a block-sparse backward at head dims 65-128 runs the TMA kernel's block-sparse
+    form (backward_tma.cu SPARSE; at 64 it would spill: the copying kernel serves it), whose
+    dK / dV equal the copying kernel's bit for bit (the same steps of each key block, in the
+    same order), key blocks that no query keeps included."""
+    import cupy
+
+    from cuattn import loader
+
+    if loader.device_arch() != "sm_90a":
+        pytest.skip("the Hopper kernels")
+    launched = []
+    load = loader.load_kernel
+    monkeypatch.setattr(loader, "load_kernel", lambda variant: launched.append(variant.uri) or load(variant))
+    monkeypatch.setenv("CUATTN_SMALL_BACKWARD", "0")
+    rng = np.random.default_rng(d)
+    q, do = (cupy.asarray(randn(rng, (2, 700, 4, d), "bfloat16")) for _ in range(2))
+    k, v = (cupy.asarray(randn(rng, (2, 900, 2, d), "bfloat16")) for _ in range(2))
+    keep = rng.random((1, 4, bm.blocks(700), bm.blocks(900))) < 0.4
+    keep[..., 3] = False  # a key block that no query keeps: zero dK / dV
+    mask = bm.from_dense(keep, 700, 900).to(cupy.asarray)
+    out, lse = cuattn.attention(q, k, v, block_mask=mask, causal=True, return_lse=True)
+    tma = cuattn.attention_backward(do, q, k, v, out, lse, block_mask=mask, causal=True)
+    one_pass = {u for u in launched if u.startswith(("backward_tma/", "backward_wgmma_fused/"))}  # (a plan is recorded twice)
+    assert one_pass == {"backward_tma/bf16/d128/m64s2/sparse"}, launched
+    monkeypatch.setenv("CUATTN_TMA", "0")
+    launched.clear()
+    copying = cuattn.attention_backward(do, q, k, v, out, lse, block_mask=mask, causal=True)
+    assert {u for u in launched if u.startswith(("backward_tma/", "backward_wgmma_fused/"))} == {"backward_wgmma_fused/bf16/d128/s64wg2c1/sparse"}
+    for grad, expected in zip(tma[1:], copying[1:]):
+        cupy.testing.assert_array_equal(grad, expected)
+    assert not cupy.any(tma[1][:, 3 * B:4 * B]) and not cupy.any(tma[2][:, 3 * B:4 * B])
+    cupy.testing.assert_allclose(tma[0].astype(cupy.float32), copying[0].astype(cupy.float32), rtol=2e-2, atol=2e-2)  # dQ: atomics
 
 
 @gpu

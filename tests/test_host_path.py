@@ -413,3 +413,25 @@ def test_backward_wrapper_still_refuses_double_backward():
     (g,) = torch.autograd.grad((ct._raw_apply(Square)(x) * w).sum(), x, create_graph=True)
     with pytest.raises(RuntimeError, match="differentiate twice"):
         g.sum().backward()
+
+
+def test_block_sparse_backwards_take_the_tma_backward_where_it_has_their_form(fake, monkeypatch):
+    """A block-sparse backward on Hopper at head_dim 128 runs the TMA kernel's block-sparse form,
+    after the schedule of its key blocks, one CTA per key block (a mask's steps are not split,
+    even with grouped queries); at 64, whose form would spill, the copying fused kernel."""
+    from cuattn import block_mask as bm
+
+    monkeypatch.setenv("CUATTN_SMALL_BACKWARD", "0")
+    for d, one_pass, key_blocks in ((128, "backward_tma/f16/d128/m64s2/sparse", 8), (64, "backward_wgmma_fused/f16/d64/", 16)):
+        q, k, v, dout = _arrays(fake, (2, 1000, 8, d), (2, 1000, 2, d), (2, 1000, 2, d), (2, 1000, 8, d))
+        mask = bm.local_global(1000, 1000, window_blocks=1)
+        mask = mask.to(lambda a: _arrays(fake, a.shape, dtype=a.dtype)[0])
+        out, lse = cuattn.attention(q, k, v, block_mask=mask, return_lse=True)
+        fake["launched"].clear()
+        cuattn.attention_backward(dout, q, k, v, out, lse, block_mask=mask)
+        uris = [launch[0] for launch in fake["launched"]]
+        passes = [u for u in uris if u.startswith(("backward_tma/", "backward_wgmma_fused/"))]
+        assert len(passes) == 1 and passes[0].startswith(one_pass) and passes[0].endswith("/sparse"), uris
+        assert uris[uris.index(passes[0]) - 1] == "sparse/block_schedule", uris
+        launch = fake["launched"][uris.index(passes[0])]
+        assert launch[1] == (key_blocks, 2, 2)  # 1000 keys in blocks of 128 (TMA) or 64, KV heads, sequences

@@ -43,13 +43,14 @@ WGMMA_COLUMN_SPLIT_ABOVE = 128
 # Buckets without a Hopper tile of their own that run the next wider one, as the forward's
 # (forward.WGMMA_WIDER): columns past head_dim zero-filled by the copies, never stored.
 WGMMA_WIDER = {96: 128, 160: 192, 224: 256}
-# The TMA backward (backward_tma.cu; dense 16-bit calls of the fused kernel without dropout or
-# block mask): 128 keys per CTA on two consumer warpgroups and a producer warpgroup; per head-dim
+# The TMA backward (backward_tma.cu; dense 16-bit calls of the fused kernel without dropout,
+# block-sparse ones included): 128 keys per CTA on two consumer warpgroups and a producer warpgroup; per head-dim
 # tile (BLOCK_M query rows per step, STAGES ring slots).
 TMA_TILES = {64: (128, 2), 128: (64, 2)}
 TMA_KEYS = 128  # TmaBackwardTraits::kBlockResident: the K / V rows a CTA keeps (and their tensor maps' box)
 TMA_THREADS = 384
 TMA_NO_SOFTCAP = {64}  # tiles whose softcap form spills: the fused kernel serves it
+TMA_NO_SPARSE = {64}  # tiles whose block-sparse form spills (92 bytes at 64; 240 registers are its consumers' most)
 # Kernel and (bucket, softcap) whose dropout form needs more registers than its CTAs per SM
 # leave (spills): CTAs per SM.
 WGMMA_DROPOUT_CTAS = {
@@ -320,15 +321,17 @@ def tma_smem_bytes(tile: int) -> int:
 
 
 @functools.cache
-def tma_variant(c_type: str, tile: int, softcap: bool) -> Variant:
-    """dK / dV plus dQ into the accumulator with TMA loads (backward_tma.cu)."""
+def tma_variant(c_type: str, tile: int, softcap: bool, sparse: bool = False) -> Variant:
+    """dK / dV plus dQ into the accumulator with TMA loads (backward_tma.cu); ``sparse``: its
+    block-sparse form."""
     block_m, stages = TMA_TILES[tile]
     traits = f"cuattn::TmaBackwardTraits<{tile}, {block_m}, {stages}>"
     smem = tma_smem_bytes(tile)
     return Variant(
         family=FAMILY, kernel="backward_tma",
-        expression=f"cuattn::backward_tma_kernel<{cxx_type(c_type)}, {tile}, {block_m}, {stages}, {softcap_arg(softcap)}>",
-        uri=f"backward_tma/{c_type}/d{tile}/m{block_m}s{stages}" + softcap_uri(softcap),
+        expression=f"cuattn::backward_tma_kernel<{cxx_type(c_type)}, {tile}, {block_m}, {stages}, {softcap_arg(softcap)}"
+        + (", true>" if sparse else ">"),
+        uri=f"backward_tma/{c_type}/d{tile}/m{block_m}s{stages}" + softcap_uri(softcap) + dropout_uri(False, sparse),
         hot=True,
         dynamic_smem=smem,
         threads=TMA_THREADS,
@@ -340,11 +343,11 @@ def tma_variant(c_type: str, tile: int, softcap: bool) -> Variant:
 
 
 def tma_serves(c_type: str, bucket: int, softcap: bool, arch: str, allow: bool, layout: str, dropout: bool, sparse: bool) -> bool:
-    """Whether the TMA backward takes a fused call of these kinds (its tensors' maps decide the
-    rest: cuattn/tensor_map.py)."""
+    """Whether the TMA backward takes a fused call of these kinds, block-sparse ones included
+    (its tensors' maps decide the rest: cuattn/tensor_map.py)."""
     tile = hopper_bucket(bucket)
     return (allow and arch == WGMMA_ARCH and c_type in ("f16", "bf16") and tile in TMA_TILES and not (softcap and tile in TMA_NO_SOFTCAP)
-            and layout == "dense" and not dropout and not sparse)
+            and not (sparse and tile in TMA_NO_SPARSE) and layout == "dense" and not dropout)
 
 
 # The TMA backward splits each key block's query steps over more CTAs (BackwardParams::
@@ -486,7 +489,7 @@ def launches(
         out.append((sink_grad_variant(layout), [((g.heads_q, 1, 1), (SINK_GRAD_WARPS * 32, 1, 1), None)]))
     # dK and dV are written (zeros included) even when no query sees a key.
     if fused:
-        one_pass = (tma_variant(c_type, hopper_bucket(bucket), softcap) if tma
+        one_pass = (tma_variant(c_type, hopper_bucket(bucket), softcap, sparse) if tma
                     else select_fused(c_type, bucket, softcap, arch, layout=layout, dropout=dropout, sparse=sparse))
         if g.keys:
             tiles = tile_launches(one_pass, grid_k, g.heads_kv, g.batch)
@@ -533,7 +536,8 @@ def variants(arch: str | None = None) -> list[Variant]:
                         out.append(fused_variant(c_type, bucket, softcap, layout, dropout=True))
     for c_type in ("f16", "bf16"):
         for tile in TMA_TILES:
-            out.extend(tma_variant(c_type, tile, softcap) for softcap in (False, True) if not (softcap and tile in TMA_NO_SOFTCAP))
+            out.extend(tma_variant(c_type, tile, softcap, sparse) for softcap in (False, True) for sparse in (False, True)
+                       if not (softcap and tile in TMA_NO_SOFTCAP) and not (sparse and tile in TMA_NO_SPARSE))
         for bucket in HEAD_DIM_BUCKETS:
             if bucket <= SMALL_MAX_BUCKET:
                 for softcap in (False, True):

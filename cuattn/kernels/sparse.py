@@ -19,6 +19,7 @@ GRID_WALKS = {
     "forward": ("q", True), "forward_wgmma": ("q", True), "forward_tma": ("q", True), "forward_fp32": ("q", True),
     "backward_dq": ("q", True), "backward_wgmma_dq": ("q", True), "backward_fp32_dq": ("q", False),
     "backward_dkdv": ("k", False), "backward_wgmma_dkdv": ("k", False), "backward_wgmma_fused": ("k", False),
+    "backward_tma": ("k", False),
     "backward_fp32_dkdv": ("k", False),
 }
 

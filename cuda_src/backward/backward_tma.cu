@@ -25,7 +25,9 @@
 // Rows past seqlen_q are zero-filled by the TMA unit and their lse and delta are 0: their P^T is 1
 // but dO and delta are 0 there, so dV, dS^T and dK get nothing from them (as from the copying
 // kernel's zero-filled rows); keys past seqlen_k are masked by KeyBand.
-// Dense layout, without dropout or a block mask (those stay on backward_wgmma_fused.cu).
+// Dense layout, without dropout (that stays on backward_wgmma_fused.cu). SPARSE: a block mask's
+// kept query blocks are the steps (SparseQuerySteps), its CTAs taken in the order of the launch's
+// schedule (grid_cell), one CTA per key block.
 #include "backward/wgmma_dkdv_loop.cuh"
 #include "common/named_barrier.cuh"
 #include "common/tma.cuh"
@@ -48,7 +50,7 @@ struct TmaBackwardTraits : WgmmaFusedTraits<HEAD_DIM, BLOCK_M, 2> {
 
 constexpr int kBarDs = 3;  // the consumers' dS^T is in shared memory (1 + wg: a warpgroup's dQ staging)
 
-template <typename T, int HEAD_DIM, int BLOCK_M, int STAGES, bool SOFTCAP>
+template <typename T, int HEAD_DIM, int BLOCK_M, int STAGES, bool SOFTCAP, bool SPARSE = false>
 __global__ void __launch_bounds__(TmaBackwardTraits<HEAD_DIM, BLOCK_M, STAGES>::kThreads, 1)
     backward_tma_kernel(const __grid_constant__ TmaBackwardParams tp) {
   using Tr = TmaBackwardTraits<HEAD_DIM, BLOCK_M, STAGES>;
@@ -70,13 +72,13 @@ __global__ void __launch_bounds__(TmaBackwardTraits<HEAD_DIM, BLOCK_M, STAGES>::
   u64* full = kv_full + 1;
   u64* empty = full + STAGES;
 
-  const GridCell cell = grid_cell<false>(a);
+  const GridCell cell = grid_cell<SPARSE>(a);  // SPARSE: the cell the launch's schedule gives
   const int kv_head = cell.y, batch = cta_batch(a);
-  const int splits = p.query_splits, split = cell.x % splits;  // CTAs sharing the key block's query steps
+  const int splits = SPARSE ? 1 : p.query_splits, split = cell.x % splits;  // CTAs sharing the key block's query steps
   const int n0 = cell.x / splits * BN;
   const SeqSpan span = seq_span<SeqLayout::kDense>(a, batch);
   const KeyBand band(a, span);
-  const QuerySteps<BLOCK_M> plan(a, span, band, n0, BN, split, splits);
+  const auto plan = query_steps<SPARSE, BLOCK_M>(a, span, band, batch, kv_head, n0, BN, split, splits);
 
   if (threadIdx.x == 0) {
     mbarrier_init(kv_full, 1);
