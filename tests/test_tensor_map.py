@@ -124,15 +124,18 @@ def test_only_dense_16_bit_fused_backwards_without_dropout_on_hopper_take_the_tm
     assert not serves("bf16", 128, False, "sm_90a", False, "dense", False, False)
     assert not serves("bf16", 128, False, "sm_90a", True, "packed", False, False)
     assert not serves("bf16", 128, False, "sm_90a", True, "dense", True, False)  # dropout
-    assert serves("bf16", 128, True, "sm_90a", True, "dense", False, True)  # block mask
+    assert serves("bf16", 128, False, "sm_90a", True, "dense", False, True)  # block mask
+    assert not serves("bf16", 128, True, "sm_90a", True, "dense", False, True)  # block mask and softcap: the two-kernel backward
     assert not serves("bf16", 64, False, "sm_90a", True, "dense", False, True)  # its block-sparse form would spill
     variants = [v for v in backward.variants() if v.kernel == "backward_tma"]
     assert sorted(v.uri for v in variants) == sorted(
         f"backward_tma/{c}/d{t}/m{backward.TMA_TILES[t][0]}s2{s}{m}" for c in ("f16", "bf16") for t in (64, 128) for s in ("", "/softcap")
-        for m in ("", "/sparse") if not ((s or m) and t == 64))
+        for m in ("", "/sparse") if not ((s or m) and t == 64) and not (s and m))
     grid = backward.BackwardGrid("dense", 1, 1000, 1000, 4, 2, 128, 1000, 1000)
     one_pass = [v.uri for v, _ in backward.launches(grid, "bf16", False, "sm_90a", True, 232448, True, sparse=True, tma=True)][1]
     assert one_pass == "backward_tma/bf16/d128/m64s2/sparse"
+    with pytest.raises(ValueError, match="without a block mask"):
+        backward.launches(grid, "bf16", False, "sm_90a", True, 232448, True, sparse=True, tma=True, tma_splits=2)
     assert all(v.archs == ("sm_90a",) and v.threads == 384 and v.block_m == 128 for v in variants)
 
 

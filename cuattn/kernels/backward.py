@@ -51,6 +51,8 @@ TMA_KEYS = 128  # TmaBackwardTraits::kBlockResident: the K / V rows a CTA keeps 
 TMA_THREADS = 384
 TMA_NO_SOFTCAP = {64}  # tiles whose softcap form spills: the fused kernel serves it
 TMA_NO_SPARSE = {64}  # tiles whose block-sparse form spills (92 bytes at 64; 240 registers are its consumers' most)
+# (Block-sparse calls with softcap take no TMA form either: their fused kernel would spill, so
+# they plan no dQ accumulator and run the two-kernel backward: WGMMA_SPARSE_PORTABLE.)
 # Kernel and (bucket, softcap) whose dropout form needs more registers than its CTAs per SM
 # leave (spills): CTAs per SM.
 WGMMA_DROPOUT_CTAS = {
@@ -347,7 +349,7 @@ def tma_serves(c_type: str, bucket: int, softcap: bool, arch: str, allow: bool, 
     (its tensors' maps decide the rest: cuattn/tensor_map.py)."""
     tile = hopper_bucket(bucket)
     return (allow and arch == WGMMA_ARCH and c_type in ("f16", "bf16") and tile in TMA_TILES and not (softcap and tile in TMA_NO_SOFTCAP)
-            and not (sparse and tile in TMA_NO_SPARSE) and layout == "dense" and not dropout)
+            and not (sparse and (tile in TMA_NO_SPARSE or softcap)) and layout == "dense" and not dropout)
 
 
 # The TMA backward splits each key block's query steps over more CTAs (BackwardParams::
@@ -469,8 +471,8 @@ def launches(
     the fused kernel's TMA form (``tma_serves`` holds and its tensor maps are encoded), with
     ``tma_splits`` CTAs per key block (``tma_query_splits``)."""
     bucket, layout = head_dim_bucket(g.head_dim), g.layout
-    if tma_splits > 1 and not (fused and tma):
-        raise ValueError("only the TMA backward (fused) splits the query steps of its key blocks over CTAs")
+    if tma_splits > 1 and not (fused and tma and not sparse):
+        raise ValueError("only the TMA backward (fused, without a block mask) splits the query steps of its key blocks over CTAs")
     if small:
         if fused or query_splits > 1 or not small_computes(g, c_type, sink, dropout, sparse):
             raise ValueError("backward_small runs alone (not fused, one query split) on dense 16-bit rows of head_dim <= "
@@ -537,7 +539,7 @@ def variants(arch: str | None = None) -> list[Variant]:
     for c_type in ("f16", "bf16"):
         for tile in TMA_TILES:
             out.extend(tma_variant(c_type, tile, softcap, sparse) for softcap in (False, True) for sparse in (False, True)
-                       if not (softcap and tile in TMA_NO_SOFTCAP) and not (sparse and tile in TMA_NO_SPARSE))
+                       if not (softcap and tile in TMA_NO_SOFTCAP) and not (sparse and (tile in TMA_NO_SPARSE or softcap)))
         for bucket in HEAD_DIM_BUCKETS:
             if bucket <= SMALL_MAX_BUCKET:
                 for softcap in (False, True):
