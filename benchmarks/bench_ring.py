@@ -82,9 +82,11 @@ def main(argv=None) -> None:
     parser.add_argument("--backend", default="nccl", choices=["nccl", "gloo"])
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--queued", type=int, default=4, help="calls issued back to back for the *_queued_ms columns")
+    parser.add_argument("--nccl-stream", default="high", choices=["high", "default"],
+                        help="the priority of NCCL's streams (high: ProcessGroupNCCL.Options(is_high_priority_stream=True))")
     parser.add_argument("--csv", default="results/ring.csv")
     args = parser.parse_args(argv)
-    dist.init_process_group(args.backend)
+    dist.init_process_group(args.backend, pg_options=nccl_options(args.backend, args.nccl_stream == "high"))
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
     group, dtype = dist.group.WORLD, torch.bfloat16
@@ -126,7 +128,8 @@ def main(argv=None) -> None:
                 "single_gpu_ms": round(single_ms_all, 3), "efficiency": round(single_ms_all / world / ring_ms, 3),
                 "ring_queued_ms": round(ring_queued_ms, 3), "single_gpu_queued_ms": round(single_queued_all, 3),
                 "efficiency_queued": round(single_queued_all / world / ring_queued_ms, 3),
-                "ring_tflops_per_gpu": round(flops / world / ring_ms / 1e9, 1), "gpu": torch.cuda.get_device_name(),
+                "ring_tflops_per_gpu": round(flops / world / ring_ms / 1e9, 1), "nccl_stream": args.nccl_stream,
+                "gpu": torch.cuda.get_device_name(),
             }
             rows.append(row)
             if rank == 0:
@@ -137,6 +140,15 @@ def main(argv=None) -> None:
 
         write_csv(args.csv, rows)
     dist.destroy_process_group()
+
+
+def nccl_options(backend: str, high_priority: bool):
+    """Options for an NCCL group whose streams have high priority (None: the defaults). With
+    them NCCL's kernels take the first SMs that free up; at the default priority a transfer that
+    becomes ready together with a kernel whose CTAs fill every SM can wait for its whole run."""
+    if backend != "nccl" or not high_priority:
+        return None
+    return dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
 
 
 def _exchanges(kv, accs, group) -> None:

@@ -62,7 +62,10 @@ def main():
     parser.add_argument("--check", action=argparse.BooleanOptionalAction, default=True)
     args = parser.parse_args()
 
-    dist.init_process_group(args.backend)
+    # NCCL's streams at high priority: its transfers take the first SMs that free up instead of
+    # waiting behind a kernel that fills the GPU (README, "Context parallelism").
+    options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True) if args.backend == "nccl" else None
+    dist.init_process_group(args.backend, pg_options=options)
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(rank % torch.cuda.device_count())
     group, layout = dist.group.WORLD, "zigzag"

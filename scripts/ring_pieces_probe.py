@@ -29,23 +29,29 @@ def _zigzag_pieces(qs, ks, vs, ds):
     ]
 
 
+def case(tokens: int, w: int = 2):
+    """The whole sequence (q, k, v, dout, out, lse), its zigzag shards (qs, ks, vs, ds, outs,
+    lses from the simulated ring), and the pieces with their outputs."""
+    rng = cupy.random.default_rng(0)
+    q, k, v, dout = (rng.standard_normal((1, tokens * w, h, 128), dtype=cupy.float32).astype(cuattn.dtypes.BFLOAT16) for h in (32, 8, 8, 32))
+    shard = lambda x: [cupy.ascontiguousarray(layouts.shard(x, w, r, "zigzag")) for r in range(w)]  # noqa: E731
+    qs, ks, vs, ds = shard(q), shard(k), shard(v), shard(dout)
+    out, lse = cuattn.attention(q, k, v, causal=True, return_lse=True)
+    outs, lses = cuattn.dist.ring_attention_simulated(qs, ks, vs, layout="zigzag", causal=True, return_lse=True)
+    pieces = _zigzag_pieces(qs, ks, vs, ds)
+    piece_outs = [cuattn.attention(pq, pk, pv, causal=c, return_lse=True) for pq, pk, pv, _, c in pieces]
+    return (q, k, v, dout, out, lse), (qs, ks, vs, ds, outs, lses), pieces, piece_outs
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens-per-rank", default="8192,16384")
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
     w = 2
-    rng = cupy.random.default_rng(0)
     ms = lambda fn: median_ms(lambda i: fn(), warmup=1, repeat=7)  # noqa: E731
     for tokens in map(int, args.tokens_per_rank.split(",")):
-        n = tokens * w
-        q, k, v, dout = (rng.standard_normal((1, n, h, 128), dtype=cupy.float32).astype(cuattn.dtypes.BFLOAT16) for h in (32, 8, 8, 32))
-        shard = lambda x: [cupy.ascontiguousarray(layouts.shard(x, w, r, "zigzag")) for r in range(w)]  # noqa: E731
-        qs, ks, vs, ds = shard(q), shard(k), shard(v), shard(dout)
-        out, lse = cuattn.attention(q, k, v, causal=True, return_lse=True)
-        outs, lses = cuattn.dist.ring_attention_simulated(qs, ks, vs, layout="zigzag", causal=True, return_lse=True)
-        pieces = _zigzag_pieces(qs, ks, vs, ds)
-        piece_outs = [cuattn.attention(pq, pk, pv, causal=c, return_lse=True) for pq, pk, pv, _, c in pieces]
+        (q, k, v, dout, out, lse), (qs, ks, vs, ds, outs, lses), pieces, piece_outs = case(tokens, w)
         t = {
             "single_fwd": ms(lambda: cuattn.attention(q, k, v, causal=True, return_lse=True)),
             "ring_fwd": ms(lambda: cuattn.dist.ring_attention_simulated(qs, ks, vs, layout="zigzag", causal=True, return_lse=True)),
