@@ -107,7 +107,7 @@ def backward_steps(ctx, c_type: str, a: dict, grads: tuple, options: AttnOptions
     while those small kernels run. Posted after them it became ready at the same moment as the
     first backward kernel, whose CTAs can take every SM; when they did, the transfer waited for
     that kernel's whole run while the peer's NCCL kernel spun on its SMs (2 x H200, 8k tokens
-    per rank: one rank's first backward kernel 12% slower)."""
+    per rank: one rank's first backward kernel 13% slower)."""
     q, k, v = a["q"], a["k"], a["v"]
     batch, _, heads_q, head_dim = q.shape
     cur = (k, v)
