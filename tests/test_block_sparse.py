@@ -369,10 +369,11 @@ def test_hopper_block_sparse_backward_takes_the_tma_kernel(monkeypatch, d):
     same order), key blocks that no query keeps included."""
     import cupy
 
-    from cuattn import loader
+    from cuattn import loader, replay
 
     if loader.device_arch() != "sm_90a":
         pytest.skip("the Hopper kernels")
+    replay.clear()  # a plan recorded by an earlier test would launch without loading its kernels
     launched = []
     load = loader.load_kernel
     monkeypatch.setattr(loader, "load_kernel", lambda variant: launched.append(variant.uri) or load(variant))
