@@ -10,7 +10,8 @@ import argparse
 import json
 import pathlib
 
-SIZES = [(2, 1024, 8, 64, False), (2, 1024, 8, 64, True), (1, 4096, 8, 128, False), (1, 4096, 8, 128, True)]
+SIZES = [(2, 1024, 8, 64, False), (2, 1024, 8, 64, True), (1, 4096, 8, 128, False), (1, 4096, 8, 128, True),
+         *((1, 2048, 8, d, True) for d in (96, 160, 192, 224, 256)), (1, 2048, 8, 256, False)]
 
 
 def _textbook(q, k, v, causal):
