@@ -247,9 +247,10 @@ class _HeapCtx:
         return np.lib.stride_tricks.as_strided(self.heap[ptr:].view(dtype), shape, [s * item for s in strides])
 
 
-def _lockstep(ctx, gens, in_flight: dict) -> None:
+def _lockstep(ctx, gens, in_flight: dict, order: list | None = None) -> None:
     """Every rank's generator in step on the heap: a send copies each rank's arrays into the next
-    rank's buffers, and ``in_flight`` holds the byte ranges of each channel until its wait."""
+    rank's buffers, and ``in_flight`` holds the byte ranges of each channel until its wait.
+    ``order`` gets "kind:channel" for each exchange, after what the ranks queued before it."""
     world = len(gens)
     while True:
         ops = [next(g, None) for g in gens]
@@ -257,6 +258,8 @@ def _lockstep(ctx, gens, in_flight: dict) -> None:
             break
         assert len({op[:2] for op in ops}) == 1, ops
         kind, channel = ops[0][:2]
+        if order is not None:
+            order.append(f"{kind}:{channel}")
         if kind == "send":
             assert channel not in in_flight, f"{channel} posted twice"
             in_flight[channel] = [(a.ptr, a.ptr + a.size * a.dtype.itemsize) for op in ops for a in (*op[2], *op[3])]
@@ -361,9 +364,13 @@ def test_backward_schedule_routes_every_gradient_piece_to_its_shard(lay, world, 
     touched its rows exactly once, wherever the pair ran (dK / dV through the scratch and the
     accumulators travelling the ring, received in the same step they are added to). dQ either
     through an fp32 sum each launch adds into, or (``shared_dq``: rows on 64-row tiles) through
-    one accumulator the pieces share, zeroed by one prep and read by one finishing pass."""
+    one accumulator the pieces share, zeroed by one prep and read by one finishing pass. The
+    first K/V exchange is posted before anything is queued (ring.backward_steps says why)."""
     local, batch, heads, d = (64 if shared_dq else 8) * (2 if lay == "zigzag" else 1), 1, 1, 8
     ctx = _HeapCtx()
+    order = []  # launches, zeroing and exchanges, in the order the ranks queue them
+    zero = ctx.zero
+    ctx.zero = lambda *arrays: (order.append("zero"), zero(*arrays))
     options = ring.AttnOptions.from_user(causal, None, "bottom_right", None, None, head_dim=d)
     plans = [ring.plan(local * world, world, r, lay, *ring._mask(options)) for r in range(world)]
 
@@ -387,6 +394,7 @@ def test_backward_schedule_routes_every_gradient_piece_to_its_shard(lay, world, 
         a = p["attn"]
         rows_q, rows_k = (batch, int(a["seqlen_q"]), heads, d), (batch, int(a["seqlen_k"]), heads, d)
         assert (stage == "all") != shared_dq, stage
+        order.append("launch")
         if stage == "prep":
             accumulator(p, rows_q[1])[...] = 0
             return
@@ -425,10 +433,11 @@ def test_backward_schedule_routes_every_gradient_piece_to_its_shard(lay, world, 
     mp.setattr(ring, "tma_splits", lambda *args: 1)  # the stand-in kernel adds each pair once, whatever its CTAs
     try:
         gens = [ring.backward_steps(ctx, "float", arrays[r], grads[r], options, plans[r], False) for r in range(world)]
-        _lockstep(ctx, gens, in_flight)
+        _lockstep(ctx, gens, in_flight, order)
     finally:
         mp.undo()
     assert not in_flight
+    assert order[0] == "send:kv" if world > 1 else "send:kv" not in order, order[:4]
     for owner in range(world):
         runs = plans[owner].runs
         want_q, want_kv = np.zeros(local), np.zeros(local)
