@@ -15,5 +15,7 @@ COMMANDS = {
     "block_sparse": "bench_block_sparse", "readme": "readme",
 }
 argv = sys.argv[1:]
+if argv[:1] in (["-h"], ["--help"]):
+    print(f"python -m benchmarks [{' | '.join(COMMANDS)}] [options]   (each command's --help lists its options)\n\n{__doc__}\n")
 command = argv.pop(0) if argv and argv[0] in COMMANDS else "suite"
 importlib.import_module(f"benchmarks.{COMMANDS[command]}").main(argv)

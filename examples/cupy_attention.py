@@ -8,6 +8,9 @@ import ml_dtypes
 import numpy as np
 
 import cuattn
+from cuattn import requirements
+
+requirements.require_gpu()  # cuattn's message where there is no GPU, before CuPy's first allocation
 
 bf16 = np.dtype(ml_dtypes.bfloat16)
 q, k, v, dout = (cupy.random.standard_normal((4, 1024, 16, 128), dtype=np.float32).astype(bf16) for _ in range(4))

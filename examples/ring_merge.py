@@ -9,6 +9,9 @@ import cupy
 import numpy as np
 
 import cuattn
+from cuattn import requirements
+
+requirements.require_gpu()  # cuattn's message where there is no GPU, before CuPy's first allocation
 
 rng = np.random.default_rng(0)
 q = cupy.asarray(rng.standard_normal((1, 256, 4, 64)).astype(np.float16))

@@ -3,11 +3,12 @@ messages when a package is too old or no CUDA GPU is there."""
 
 import pathlib
 import sys
-import tomllib
 import types
 
 import numpy as np
 import pytest
+
+tomllib = pytest.importorskip("tomllib", reason="pyproject.toml is read with tomllib (Python 3.11+)")
 from packaging.requirements import Requirement
 from packaging.version import Version
 
