@@ -26,9 +26,10 @@ def attention(
     q : ``(batch, seqlen_q, heads_q, head_dim)``
     k, v : ``(batch, seqlen_k, heads_kv, head_dim)``; ``heads_q % heads_kv == 0`` (MHA, GQA,
         MQA). K/V are read in place for every query head of their group, never copied.
-        float16 or bfloat16 (tensor cores, fp32 accumulation) or float32 (fp32 throughout, no
-        tf32; a slower path). ``head_dim``: a multiple of 8 up to 256 (computed in the kernel
-        padded to the next of 32, 64, 96, ..., 256). Any strides with a unit last stride; for
+        float16 or bfloat16 (tensor cores, fp32 accumulation) or float32 (CUDA cores, dot
+        products, output and denominator accumulated in fp64, no tf32; a slower path).
+        ``head_dim``: a multiple of 8 up to 256 (computed in the kernel padded to the next of
+        32, 64, 96, ..., 256). Any strides with a unit last stride; for
         float16 / bfloat16 the other strides must be multiples of 8 elements and the data
         16-byte aligned (true of any contiguous tensor and of most views).
     causal : bool

@@ -192,11 +192,13 @@ def with_sink(out, lse, sink):
     return out * weight.transpose(0, 2, 1)[..., None], total
 
 
-def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, window=None, align="bottom_right", scale=None,
-                     softcap=None, dropout_p=0.0, dropout_seed=None, return_lse=False, **_):
-    """Reference of :func:`cuattn.attention_varlen`: every packed sequence through
-    :func:`attention` alone. Returns float64 ``out`` ``(total_q, heads_q, head_dim)`` (and
-    ``lse`` ``(heads_q, total_q)``)."""
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None, causal=False, window=None,
+                     align="bottom_right", scale=None, softcap=None, sink=None, dropout_p=0.0, dropout_seed=None, return_lse=False,
+                     out=None):
+    """Reference of :func:`cuattn.attention_varlen`, with its signature: every packed sequence
+    through :func:`attention` alone. Returns float64 ``out`` ``(total_q, heads_q, head_dim)``
+    (and ``lse`` ``(heads_q, total_q)``); ``max_seqlen_*`` and ``out`` change nothing here (a
+    new array is returned)."""
     q, k, v = _f64(q), _f64(k), _f64(v)
     cu_q, cu_k = (np.asarray(c, dtype=np.int64) for c in (cu_seqlens_q, cu_seqlens_k))
     out = np.zeros((q.shape[0], q.shape[1], v.shape[2]))
@@ -204,7 +206,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, windo
     for b in range(len(cu_q) - 1):
         rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
         o, l = attention(q[None, rows], k[None, keys], v[None, keys], causal=causal, window=window, align=align, scale=scale,
-                         softcap=softcap, dropout_p=dropout_p, dropout_seed=dropout_seed, return_lse=True, first_sequence=b)
+                         softcap=softcap, sink=sink, dropout_p=dropout_p, dropout_seed=dropout_seed, return_lse=True, first_sequence=b)
         out[rows], lse[:, rows] = o[0], l[0]
     return (out, lse) if return_lse else out
 
@@ -284,23 +286,28 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, al
     return dq, dk, dv, (p_sink * (dlse - delta)).sum(axis=(0, 2))
 
 
-def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, causal=False, window=None,
-                              align="bottom_right", scale=None, softcap=None, dropout_p=0.0, dropout_seed=None, dlse=None, **_):
-    """Reference gradients of :func:`attention_varlen`: every packed sequence through
+def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None,
+                              causal=False, window=None, align="bottom_right", scale=None, softcap=None, sink=None, dropout_p=0.0,
+                              dropout_seed=None, dlse=None, deterministic=False):
+    """Reference gradients ``(dq, dk, dv)`` of :func:`attention_varlen` (with ``sink``, and
+    ``dsink`` summed over the sequences), with its signature: every packed sequence through
     :func:`attention_backward` alone. ``lse`` and ``dlse`` are ``(heads_q, total_q)``."""
     dout, q, k, v, out, lse = map(_f64, (dout, q, k, v, out, lse))
     dlse = None if dlse is None else _f64(dlse)
     cu_q, cu_k = (np.asarray(c, dtype=np.int64) for c in (cu_seqlens_q, cu_seqlens_k))
     dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    dsink = None if sink is None else np.zeros(np.shape(sink))
     for b in range(len(cu_q) - 1):
         rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
         grads = attention_backward(
             dout[None, rows], q[None, rows], k[None, keys], v[None, keys], out[None, rows], lse[None, :, rows],
-            causal=causal, window=window, align=align, scale=scale, softcap=softcap, dropout_p=dropout_p, dropout_seed=dropout_seed,
-            dlse=None if dlse is None else dlse[None, :, rows], first_sequence=b,
+            causal=causal, window=window, align=align, scale=scale, softcap=softcap, sink=sink, dropout_p=dropout_p,
+            dropout_seed=dropout_seed, dlse=None if dlse is None else dlse[None, :, rows], first_sequence=b,
         )
-        dq[rows], dk[keys], dv[keys] = (g[0] for g in grads)
-    return dq, dk, dv
+        dq[rows], dk[keys], dv[keys] = (g[0] for g in grads[:3])
+        if sink is not None:
+            dsink += grads[3]
+    return (dq, dk, dv) if sink is None else (dq, dk, dv, dsink)
 
 
 def merge(outs, lses):

@@ -199,3 +199,37 @@ def test_merge_of_empty_partials():
 def test_align_rejects_unknown():
     with pytest.raises(ValueError, match="align"):
         reference.diagonal_offset(3, 4, "center")
+
+
+def test_varlen_references_take_cuattns_signatures_and_sinks():
+    """The varlen references have cuattn.attention_varlen(_backward)'s keywords (an unknown one
+    is a TypeError, not ignored), and a sink counts in every packed sequence as in the dense
+    reference run on it alone; dsink sums over the sequences."""
+    import inspect
+
+    import cuattn
+
+    for name in ("attention_varlen", "attention_varlen_backward"):
+        ours, theirs = inspect.signature(getattr(reference, name)), inspect.signature(getattr(cuattn, name))
+        assert list(ours.parameters) == list(theirs.parameters), name
+    rng = np.random.default_rng(3)
+    lengths = [5, 0, 9]
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    q, k, v, dout = (rng.standard_normal((cu[-1], h, 16)) for h in (4, 2, 2, 4))
+    sink = rng.standard_normal(4)
+    out, lse = reference.attention_varlen(q, k, v, cu, cu, causal=True, sink=sink, return_lse=True)
+    dq, dk, dv, dsink = reference.attention_varlen_backward(dout, q, k, v, out, lse, cu, cu, causal=True, sink=sink)
+    total = np.zeros(4)
+    for b in range(len(lengths)):
+        r = slice(cu[b], cu[b + 1])
+        o, l = reference.attention(q[None, r], k[None, r], v[None, r], causal=True, sink=sink, return_lse=True)
+        np.testing.assert_allclose(out[r], o[0], atol=1e-12)
+        np.testing.assert_allclose(lse[:, r], l[0], atol=1e-12)
+        grads = reference.attention_backward(dout[None, r], q[None, r], k[None, r], v[None, r], o, l, causal=True, sink=sink)
+        for got, want in zip((dq, dk, dv), grads[:3]):
+            np.testing.assert_allclose(got[r], want[0], atol=1e-12)
+        total += grads[3]
+    np.testing.assert_allclose(dsink, total, atol=1e-12)
+    assert not np.allclose(out, reference.attention_varlen(q, k, v, cu, cu, causal=True))  # the sink changed something
+    with pytest.raises(TypeError):
+        reference.attention_varlen(q, k, v, cu, cu, sink_tokens=1)
