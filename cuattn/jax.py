@@ -113,6 +113,7 @@ def call(name: str, *arrays, **options):
     # XLA allocates every buffer the op allocates: its outputs, then its scratch (delta, ...);
     # the run replays the choices that sized them. Written arrays come back as extra results.
     traced = boundary.trace(entry.call, *arrays, **options)
+    _check_on_gpu(entry.array_names, arrays)
     results = [jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)) for shape, dtype in traced.allocations]
     allocated = len(results)
     results += [jax.ShapeDtypeStruct(arrays[i].shape, arrays[i].dtype) for i in written]
@@ -136,6 +137,25 @@ def call(name: str, *arrays, **options):
     outputs = buffer_callback(callback, results, input_output_aliases=aliases or None)(*arrays)
     outputs = varying_like(outputs, jax.tree_util.tree_leaves(arrays))
     return tuple(outputs[: len(entry.returns)]) + tuple(outputs[allocated:])
+
+
+def _check_on_gpu(names, arrays) -> None:
+    """The kernels run on CUDA devices: a ValueError where JAX has no GPU backend (its CPU-only
+    build) or an argument is a concrete array on another device, instead of XLA's error when the
+    callback runs. (A traced argument's device is XLA's to choose.)"""
+    try:
+        jax.devices("gpu")
+    except RuntimeError:
+        raise ValueError("cuattn.jax: JAX sees no CUDA GPU (a CPU-only JAX?): the kernels need JAX's CUDA plugin, "
+                         "e.g. pip install 'jax[cuda13]'") from None
+    for name, a in zip(names, arrays):
+        for leaf in jax.tree_util.tree_leaves(a):
+            try:
+                platforms = {d.platform for d in leaf.devices()}
+            except Exception:  # a tracer, or not a JAX array
+                continue
+            if platforms - {"gpu", "cuda"}:
+                raise ValueError(f"{name} is on {'/'.join(sorted(platforms))}: cuattn.jax runs on CUDA devices (jax.device_put it to a GPU)")
 
 
 def _varying_axes(x) -> frozenset:
