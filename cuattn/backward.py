@@ -186,9 +186,9 @@ def _tma_serves(ctx, c_type: str, p: np.void, g: BackwardGrid, sparse: bool) -> 
 def tma_splits(ctx, c_type: str, p: np.void, g: BackwardGrid, sparse: bool = False) -> int:
     """CTAs per key block of the TMA backward (kernels/backward.py tma_query_splits) for a fused
     call that it serves, else 1."""
-    if sparse or not _tma_serves(ctx, c_type, p, g, sparse):  # a block mask's steps are not split
+    if not _tma_serves(ctx, c_type, p, g, sparse):
         return 1
-    return backward.tma_query_splits(g, loader.device_sm_count(ctx.device_index()))
+    return backward.tma_query_splits(g, loader.device_sm_count(ctx.device_index()), sparse)
 
 
 def _split_key_blocks(ctx, c_type, p, g, grads, sparse: bool):

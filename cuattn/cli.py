@@ -187,7 +187,7 @@ def cmd_compile(args) -> int:
             json.dump([{k: v for k, v in vars(r).items() if k != "log"} for r in reports], f, indent=1)
     failed = [r for r in reports if r.failed]
     for r in failed:
-        print(f"\n{r.uri} [{r.arch}] {'failed to compile' if not r.ok else 'spills registers (hot kernel)'}:\n{r.log}", file=sys.stderr)
+        print(f"\n{r.uri} [{r.arch}] {r.failure}:\n{r.log}", file=sys.stderr)
     print(f"{len(reports)} compiled, {len(failed)} failed")
     return 1 if failed else 0
 

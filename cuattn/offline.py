@@ -49,10 +49,23 @@ class CompileReport:
         return self.static_smem + self.dynamic_smem > self.smem_limit
 
     @property
+    def failure(self) -> str:
+        """Why the variant fails the gate ("" where it passes): a compile error, more shared
+        memory than the target has per block, or a serialized wgmma or a spill in a kernel
+        marked hot."""
+        if not self.ok:
+            return "failed to compile"
+        if self.over_smem:
+            return f"needs {self.static_smem + self.dynamic_smem} bytes of shared memory, over the target's {self.smem_limit}"
+        if self.hot and self.wgmma_serialized:
+            return "serializes its wgmma instructions (hot kernel)"
+        if self.hot and self.spills:
+            return "spills registers (hot kernel)"
+        return ""
+
+    @property
     def failed(self) -> bool:
-        """A compile error, more shared memory than the target has per block, or a spill or
-        serialized wgmma in a kernel marked hot."""
-        return not self.ok or self.over_smem or (self.hot and (self.spills or self.wgmma_serialized))
+        return bool(self.failure)
 
 
 def _parse(report: CompileReport, log: str) -> None:

@@ -1,6 +1,9 @@
 """Where the ring's time goes at one size: the ring forward alone and forward + backward over
 the process group, against the same pieces run standalone with cuattn.attention on one GPU
-(the own shard causal, the later step's rectangle unmasked). torchrun --nproc_per_node 2."""
+(the own shard causal, the later step's rectangle unmasked). torchrun --nproc_per_node 2.
+RING_PROFILE=trace_RANK.json: a torch.profiler trace of each rank (scripts/trace_timeline.py
+reads the last round: RING_QUEUED forward + backward calls back to back, default 1);
+RING_NCCL_STREAM=default: NCCL's streams at default priority (else high, as bench_ring.py)."""
 
 import os
 import sys
@@ -12,11 +15,11 @@ import cuattn
 import cuattn.dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.bench_ring import _ms, _single_ms  # noqa: E402
+from benchmarks.bench_ring import _ms, _single_ms, nccl_options  # noqa: E402
 
 
 def main():
-    dist.init_process_group("nccl")
+    dist.init_process_group("nccl", pg_options=nccl_options("nccl", os.environ.get("RING_NCCL_STREAM", "high") == "high"))
     rank = dist.get_rank()
     torch.cuda.set_device(rank)
     group = dist.group.WORLD
@@ -74,8 +77,9 @@ def main():
             for _ in range(3):  # the last round is the one to read: the profiler's start skews the first
                 torch.cuda.synchronize()
                 dist.barrier()
-                fwd()
-                bwd()
+                for _ in range(int(os.environ.get("RING_QUEUED", "1"))):
+                    fwd()
+                    bwd()
             torch.cuda.synchronize()
         prof.export_chrome_trace(os.environ["RING_PROFILE"].replace("RANK", str(rank)))
     dist.destroy_process_group()

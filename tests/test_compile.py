@@ -160,9 +160,23 @@ def test_compile_report_flags_serialized_wgmma(log):
     report = offline.CompileReport("test/serial", "sm_90a", hot=True, ok=True)
     offline._parse(report, log)
     assert report.wgmma_serialized and report.failed and report.registers == 168
+    assert report.failure == "serializes its wgmma instructions (hot kernel)"
     cold = offline.CompileReport("test/serial", "sm_90a", hot=False, ok=True)
     offline._parse(cold, log)
-    assert not cold.failed
+    assert not cold.failed and cold.failure == ""
+
+
+def test_compile_report_names_why_a_variant_fails():
+    """`python -m cuattn compile` prints each failed variant's own reason (it called every
+    failure that compiled a spill)."""
+    def report(ok=True, **fields):
+        return offline.CompileReport("test/x", "sm_90a", hot=True, ok=ok, smem_limit=232448, **fields)
+
+    assert report(ok=False).failure == "failed to compile"
+    assert report(dynamic_smem=240000, static_smem=16).failure == "needs 240016 bytes of shared memory, over the target's 232448"
+    assert report(spill_stores=8, spill_loads=0).failure == "spills registers (hot kernel)"
+    assert report(spill_stores=0, spill_loads=0, dynamic_smem=1024).failure == ""
+    assert not offline.CompileReport("test/x", "sm_90a", hot=False, ok=True, spill_stores=8, spill_loads=8, smem_limit=232448).failed
 
 
 def test_forward_kernel_selection():

@@ -180,3 +180,4 @@ def test_tma_backward_splits_key_blocks_while_their_ctas_are_few(batch, seqlen, 
     assert backward.tma_query_splits(g, 132) == expected
     packed = backward.BackwardGrid("packed", batch, seqlen, seqlen, heads_q, heads_kv, head_dim, batch * seqlen, batch * seqlen)
     assert backward.tma_query_splits(packed, 132) == 1
+    assert backward.tma_query_splits(g, 132, sparse=True) == 1  # a block mask's steps are not split

@@ -361,11 +361,12 @@ TMA_MIN_SPLIT_STEPS = 8  # query steps a split keeps at least (half of them unde
 TMA_MAX_SPLITS = 8
 
 
-def tma_query_splits(g: "BackwardGrid", sm_count: int) -> int:
+def tma_query_splits(g: "BackwardGrid", sm_count: int, sparse: bool = False) -> int:
     """CTAs of the TMA backward that share one key block's query steps (a power of two): the
-    fewest that make TMA_SPLIT_WAVES waves of CTAs, each keeping TMA_MIN_SPLIT_STEPS steps."""
+    fewest that make TMA_SPLIT_WAVES waves of CTAs, each keeping TMA_MIN_SPLIT_STEPS steps.
+    One under a block mask (``sparse``), whose steps the kernel does not split."""
     tile = hopper_bucket(head_dim_bucket(g.head_dim))
-    if g.layout != "dense" or tile not in TMA_TILES or not (g.seqlen_q and g.seqlen_k and g.heads_kv):
+    if sparse or g.layout != "dense" or tile not in TMA_TILES or not (g.seqlen_q and g.seqlen_k and g.heads_kv):
         return 1
     ctas = g.batch * g.heads_kv * -(-g.seqlen_k // TMA_KEYS)
     steps = g.heads_q // g.heads_kv * -(-g.seqlen_q // TMA_TILES[tile][0])
