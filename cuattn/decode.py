@@ -59,8 +59,9 @@ def attention_with_kvcache(
     NumPy ``cache_seqlens`` / ``block_table`` / ``cache_batch_idx`` are checked on the host.
     Device values are not read there; the kernels clamp them: reads take lengths within
     ``[0, capacity]`` (the cache's ``max_seqlen``, or ``max_pages * page_size``) and page
-    numbers and cache rows within the cache; appends skip positions past the capacity and
-    pages outside the cache. No value reads or writes outside the cache.
+    numbers and cache rows within the cache; appends skip positions past the capacity, pages
+    outside the cache and (``cache_batch_idx``) rows outside it. No value reads or writes
+    outside the cache, and an append writes no row or page but the sequence's own.
 
     Returns ``out`` (or ``(out, lse)``) as the caller's array type.
     """
@@ -187,7 +188,8 @@ def append_kv(k_new, v_new, k_cache, v_cache, *, cache_seqlens, block_table=None
     in place, row ``t`` of sequence ``b`` at position ``cache_seqlens[b] + t`` (crossing pages as
     needed); the cache, ``block_table`` and ``cache_batch_idx`` as in
     :func:`attention_with_kvcache`. ``cache_seqlens`` is not changed. Rows whose position passes
-    the capacity, and rows of pages outside the cache, are skipped, never written."""
+    the capacity, rows of pages outside the cache and sequences whose ``cache_batch_idx`` lies
+    outside it are skipped, never written."""
     require_arrays({"k_new": k_new, "v_new": v_new, "k_cache": k_cache, "v_cache": v_cache, "cache_seqlens": cache_seqlens})
     ctx, a = boundary.import_arrays(
         k_new=k_new, v_new=v_new, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens, block_table=block_table,
@@ -289,6 +291,9 @@ def _check_cache(a: dict, batch: int, head_dim: int, dtype_of: str = "q") -> dic
     if capacity >= 2**31:
         raise ValueError(f"a cache of {capacity} positions per sequence is not supported (at most 2**31 - 1)")
     _host_range("cache_seqlens", a["cache_seqlens"], 0, capacity)
+    for name in ("k_new", "v_new"):  # ranked before their strides are read
+        if a.get(name) is not None:
+            validation.check_rank(name, a[name], 4, _NEW)
     for name in ("q", "k_cache", "v_cache", "out", "k_new", "v_new"):
         x = a.get(name)
         if x is None:
@@ -318,6 +323,8 @@ def _check_new(ctx, a: dict, cache: dict) -> None:
     if k_new.shape[0] != batch or k_new.shape[2:] != k.shape[2:]:
         raise ValueError(f"k_new has shape {k_new.shape}; expected (batch={batch}, seqlen_new, heads_kv={k.shape[2]}, head_dim={k.shape[3]})")
     validation.check_shape("v_new", v_new, k_new.shape, "(the shape of k_new)")
+    if k_new.shape[1] > cache["capacity"]:
+        raise ValueError(f"k_new has {k_new.shape[1]} new rows per sequence but the cache holds at most {cache['capacity']} positions per sequence")
     cache["seqlen_new"] = k_new.shape[1]
 
 

@@ -75,12 +75,16 @@ class AttnOptions:
         ``seqlen_k`` key rows (packed: the totals, and the kernels place each sequence's diagonal
         from ``bottom_right``). Causal masking is the window's right bound at 0, and a bound
         that reaches past both sequences is unbounded (-1): the kernels add bounds to row and
-        column indices in int32, so nothing larger than ``seqlen_q + seqlen_k`` reaches them."""
+        column indices in int32, so nothing larger than ``seqlen_q + seqlen_k`` reaches them,
+        and a positive bound needs ``seqlen_q + seqlen_k < 2**30`` (a ValueError otherwise)."""
         left, right = self.window_left, self.window_right
         if self.causal:
             right = 0 if right < 0 else min(right, 0)
         reach = seqlen_q + seqlen_k
         left, right = (-1 if w > reach else w for w in (left, right))
+        if max(left, right) > 0 and 2 * reach >= 2**31:
+            raise ValueError(f"window bounds over {seqlen_q} query and {seqlen_k} key positions are not supported: the kernels add "
+                             "them to positions in int32 (at most 2**30 positions together)")
         return dict(
             window_left=left, window_right=right, diagonal_offset=0 if packed else diagonal_offset(seqlen_q, seqlen_k, self.align),
             scale=self.scale, softcap=self.softcap, exp2_scale=LOG2E * (1.0 if self.softcap else self.scale),

@@ -281,16 +281,18 @@ def test_one_captured_graph_serves_new_lengths_and_page_tables(seqlen_q):
         np.testing.assert_allclose(captured.get().astype(np.float64), ref, atol=2e-2)
 
 
-def _expected_append(k, table, lengths, k_new):
-    """The host cache after appending: row t of sequence b at position lengths[b] + t, skipping
-    positions past the capacity and pages outside the cache (as the kernel does)."""
+def _expected_append(k, table, lengths, k_new, rows=None):
+    """The host cache after appending: row t of sequence b at position lengths[b] + t of its
+    cache row (``rows[b]``, else b) or pages, skipping positions past the capacity, pages and
+    rows outside the cache (as the kernel does)."""
     k = k.copy()
     for b in range(k_new.shape[0]):
         for t in range(k_new.shape[1]):
             pos = int(lengths[b]) + t
             if table is None:
-                if pos < k.shape[1]:
-                    k[b, pos] = k_new[b, t]
+                row = b if rows is None else int(rows[b])
+                if pos < k.shape[1] and 0 <= row < k.shape[0]:
+                    k[row, pos] = k_new[b, t]
             elif pos < table.shape[1] * k.shape[1] and 0 <= table[b, pos // k.shape[1]] < k.shape[0]:
                 k[table[b, pos // k.shape[1]], pos % k.shape[1]] = k_new[b, t]
     return k
@@ -342,6 +344,27 @@ def test_appends_past_the_capacity_or_outside_the_pages_are_skipped():
     np.testing.assert_array_equal(kd.get(), _expected_append(k, table, lengths, k_new))
     np.testing.assert_array_equal(vd.get(), _expected_append(v, table, lengths, v_new))
     assert (kd.get() != k).sum() > 0
+
+
+@gpu
+def test_appends_through_cache_batch_idx_write_only_their_own_rows():
+    """A contiguous cache of 5 rows for 4 sequences picked by cache_batch_idx on the device, two
+    of them out of range: the others' new rows land in the rows they name, and the out-of-range
+    ones write nothing (reads clamp such an index into the cache; an append clamped so would
+    write another sequence's row)."""
+    import cupy
+
+    rng = np.random.default_rng(15)
+    k, v, _ = _cache(rng, [40] * 5, 2, 64, "bfloat16")
+    rows, lengths = np.array([3, 9, 0, -1], np.int32), np.array([5, 0, 38, 7], np.int32)
+    k_new, v_new = (randn(rng, (4, 3, 2, 64), "bfloat16") for _ in range(2))
+    kd, vd = cupy.asarray(k), cupy.asarray(v)
+    cuattn.append_kv(cupy.asarray(k_new), cupy.asarray(v_new), kd, vd, cache_seqlens=cupy.asarray(lengths), cache_batch_idx=cupy.asarray(rows))
+    np.testing.assert_array_equal(kd.get(), _expected_append(k, None, lengths, k_new, rows))
+    np.testing.assert_array_equal(vd.get(), _expected_append(v, None, lengths, v_new, rows))
+    untouched = [1, 2, 4]  # row 0 takes two of sequence 2's rows (the third passes the capacity), row 3 sequence 0's
+    np.testing.assert_array_equal(kd.get()[untouched], k[untouched])
+    np.testing.assert_array_equal(vd.get()[untouched], v[untouched])
 
 
 @gpu
@@ -417,6 +440,8 @@ def _paged(a):
     (lambda a: {**a, "causal": 1}, TypeError, r"causal must be a bool"),
     (lambda a: {**a, "softcap": -1.0}, ValueError, r"softcap"),
     (lambda a: {**a, "k_new": np.ones((2, 1, 2, 64), np.float16)}, TypeError, r"k_new and v_new go together"),
+    (lambda a: {**a, "k_new": np.ones((2, 1, 2, 64), np.float16), "v_new": np.ones((), np.float16)}, ValueError,
+     r"v_new must have 4 dimensions"),  # ranked before its strides are read (was an IndexError)
     (lambda a: {**a, "k_new": np.ones((2, 1, 2, 64), np.float16), "v_new": np.ones((2, 1, 2, 64), np.float16)}, TypeError,
      r"appending writes the cache in place, which numpy arrays cannot be"),
 ])
@@ -465,6 +490,8 @@ def test_reference_reads_pages_like_a_contiguous_cache():
     (lambda a: {**a, "k_new": a["k_new"][:, :, :1], "v_new": a["v_new"][:, :, :1]}, ValueError, r"k_new has shape"),
     (lambda a: {**a, "v_new": a["v_new"][:, :1]}, ValueError, r"v_new has shape"),
     (lambda a: {**a, "k_new": a["k_new"].astype(np.float32), "v_new": a["v_new"].astype(np.float32)}, TypeError, r"k_new has dtype float32"),
+    (lambda a: {**a, "k_new": a["k_new"][:, :1].repeat(33, axis=1), "v_new": a["v_new"][:, :1].repeat(33, axis=1)}, ValueError,
+     r"k_new has 33 new rows per sequence but the cache holds at most 32 positions"),  # was accepted, its last rows dropped
 ])
 def test_append_rejects_bad_arguments(change, error, match):
     import cupy

@@ -267,6 +267,18 @@ def test_window_bounds_are_clamped_to_the_sequences(window, causal, expected):
     assert _kernel_bounds(causal, window, 4, 5)[:2] == expected
 
 
+def test_positive_window_bounds_over_more_than_2_30_positions_are_refused():
+    """Such a bound added to a position could pass int32 in the kernels (a paged KV cache makes
+    capacities near 2**31 cheap); a causal mask, a zero bound or an unbounded side still pass."""
+    with pytest.raises(ValueError, match=r"window bounds over 1 query and 1073741824 key positions are not supported"):
+        _kernel_bounds(False, (None, 2**30 - 5), 1, 2**30)
+    with pytest.raises(ValueError, match=r"not supported"):
+        _kernel_bounds(False, (2**30 - 5, None), 1, 2**30)
+    assert _kernel_bounds(True, None, 1, 2**31 - 2)[:2] == (-1, 0)
+    assert _kernel_bounds(False, (None, 2**31 - 1), 1, 2**31 - 10)[:2] == (-1, -1)  # past both: unbounded
+    assert _kernel_bounds(False, (5, None), 1, 2**29 - 6)[:2] == (5, -1)
+
+
 def test_backward_names_missing_arguments():
     args = _backward_args()
     for i, name in enumerate(("dout", "q", "k", "v", "out", "lse")):

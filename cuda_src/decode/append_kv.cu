@@ -1,7 +1,8 @@
 // Appends k_new / v_new to the KV cache in place: row t of sequence b goes to position
 // cache_seqlens[b] + t of its cache (contiguous row, or the page the block table names, crossing
-// pages as needed). Positions past the capacity and pages outside the cache are skipped, never
-// written: a bad device value cannot write outside the sequence's own cache. One warp per
+// pages as needed). Positions past the capacity, pages outside the cache and cache rows
+// (cache_batch_idx) outside it are skipped, never written: a bad device value cannot write
+// outside the sequence's own cache (CacheRows clamps, which serves reads only). One warp per
 // (sequence, new row, KV head), 16-byte chunks.
 #include "common/dependent_launch.cuh"
 #include "common/params.cuh"
@@ -25,6 +26,9 @@ __global__ void __launch_bounds__(kAppendWarps * 32) append_kv_kernel(const __gr
   int at = cache.row;
   if constexpr (PAGED) {
     at = cache.table[cache.page_of(pos)];
+    if (at < 0 || at >= p.cache_rows) return;
+  } else if (p.cache_batch_idx != nullptr) {
+    at = p.cache_batch_idx[seq];
     if (at < 0 || at >= p.cache_rows) return;
   }
   const int in_row = cache.pos_of(pos);
