@@ -157,13 +157,13 @@ def from_callable(fn, seqlen_q: int, seqlen_k: int, *, batch: int | None = None,
     Python ints only is called per block."""
     nq, nk = blocks(_length("seqlen_q", seqlen_q)), blocks(_length("seqlen_k", seqlen_k))
     per_entry = batch is not None or heads is not None
-    nb, nh = (batch or 1, heads or 1)
+    nb, nh = (1 if n is None else _count(name, n, 1) for name, n in (("batch", batch), ("heads", heads)))
     grids = np.ix_(np.arange(nb), np.arange(nh), np.arange(nq), np.arange(nk))
     args = grids if per_entry else grids[2:]
     try:
         keep = np.asarray(fn(*args))
         vectorized = keep.dtype != object and keep.ndim and np.broadcast_shapes(keep.shape, (nb, nh, nq, nk)) == (nb, nh, nq, nk)
-    except (TypeError, ValueError):
+    except Exception:  # noqa: BLE001 - not elementwise on arrays (`if`, `and`, indexing by a Python int, ...): called per block below
         vectorized = False
     if not vectorized:  # a function of Python ints (`if`, `and`): once per block
         keep = np.vectorize(lambda *ix: bool(fn(*(int(i) for i in ix))), otypes=[bool])(*args)
@@ -270,10 +270,13 @@ def _count(name: str, n, minimum: int = 0) -> int:
 def check_shapes(mask: BlockMask, batch: int | None = None, heads_q: int | None = None) -> None:
     """ValueError unless the mask's arrays have the shapes of its lengths (and of a call's
     ``batch`` / ``heads_q``, given those)."""
-    nq, nk = blocks(mask.seqlen_q), blocks(mask.seqlen_k)
     lead = tuple(mask.kv_counts.shape[:2]) if getattr(mask.kv_counts, "ndim", 0) == 3 else None
     if lead is None:
         raise ValueError(f"block_mask.kv_counts must be (B, H, q_blocks), got shape {tuple(mask.kv_counts.shape)}")
+    if mask.seqlen_q is None:  # an adapter's mask of the call's lengths (cuattn/ops.py): the arrays' own block counts
+        nq, nk = mask.kv_counts.shape[2], getattr(mask.q_counts, "shape", (0, 0, 0))[-1]
+    else:
+        nq, nk = blocks(mask.seqlen_q), blocks(mask.seqlen_k)
     expected = {
         "kv_counts": lead + (nq,), "kv_indices": lead + (nq, nk), "q_counts": lead + (nk,), "q_indices": lead + (nk, nq),
     }
@@ -317,10 +320,7 @@ def check_call(mask: BlockMask | None, arrays: dict, batch: int, heads_q: int, s
     mask's under their :func:`array_arguments` names), before anything is uploaded."""
     if mask is None:
         return
-    if mask.seqlen_q is not None and (mask.seqlen_q, mask.seqlen_k) != (seqlen_q, seqlen_k):
-        raise ValueError(
-            f"block_mask was built for seqlen_q {mask.seqlen_q}, seqlen_k {mask.seqlen_k}; the call has {seqlen_q} and {seqlen_k}"
-        )
+    check_lengths(mask, seqlen_q, seqlen_k)
     if dropout is not None:
         raise ValueError("block_mask is not supported with dropout")
     if sink_tokens:
@@ -337,6 +337,17 @@ def check_call(mask: BlockMask | None, arrays: dict, batch: int, heads_q: int, s
             if size > 1 and stride != contiguous:
                 raise ValueError(f"block_mask.{name} must be C-contiguous (strides {tuple(x.strides)} in elements)")
             contiguous *= size
+    if all(x.ptr is None and isinstance(x.native, np.ndarray) for x in views.values()):  # host arrays: their values too
+        BlockMask(**{name: x.native for name, x in views.items()}, seqlen_q=seqlen_q, seqlen_k=seqlen_k).check()
+
+
+def check_lengths(mask: BlockMask, seqlen_q: int, seqlen_k: int) -> None:
+    """ValueError unless ``mask`` was built for a call of these lengths (a mask of the call's
+    lengths, seqlen None, passes)."""
+    if mask.seqlen_q is not None and (mask.seqlen_q, mask.seqlen_k) != (seqlen_q, seqlen_k):
+        raise ValueError(
+            f"block_mask was built for seqlen_q {mask.seqlen_q}, seqlen_k {mask.seqlen_k}; the call has {seqlen_q} and {seqlen_k}"
+        )
 
 
 def kernel_fields(mask: BlockMask | None, arrays: dict) -> dict:

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cuattn import boundary, ops, replay, requirements
-from cuattn.block_mask import ARRAY_FIELDS, BlockMask
+from cuattn.block_mask import ARRAY_FIELDS, BlockMask, check_lengths
 from cuattn.decode import check_num_splits
 from cuattn.dropout import check_dropout_p
 from cuattn.options import WINDOW_SCHEMA, AttnOptions, flat_seqlen_bounds
@@ -54,6 +54,7 @@ def attention(
             raise NotImplementedError("cuattn.jax.attention takes block_mask without sink or dropout")
         if not isinstance(block_mask, BlockMask):
             raise TypeError(f"block_mask must be a cuattn.block_mask.BlockMask, got {type(block_mask).__name__}")
+        check_lengths(block_mask, q.shape[1], k.shape[1])  # the op sees the arrays alone
         out, lse = _differentiable("attention_block_sparse")(options, q, k, v, *block_mask.arrays)
     elif check_dropout_p(dropout_p):
         if sink is not None:

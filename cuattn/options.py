@@ -184,8 +184,8 @@ def check_max_seqlen(name: str, value) -> int | None:
         return None
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name} must be an int (or None), got {type(value).__name__} {value!r}")
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
+    if not 0 <= value < 2**31:
+        raise ValueError(f"{name} must be in [0, 2**31), got {value}")
     return int(value)
 
 

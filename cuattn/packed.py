@@ -140,7 +140,7 @@ def describe_report(found: int) -> str:
     what = {
         "kFirstNotZero": "does not start at 0",
         "kDecreasing": f"decreases at entry {entry}",
-        "kLastNotTotal": f"does not end at the number of rows (its last entry, {entry}, differs)",
+        "kLastNotTotal": f"does not end at the number of rows (entry {entry}, its last, differs)",
         "kLongerThanBound": f"has sequence {entry - 1} longer than {bound} (the bound its grid covered)",
     }[packed_plan.RULES[rule]]
     return (

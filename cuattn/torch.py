@@ -16,7 +16,7 @@ import torch
 from cuattn import ops, replay, requirements
 from cuattn.attention import attention as core_attention
 from cuattn.backward import attention_backward as core_attention_backward
-from cuattn.block_mask import ARRAY_FIELDS as BLOCK_MASK_FIELDS, BlockMask
+from cuattn.block_mask import ARRAY_FIELDS as BLOCK_MASK_FIELDS, BlockMask, check_lengths
 from cuattn.dropout import check_dropout_p, check_seed_int
 from cuattn.decode import append_kv as core_append_kv, attention_with_kvcache as core_attention_with_kvcache, check_num_splits
 from cuattn.merge import merge as core_merge
@@ -94,6 +94,7 @@ def _attention_block_sparse(q, k, v, sink, block_mask, options, return_lse):
     tensors = (q, k, v) if sink is None else (q, k, v, sink)
     causal, window, align, scale, softcap, sink_tokens = options
     mask_arrays = block_mask_arrays(block_mask)
+    check_lengths(block_mask, q.shape[1], k.shape[1])  # a traced op sees the arrays alone
     if _eager(*tensors, *mask_arrays):
         if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
             return core_attention(

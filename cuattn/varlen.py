@@ -42,7 +42,7 @@ def attention_varlen(
         kernel checks them on the GPU, and the next varlen call (or
         :func:`check_varlen_offsets`) raises the ValueError it found; meanwhile the kernels
         clamp offsets into ``[0, total]``, so bad values never move a read or write outside
-        the arrays.
+        the arrays (rows that no sequence then covers are left unwritten).
     max_seqlen_q : optional int, a bound on the query lengths that sizes the grid. Omitted, it
         is computed from NumPy offsets, and for device offsets it is ``total_q`` (read from the
         shapes: no synchronization; correct for any offsets, but most thread blocks of such a
@@ -51,7 +51,7 @@ def attention_varlen(
         the rows past the bound are set to NaN (out and lse), never read or written outside
         the arrays.
     max_seqlen_k : optional int, accepted for FlashAttention's signature (the forward does not
-        need it).
+        need it; NumPy offsets are still checked against it, as ``max_seqlen_q``).
     causal, window, align, scale, softcap, sink, dropout_p, dropout_seed, out : as
         :func:`cuattn.attention` (dropout draws as for sequence ``b`` of a dense batch, rows
         and keys counted within the sequence); ``out`` is ``(total_q, heads_q, head_dim)``.

@@ -149,6 +149,59 @@ def test_bad_block_masks_are_refused_before_any_launch():
     _call_both(good, ValueError, "sink_tokens", window=(8, 0), sink_tokens=4)
 
 
+def _edited(mask, name, edit):
+    """A copy of ``mask`` with ``edit`` applied to the host array ``name``."""
+    m = mask.to(np.copy)
+    edit(getattr(m, name))
+    return m
+
+
+def test_host_masks_with_bad_values_are_refused_before_any_launch():
+    """A host mask's values are checked with the call (they were checked only by
+    BlockMask.check, which no call ran): a repeated block would count twice in the softmax, a
+    transpose that lists another mask would make dK / dV disagree with the forward."""
+    good = bm.from_dense(np.ones((3, 3), bool), 300, 260)
+    _call_both(_edited(good, "kv_counts", lambda a: a.__setitem__((0, 0, 0), 4)), ValueError, r"kv_counts must be in \[0, 3\]")
+    _call_both(_edited(good, "kv_counts", lambda a: a.__setitem__((0, 0, 1), -1)), ValueError, r"kv_counts must be in")
+    _call_both(_edited(good, "kv_indices", lambda a: a.__setitem__((0, 0, 0, 2), 1000)), ValueError, r"kv_indices must be block indices")
+    _call_both(_edited(good, "kv_indices", lambda a: a.__setitem__((0, 0, 0, slice(None)), [0, 1, 1])), ValueError, r"strictly ascending")
+    _call_both(_edited(good, "q_counts", lambda a: a.__setitem__((0, 0, 2), 2)), ValueError, r"q_counts / q_indices must list the same mask")
+
+
+# The adapters' ops see a mask's arrays alone: a mask built for 256 x 256 tokens (two blocks,
+# like 200 x 200) is refused for a 200-token call before it is flattened.
+_MASK_256 = bm.from_dense(np.ones((2, 2), bool), 256, 256)
+
+
+def test_torch_adapter_checks_the_mask_lengths():
+    torch = pytest.importorskip("torch")
+    import cuattn.torch
+
+    q = torch.ones((1, 200, 2, 64), dtype=torch.float16)
+    with pytest.raises(ValueError, match="built for seqlen_q 256, seqlen_k 256; the call has 200 and 200"):
+        cuattn.torch.attention(q, q, q, block_mask=_MASK_256.to(torch.as_tensor))
+
+
+def test_jax_adapter_checks_the_mask_lengths():
+    jax = pytest.importorskip("jax")
+    import cuattn.jax
+
+    shape = jax.ShapeDtypeStruct((1, 200, 2, 64), jax.numpy.float16)
+    mask = _MASK_256.to(jax.numpy.asarray)
+    with pytest.raises(ValueError, match="built for seqlen_q 256, seqlen_k 256; the call has 200 and 200"):
+        jax.eval_shape(lambda x: cuattn.jax.attention(x, x, x, block_mask=mask), shape)
+
+
+def test_from_callable_takes_functions_that_index_by_python_ints():
+    """A function that indexes a table by Python ints fails on index arrays with an IndexError;
+    it is then called per block, as a function with `if` is."""
+    table = np.tril(np.ones((3, 3), bool))
+    mask = bm.from_callable(lambda i, j: table[i][j], 384, 384)
+    np.testing.assert_array_equal(mask.to_dense()[0, 0], table)
+    with pytest.raises(ValueError, match="batch must be an int >= 1"):
+        bm.from_callable(lambda b, h, i, j: i >= j, 384, 384, batch=0)
+
+
 def test_torch_adapter_refuses_a_mask_of_other_arrays():
     """A NumPy mask with torch tensors is named before the dispatcher sees it."""
     torch = pytest.importorskip("torch")

@@ -207,7 +207,8 @@ def _host_args(lengths_q=(3, 0, 4), lengths_k=(5, 1, 0), dtype=np.float16):
     (lambda a: {**a, "cu_seqlens_q": np.array([0, 3, 3, 6], np.int32)}, ValueError, r"cu_seqlens_q must end at the number of rows \(7\)"),
     (lambda a: {**a, "cu_seqlens_q": np.array([0], np.int32), "cu_seqlens_k": np.array([0], np.int32)}, ValueError, r"no sequences"),
     (lambda a: {**a, "cu_seqlens_q": np.zeros(0, np.int32), "cu_seqlens_k": np.zeros(0, np.int32)}, ValueError, r"batch \+ 1 >= 1"),
-    (lambda a: {**a, "max_seqlen_q": -1}, ValueError, r"max_seqlen_q must be >= 0"),
+    (lambda a: {**a, "max_seqlen_q": -1}, ValueError, r"max_seqlen_q must be in \[0, 2\*\*31\), got -1"),
+    (lambda a: {**a, "max_seqlen_q": 2**31}, ValueError, r"max_seqlen_q must be in \[0, 2\*\*31\)"),  # was an OverflowError at packing
     (lambda a: {**a, "max_seqlen_q": 3}, ValueError, r"max_seqlen_q \(3\) is below the longest sequence \(4\)"),
     (lambda a: {**a, "max_seqlen_k": 2.0}, TypeError, r"max_seqlen_k must be an int"),
     (lambda a: {**a, "max_seqlen_q": True}, TypeError, r"max_seqlen_q must be an int"),
@@ -240,7 +241,7 @@ def test_varlen_reference_is_attention_per_sequence():
 @pytest.mark.parametrize("offsets, message", [
     ([1, 3, 7, 7], "does not start at 0"),
     ([0, 5, 3, 7], "decreases at entry 2"),
-    ([0, 3, 3, 6], r"does not end at the number of rows \(its last entry, 3, differs\)"),
+    ([0, 3, 3, 6], r"does not end at the number of rows \(entry 3, its last, differs\)"),
 ])
 def test_bad_device_offsets_are_reported_without_reading_out_of_bounds(which, offsets, message):
     """Device offsets are checked on the GPU: the kernels clamp them (every row outside the
@@ -272,5 +273,5 @@ def test_offset_reports_name_the_argument_and_the_rule():
 
     assert describe_report((1 << 32) | 0).startswith("cu_seqlens_q does not start at 0")
     assert describe_report((6 << 32) | 4).startswith("cu_seqlens_k decreases at entry 4")
-    assert describe_report((3 << 32) | 9).startswith("cu_seqlens_q does not end at the number of rows (its last entry, 9")
+    assert describe_report((3 << 32) | 9).startswith("cu_seqlens_q does not end at the number of rows (entry 9, its last, differs)")
     assert describe_report((8 << 32) | 2).startswith("cu_seqlens_k has sequence 1 longer than max_seqlen_k")
