@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cuattn import boundary, params, replay, validation
+from cuattn import boundary, launch, params, replay, validation
 from cuattn.attention import NO_LSE, attn_params, check_sink, launch_forward, require_arrays
 from cuattn.kernels import decode as plan
 from cuattn.kernels import forward
@@ -148,6 +148,7 @@ def _launch_decode(ctx, c_type: str, a: dict, dst, lse, options: AttnOptions, ca
         partial_out = ctx.empty((splits, batch, seqlen_q, heads_q, head_dim), np.float32)
         partial_lse = ctx.empty((splits, batch, heads_q, seqlen_q), np.float32)
     fields = options.kernel_fields(seqlen_q, cache["capacity"])
+    prefetch = ctx.decide("decode_prefetch", lambda: plan.prefetch_blocks(paged, attend.dependent and launch.enabled() and launch.supported(device)))
     p = params.pack(
         params.DECODE_PARAMS,
         q=a["q"].ptr, k=a["k_cache"].ptr, v=a["v_cache"].ptr, out=dst.ptr, lse=lse.ptr, sink=_ptr(a["sink"]),
@@ -160,7 +161,7 @@ def _launch_decode(ctx, c_type: str, a: dict, dst, lse, options: AttnOptions, ca
         block_table_stride=0 if a["block_table"] is None else a["block_table"].strides[0],
         batch=batch, seqlen_q=seqlen_q, seqlen_new=cache["seqlen_new"], heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim,
         capacity=cache["capacity"], cache_rows=a["k_cache"].shape[0], page_size=cache["page_size"], num_splits=splits,
-        window_left=fields["window_left"], window_right=fields["window_right"], scale=fields["scale"],
+        window_left=fields["window_left"], window_right=fields["window_right"], prefetch_blocks=prefetch, scale=fields["scale"],
         softcap=fields["softcap"], exp2_scale=fields["exp2_scale"],
     )
     with ctx.device, ctx.stream:

@@ -181,6 +181,7 @@ DECODE_PARAMS = np.dtype(
         ("num_splits", np.int32),
         ("window_left", np.int32),
         ("window_right", np.int32),
+        ("prefetch_blocks", np.int32),
         ("scale", np.float32),
         ("softcap", np.float32),
         ("exp2_scale", np.float32),

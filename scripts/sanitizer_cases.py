@@ -11,7 +11,11 @@ TMA kernel's CTAs taking several row blocks, and over contiguous and paged cache
 K/V rings, mbarriers, key-offset buffers and named barriers turn over. ``wide``: only the
 Hopper backward above head_dim 128 (its warpgroups' column shares at the 192 and 256 tiles, the
 dQ pieces staged in the spent Q / dO tiles or the 64-column share's stage, the causal launch
-order) over several key and query blocks.
+order) over several key and query blocks. ``decode``: only the KV-cache family (decode.cu, its
+merge, append_kv.cu): contiguous caches (rows picked by cache_batch_idx, one out of range) and
+paged ones (pages of 16, 7 and 1, shuffled tables, one entry out of range), appends across
+pages, lengths at and past the capacity, calls back to back (so each one's prefetch runs under
+the grid before it).
 """
 
 import os
@@ -27,6 +31,7 @@ rng = np.random.default_rng(0)
 SMALL_ONLY = sys.argv[1:] == ["small"]
 FORWARD_ONLY = sys.argv[1:] == ["forward"]
 WIDE_ONLY = sys.argv[1:] == ["wide"]
+DECODE_ONLY = sys.argv[1:] == ["decode"]
 os.environ["CUATTN_SMALL_BACKWARD"] = "1" if SMALL_ONLY else "0"
 
 
@@ -81,7 +86,7 @@ if FORWARD_ONLY:
                 cuattn.attention(q, k, v, return_lse=True, **kw)
 
 # The 16-bit cases run twice on Hopper: the wgmma kernels (default), then the portable ones.
-cases = () if SMALL_ONLY or FORWARD_ONLY or WIDE_ONLY else ((np.float16, "1"), (BFLOAT16, "1"), (np.float16, "0"), (BFLOAT16, "0"), (np.float32, "1"))
+cases = () if SMALL_ONLY or FORWARD_ONLY or WIDE_ONLY or DECODE_ONLY else ((np.float16, "1"), (BFLOAT16, "1"), (np.float16, "0"), (BFLOAT16, "0"), (np.float32, "1"))
 for dtype, wgmma in cases:
     os.environ["CUATTN_WGMMA"] = wgmma
     for d in (40, 128, 200, 240):
@@ -102,5 +107,24 @@ for dtype, wgmma in cases:
     outs, lses = arr((3, 1, 33, 2, 64), dtype), arr((3, 1, 2, 33), np.float32)
     cuattn.merge(outs, lses)
     cuattn.merge_(outs[0], lses[0], outs[1], lses[1])
+for dtype in (np.float16, BFLOAT16) if DECODE_ONLY else ():
+    for d in (64, 128, 256):
+        for seqlen_q in (1, 4):
+            q, lengths = arr((3, seqlen_q, 8, d), dtype), cupy.asarray([0, 650, 1000], dtype=np.int32)
+            k_new, v_new = arr((3, 2, 2, d), dtype), arr((3, 2, 2, d), dtype)
+            cache = arr((4, 1000, 2, d), dtype), arr((4, 1000, 2, d), dtype)
+            rows = cupy.asarray([2, 0, 7], dtype=np.int32)  # 7: outside the cache (reads clamp, appends skip)
+            for _ in range(2):
+                cuattn.attention_with_kvcache(q, *cache, cache_seqlens=lengths, cache_batch_idx=rows, k_new=k_new, v_new=v_new)
+                cuattn.attention_with_kvcache(q, *cache, cache_seqlens=lengths, cache_batch_idx=rows, num_splits=5, window=(300, None))
+            for page in (16, 7, 1):
+                pages = -(-1000 // page)
+                paged = arr((3 * pages + 2, page, 2, d), dtype), arr((3 * pages + 2, page, 2, d), dtype)
+                table = rng.permutation(3 * pages + 2)[: 3 * pages].reshape(3, pages).astype(np.int32)
+                table[2, pages // 2] = 10**6  # out of range
+                table = cupy.asarray(table)
+                for _ in range(2):
+                    cuattn.attention_with_kvcache(q, *paged, cache_seqlens=lengths, block_table=table, k_new=k_new, v_new=v_new)
+                    cuattn.attention_with_kvcache(q, *paged, cache_seqlens=lengths, block_table=table, softcap=20.0)
 cupy.cuda.Device().synchronize()
 print("sanitizer cases ran")

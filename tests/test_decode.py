@@ -617,6 +617,45 @@ def test_dependent_launches_match_ordinary_launches(monkeypatch):
 
 
 @gpu
+@pytest.mark.parametrize("paged", [False, True])
+def test_prefetch_before_the_wait_changes_no_bit(monkeypatch, paged):
+    """The decode kernel pulls its split's first key blocks into L2 before it waits for the grid
+    ahead (DecodeParams::prefetch_blocks): contiguous caches always, paged ones under a dependent
+    launch. Results are the same bits with and without it, calls issued back to back after a
+    kernel that rewrites the cache (so a prefetch may see the old contents)."""
+    import cupy
+
+    from cuattn import launch, replay
+    from cuattn.kernels import decode as plan
+
+    rng = np.random.default_rng(22)
+    lengths = [3000, 1, 700]
+    k, v, table = _cache(rng, lengths, 2, 128, "float16", 16 if paged else None)
+    q = cupy.asarray(randn(rng, (3, 1, 8, 128), "float16"))
+    kd, vd = cupy.asarray(k), cupy.asarray(v)
+    kw = {"cache_seqlens": cupy.asarray(np.array(lengths, np.int32)), "num_splits": 6}
+    if paged:
+        kw["block_table"] = cupy.asarray(table)
+    seen = []
+    original = plan.prefetch_blocks
+    monkeypatch.setattr(plan, "prefetch_blocks", lambda *a: seen.append(original(*a)) or seen[-1])
+    dependent = launch.enabled() and launch.supported(cupy.cuda.Device().id)
+    results = []
+    for blocks in (None, 0):
+        if blocks is not None:
+            monkeypatch.setattr(plan, "prefetch_blocks", lambda *a: 0)
+        replay.clear()
+        for _ in range(3):
+            kd *= 1  # a kernel that writes the cache just ahead of the call
+            results.append(cuattn.attention_with_kvcache(q, kd, vd, **kw, return_lse=True))
+    assert seen and set(seen) == {plan.PREFETCH_BLOCKS if dependent or not paged else 0}
+    first_out, first_lse = (x.get() for x in results[0])
+    for out, lse in results[1:]:
+        np.testing.assert_array_equal(out.get().view(np.uint16), first_out.view(np.uint16))
+        np.testing.assert_array_equal(lse.get(), first_lse)
+
+
+@gpu
 def test_graph_with_copies_and_kernels_before_the_decode_step_matches_eager():
     """Dependent launches inside a captured graph: the step's inputs are written by a copy (a
     memcpy node) and by a kernel right before the decode kernels, which must see both."""

@@ -22,6 +22,17 @@ PAGED_STAGES = {32: 2, 64: 2, 96: 2, 128: 3, 160: 2, 192: 2, 224: 2, 256: 3}
 # two CTAs per SM (b64 8k: 2978 GB/s against 2911 with 4).
 WIDE_STAGES = {32: 3, 64: 3, 96: 3, 128: 3, 160: 2, 192: 2, 224: 2, 256: 2}
 MIN_BLOCKS_PER_SPLIT = 1  # key blocks of the capacity per split, at least
+# Key blocks of its split a decode CTA pulls into L2 before it waits for the grid ahead
+# (decode.cu prefetch_first_blocks; scripts/decode_prefetch_ab.sh, H100, benchmarks/NOTES.md):
+# contiguous caches always, paged ones only under a dependent launch, where the block-table
+# reads the prefetch waits for pass under the grid ahead (without one, b4 1k pages of 16 lost 10%).
+PREFETCH_BLOCKS = 2
+
+
+def prefetch_blocks(paged: bool, dependent: bool) -> int:
+    """DecodeParams::prefetch_blocks of a decode launch (``dependent``: a programmatic
+    dependent launch, cuattn/launch.py)."""
+    return PREFETCH_BLOCKS if dependent or not paged else 0
 COMBINE_WARPS = 4  # one row per CTA, the splits dealt to the warps
 APPEND_WARPS = 8  # one (sequence, new row, KV head) per warp
 MAX_SPLITS = 128

@@ -30,6 +30,8 @@ __device__ __forceinline__ void cp_async_16_stream(void* dst, const void* src, b
   asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(smem_addr(dst)), "l"(src),
                "r"(valid ? 16 : 0), "l"(policy));
 }
+// The 128-byte line at src pulled into L2, nothing waited for (no register or shared memory).
+__device__ __forceinline__ void prefetch_l2(const void* src) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(src)); }
 // 4-byte copy through L1 (row vectors such as lse); src_bytes = 0 writes a zero.
 __device__ __forceinline__ void cp_async_4(void* dst, const void* src, bool valid) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(valid ? 4 : 0));

@@ -206,6 +206,7 @@ struct DecodeParams {
   int num_splits;                           // CTAs per (row block, KV head, sequence) on x
   int window_left;                          // -1: unbounded
   int window_right;                         // -1: unbounded; causal is 0
+  int prefetch_blocks;                      // key blocks a CTA pulls into L2 before its wait (decode.cu)
   float scale;
   float softcap;                            // 0: none
   float exp2_scale;

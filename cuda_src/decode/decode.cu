@@ -95,14 +95,63 @@ __device__ __forceinline__ void store_rows(const CacheRows<PAGED>& cache, int en
   if (PAGED && lane < 16) rows[threadIdx.x / 32 * 16 + lane] = cache.clamp_row(entry);
 }
 
+// The keys one CTA reads: its rows' band over the sequence's cache, and its split's key blocks
+// [b_begin, b_end), an equal share of the sequence's own range (decided on the device, so one
+// launch serves any lengths).
+struct DecodeSpan {
+  int length;                    // keys in the cache after the append
+  CacheBand band;
+  int key_first, key_last;       // keys any row of the block sees
+  int common_first, common_last; // keys every row sees: blocks inside skip the per-element mask
+  int b_begin, b_end;
+};
+
+__device__ __forceinline__ DecodeSpan decode_span(const DecodeParams& p, int seq, int split, int row0, int rows, int group) {
+  DecodeSpan d;
+  d.length = cache_length(p, seq);
+  d.band = CacheBand{d.length - p.seqlen_q, p.window_left, p.window_right, d.length};
+  const int token_first = row0 / group, token_last = (min(row0 + kDecodeRows, rows) - 1) / group;
+  d.key_first = d.band.first(token_first), d.key_last = d.band.last(token_last);
+  d.common_first = d.band.first(token_last), d.common_last = d.band.last(token_first);
+  d.b_begin = d.b_end = 0;
+  if (d.key_last >= d.key_first) {
+    const int b_first = d.key_first / kDecodeBlockN, blocks = d.key_last / kDecodeBlockN - b_first + 1;
+    const int per_split = (blocks + p.num_splits - 1) / p.num_splits;
+    d.b_begin = b_first + min(split * per_split, blocks);
+    d.b_end = b_first + min((split + 1) * per_split, blocks);
+  }
+  return d;
+}
+
+// Before the wait for the grid ahead on the stream (a dependent launch: common/dependent_launch.cuh):
+// the first p.prefetch_blocks key blocks of this CTA's split, K and V, pulled into L2 while that
+// grid finishes (the previous call's merge, this call's append, a caller's kernel that lets the
+// next grid start early); without a dependent launch the loads that follow at once find them
+// in flight. The span comes from lengths and pages read before that grid's writes are visible,
+// so it may be stale: then other keys of the cache are prefetched (every address is clamped into
+// it, as the loads' are), never a wrong value loaded; the loads that count come after the wait.
+// A paged cache's prefetch waits for its block-table reads, so the host asks for it only under a
+// dependent launch (cuattn/kernels/decode.py prefetch_blocks).
+template <typename T, bool PAGED>
+__device__ __forceinline__ void prefetch_first_blocks(const DecodeParams& p, const CacheRows<PAGED>& cache, const T* k, const T* v,
+                                                      const DecodeSpan& d) {
+  const int lines = (p.head_dim * int(sizeof(T)) + 127) / 128;  // 128-byte lines of a key's row
+  const int n0 = d.b_begin * kDecodeBlockN, n_end = min(min(d.b_end, d.b_begin + p.prefetch_blocks) * kDecodeBlockN, d.length);
+  for (int i = threadIdx.x; i < (n_end - n0) * lines; i += kDecodeWarps * 32) {
+    const int j = n0 + i / lines, column = i % lines * (128 / int(sizeof(T)));
+    const i64 page = PAGED ? cache.clamp_row(cache.table_entry(j)) : 0;
+    const i64 pos = cache.pos_of(j);
+    prefetch_l2(k + page * p.k_strides[0] + pos * p.k_strides[1] + column);
+    prefetch_l2(v + page * p.v_strides[0] + pos * p.v_strides[1] + column);
+  }
+}
+
 template <typename T, int HEAD_DIM, int STAGES, bool PAGED, bool SOFTCAP>
 __global__ void __launch_bounds__(kDecodeWarps * 32, 1) decode_kernel(const __grid_constant__ DecodeParams p) {
   using Tr = DecodeTraits<HEAD_DIM, STAGES>;
   constexpr int kDTiles = HEAD_DIM / 8;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   if (dynamic_smem_bytes() < Tr::kSmemBytes) __trap();  // launch contract
-  wait_for_previous_grid();  // the append (or the caller's kernel) wrote the cache and q
-  allow_next_grid();         // decode_combine may launch now; its CTAs wait for this grid to finish
   T* sQ = reinterpret_cast<T*>(smem_raw);
   T* sK_ring = sQ + Tr::kSmemQ;
   T* sV_ring = sK_ring + STAGES * Tr::kSmemKV;
@@ -113,29 +162,21 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, 1) decode_kernel(const __gr
   const int row0 = row_block * kDecodeRows;
   if (row0 >= rows) return;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
-
-  const int length = cache_length(p, seq);  // after the append
-  const CacheBand band{length - p.seqlen_q, p.window_left, p.window_right, length};
-  const int token_first = row0 / group, token_last = (min(row0 + kDecodeRows, rows) - 1) / group;
-  const int key_first = band.first(token_first), key_last = band.last(token_last);
-  // Keys seen by every row of the block: blocks inside skip the per-element mask.
-  const int common_first = band.first(token_last), common_last = band.last(token_first);
-
-  // This split's key blocks: an equal share of the sequence's own range (decided on the
-  // device, so one launch serves any lengths).
-  int b_begin = 0, b_end = 0;
-  if (key_last >= key_first) {
-    const int b_first = key_first / kDecodeBlockN, blocks = key_last / kDecodeBlockN - b_first + 1;
-    const int per_split = (blocks + p.num_splits - 1) / p.num_splits;
-    b_begin = b_first + min(split * per_split, blocks);
-    b_end = b_first + min((split + 1) * per_split, blocks);
-  }
-
-  const T* q = static_cast<const T*>(p.q) + seq * p.q_strides[0];
   const CacheRows<PAGED> cache(p, seq);
   const i64 cache_row = PAGED ? 0 : cache.row;  // contiguous: the sequence's row, once
   const T* k_seq = static_cast<const T*>(p.k) + (cache_row * p.k_strides[0] + kv_head * p.k_strides[2]);
   const T* v_seq = static_cast<const T*>(p.v) + (cache_row * p.v_strides[0] + kv_head * p.v_strides[2]);
+  if (row_block == 0 && p.prefetch_blocks > 0) prefetch_first_blocks<T, PAGED>(p, cache, k_seq, v_seq, decode_span(p, seq, split, row0, rows, group));
+
+  wait_for_previous_grid();  // the append (or the caller's kernel) wrote the cache and q
+  allow_next_grid();         // decode_combine may launch now; its CTAs wait for this grid to finish
+  const DecodeSpan span = decode_span(p, seq, split, row0, rows, group);
+  const int length = span.length;
+  const CacheBand band = span.band;
+  const int key_first = span.key_first, key_last = span.key_last, common_first = span.common_first, common_last = span.common_last;
+  const int b_begin = span.b_begin, b_end = span.b_end;
+
+  const T* q = static_cast<const T*>(p.q) + seq * p.q_strides[0];
   int* s_rows = reinterpret_cast<int*>(sV_ring + STAGES * Tr::kSmemKV);  // two buffers, by block parity
   const auto look_up = [&](int n_block) {  // paged: a table load, to be stored (store_up) a block later
     return PAGED && n_block < b_end ? lane_table_entry<PAGED>(cache, n_block * kDecodeBlockN, length) : 0;
