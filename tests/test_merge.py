@@ -107,6 +107,26 @@ def test_all_partials_empty_gives_zero_and_neg_inf():
     assert bool((out == 0).all()) and bool(cupy.isneginf(lse).all())
 
 
+@pytest.mark.parametrize("parts", [2, 20])  # 20: merged in groups of 16, then the groups
+def test_a_partial_of_infinite_lse_gives_nan_and_inf_as_the_reference(parts):
+    """Scores that overflowed (lse +inf) show in the merged row as out NaN and lse +inf, as in
+    cuattn.reference.merge; the kernel made such a row out 0, lse -inf (a row that saw no key).
+    Rows beside it merge as usual."""
+    import cupy
+
+    rng = np.random.default_rng(9)
+    outs = rng.standard_normal((parts, 1, 3, 2, 8)).astype(np.float32)
+    lses = rng.standard_normal((parts, 1, 2, 3)).astype(np.float32)
+    lses[1, 0, 1, 2] = np.inf
+    out, lse = cuattn.merge(cupy.asarray(outs), cupy.asarray(lses))
+    ref_out, ref_lse = reference.merge(outs, lses)
+    assert np.isposinf(ref_lse[0, 1, 2]) and np.isnan(ref_out[0, 2, 1]).all()
+    np.testing.assert_array_equal(np.isnan(out.get()), np.isnan(ref_out))
+    np.testing.assert_allclose(lse.get(), ref_lse, rtol=2e-6, atol=2e-6)
+    finite = ~np.isnan(ref_out)
+    np.testing.assert_allclose(out.get()[finite], ref_out[finite], rtol=1e-5, atol=1e-6)
+
+
 def test_merge_in_place_accumulates_chunks():
     """merge_ over KV chunks equals attention over all keys (the accumulating-loop use)."""
     import cupy

@@ -272,6 +272,31 @@ def _lockstep(ctx, gens, in_flight: dict, order: list | None = None) -> None:
             in_flight.pop(channel)
 
 
+def test_layout_helpers_refuse_ranks_outside_the_world_and_uneven_shards():
+    """A rank outside [0, world) used to give another rank's rows (contiguous: rank -1 was rank
+    1), a world of 0 a ZeroDivisionError; shards of unequal lengths were silently reordered."""
+    x = np.arange(16)[None]
+    for world, rank in ((2, -1), (2, 2), (0, 0), (-2, 0)):
+        for lay in layouts.LAYOUTS:
+            with pytest.raises(ValueError, match=r"rank must be in \[0, world\)"):
+                layouts.shard(x, world, rank, lay)
+    with pytest.raises(TypeError, match="rank must be an int"):
+        layouts.positions(16, 2, 1.0, "zigzag")
+    with pytest.raises(ValueError, match=r"every rank's shard holds as many rows; got \[3, 5\]"):
+        layouts.unshard([np.arange(3)[None], np.arange(3, 8)[None]], "zigzag")
+    with pytest.raises(ValueError, match="got none"):
+        layouts.unshard([], "zigzag")
+
+
+def test_layout_helpers_take_jax_arrays():
+    jnp = pytest.importorskip("jax.numpy")
+    x = jnp.arange(24).reshape(1, 12, 2)
+    for lay in layouts.LAYOUTS:
+        shards = [layouts.shard(x, 3 if lay != "zigzag" else 2, r, lay) for r in range(3 if lay != "zigzag" else 2)]
+        np.testing.assert_array_equal(np.asarray(layouts.unshard(shards, lay)), np.asarray(x))
+        np.testing.assert_array_equal(np.asarray(shards[0]), layouts.shard(np.asarray(x), 3 if lay != "zigzag" else 2, 0, lay))
+
+
 @pytest.mark.parametrize("lay", layouts.LAYOUTS)
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize("causal, window", [(False, None), (True, None), (False, (5, 0)), (False, (7, 3)), (True, (20, 0))])

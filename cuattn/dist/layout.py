@@ -38,8 +38,18 @@ def check_layout(layout: str, seqlen: int, world: int) -> None:
         raise ValueError(f"the {layout} layout needs the sequence length ({seqlen}) to be a multiple of {parts} ({world} ranks)")
 
 
+def check_rank(world, rank) -> None:
+    """ValueError unless ``world`` >= 1 ranks and 0 <= ``rank`` < ``world`` (ints)."""
+    for name, n in (("world", world), ("rank", rank)):
+        if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)):
+            raise TypeError(f"{name} must be an int, got {type(n).__name__} {n!r}")
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"rank must be in [0, world) with world >= 1, got rank {rank} of world {world}")
+
+
 def runs(seqlen: int, world: int, rank: int, layout: str) -> list[Run]:
     """The runs of rank ``rank``'s rows, in local order."""
+    check_rank(world, rank)
     check_layout(layout, seqlen, world)
     if layout == "contiguous":
         n = seqlen // world
@@ -57,27 +67,44 @@ def positions(seqlen: int, world: int, rank: int, layout: str) -> np.ndarray:
 
 def shard(x, world: int, rank: int, layout: str, axis: int = 1):
     """Rank ``rank``'s rows of a full sequence ``x`` (any array with a sequence axis; NumPy,
-    CuPy or torch indexing), as a new array."""
+    CuPy, torch or JAX), as a new array."""
     index = positions(x.shape[axis], world, rank, layout)
     if type(x).__module__.startswith("torch"):
         import torch
 
         return x.index_select(axis, torch.as_tensor(index, device=x.device))
-    xp = np if isinstance(x, np.ndarray) else __import__(type(x).__module__.split(".")[0])
+    xp = _namespace(x)
     return xp.take(x, xp.asarray(index), axis=axis)
+
+
+def _namespace(x):
+    """The array module whose ``take`` / ``concatenate`` / ``asarray`` serve ``x`` (not torch)."""
+    if isinstance(x, np.ndarray):
+        return np
+    module = type(x).__module__.split(".")[0]
+    if module in ("jax", "jaxlib"):
+        import jax.numpy
+
+        return jax.numpy
+    return __import__(module)
 
 
 def unshard(shards, layout: str, axis: int = 1):
     """The full sequence from every rank's rows (the inverse of :func:`shard`)."""
     world = len(shards)
-    seqlen = sum(s.shape[axis] for s in shards)
+    if not world:
+        raise ValueError("shards must hold every rank's rows, got none")
+    lengths = {s.shape[axis] for s in shards}
+    if len(lengths) != 1:
+        raise ValueError(f"every rank's shard holds as many rows; got {[s.shape[axis] for s in shards]} along axis {axis}")
+    seqlen = world * lengths.pop()
     order = np.argsort(np.concatenate([positions(seqlen, world, r, layout) for r in range(world)]))
     if type(shards[0]).__module__.startswith("torch"):
         import torch
 
         full = torch.cat(list(shards), dim=axis)
         return full.index_select(axis, torch.as_tensor(order, device=full.device))
-    xp = np if isinstance(shards[0], np.ndarray) else __import__(type(shards[0]).__module__.split(".")[0])
+    xp = _namespace(shards[0])
     return xp.take(xp.concatenate(list(shards), axis=axis), xp.asarray(order), axis=axis)
 
 

@@ -67,8 +67,10 @@ __global__ void __launch_bounds__(kMergeThreads, CAP < 16 ? 2 : 1) merge_kernel(
       float lse_max = neg_inf();
 #pragma unroll
       for (int i = 0; i < CAP; ++i) lse_max = fmaxf(lse_max, weight[r][i]);
-      // All partials empty: sum stays 0 and the merged row is out = 0, lse = -inf.
-      const float shift = lse_max == neg_inf() ? 0.f : lse_max;
+      // All partials empty: sum stays 0 and the merged row is out = 0, lse = -inf. A partial of
+      // lse +inf (scores that overflowed): shift 0 makes the sum +inf, so lse +inf and out NaN
+      // (below), as the reference has it, never a row that looks empty.
+      const float shift = isfinite(lse_max) ? lse_max : 0.f;
       float sum = 0.f;
 #pragma unroll
       for (int i = 0; i < CAP; ++i) {
@@ -87,8 +89,9 @@ __global__ void __launch_bounds__(kMergeThreads, CAP < 16 ? 2 : 1) merge_kernel(
       T* dst = static_cast<T*>(p.dst_out) + b[r] * p.dst_out_strides[0] + s[r] * p.dst_out_strides[1] + h[r] * p.dst_out_strides[2];
       for (int col = first_col; col < p.head_dim; col += group * VEC) {
         float acc[VEC];
+        const float start = lse[r] == -neg_inf() ? __int_as_float(0x7fc00000) : 0.f;  // NaN under an lse of +inf
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) acc[e] = 0.f;
+        for (int e = 0; e < VEC; ++e) acc[e] = start;
 #pragma unroll
         for (int first = 0; first < CAP; first += BATCH) {
           if (first > 0 || col != first_col) load_batch(r, first, col);
