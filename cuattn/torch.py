@@ -136,6 +136,7 @@ def attention_varlen(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal,
             window=window, align=align, scale=scale, softcap=softcap, dropout_p=dropout, dropout_seed=seed, return_lse=return_lse,
         )
+    _check_cuda(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     options = _flat_mask_options(causal, window, align, scale, softcap, q.shape[-1], schema=WINDOW_SCHEMA)
     bounds = tuple(flat_seqlen_bounds(max_seqlen_q, max_seqlen_k).values())
     if dropout:
@@ -188,6 +189,7 @@ def merge(outs, lses):
     outs, lses = list(outs), list(lses)
     if _eager(*outs, *lses) and not (torch.is_grad_enabled() and any(t.requires_grad for t in outs + lses)):
         return core_merge(outs, lses)
+    _check_cuda(**{f"outs[{i}]": t for i, t in enumerate(outs)}, **{f"lses[{i}]": t for i, t in enumerate(lses)})
     return op("merge")(outs, lses)
 
 
@@ -195,7 +197,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     """Drop-in for ``torch.nn.functional.scaled_dot_product_attention`` on
     ``(batch, heads, seqlen, head_dim)`` tensors: strided views into cuattn's layout, no copies.
     ``is_causal`` is aligned top-left, as in SDPA. ``dropout_p`` as SDPA's (applied whenever
-    it is given, seeded from torch's generator). ``attn_mask`` is not supported."""
+    it is given, seeded from torch's generator), but kept in 8 bits as in :func:`cuattn.attention`
+    (a probability below 1/512 drops nothing). ``attn_mask`` is not supported."""
     if attn_mask is not None:
         raise NotImplementedError("cuattn's scaled_dot_product_attention takes no attn_mask; use is_causal (or cuattn.torch.attention's window)")
     for name, x in (("query", query), ("key", key), ("value", value)):
@@ -266,9 +269,20 @@ def _eager(*tensors) -> bool:
     if _compiling() or _tracing() is not None or _in_dispatch_mode() or _functorch_active():
         return False
     for t in tensors:
-        if type(t) is not torch.Tensor and t is not None:
+        if type(t) not in _PLAIN and t is not None:
             return False
     return True
+
+
+_PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))  # a learnable sink is a Parameter
+
+
+def _check_cuda(**tensors) -> None:
+    """ValueError naming the first argument not on a CUDA device (before the dispatcher, which
+    would say only that the op has no CPU kernel)."""
+    for name, t in tensors.items():
+        if t is not None and t.device.type != "cuda":
+            raise ValueError(f"{name} is on device '{t.device}'; cuattn computes on CUDA devices (move it with .cuda())")
 
 
 def _once_differentiable(backward):
@@ -369,9 +383,13 @@ def _register(name: str):
     _LIBRARY.impl(name, functools.partial(_run, entry), "CUDA")
     torch.library.register_fake(f"cuattn::{name}", functools.partial(_fake, entry), lib=_LIBRARY)
     if entry.vjp is not None or name in _CUSTOM_VJPS:
-        backward = _CUSTOM_VJPS.get(name, _table_vjp)
+        # The kernels' backward ops have no autograd of their own: built into a graph
+        # (create_graph=True), their results raise when differentiated, as the eager path's do
+        # (they were zeros, with a warning). merge's backward is torch operations: differentiable.
+        backward = _CUSTOM_VJPS.get(name) or _once_differentiable(functools.partial(_table_vjp, entry))
         torch.library.register_autograd(
-            f"cuattn::{name}", functools.partial(backward, entry), setup_context=functools.partial(_save, entry), lib=_LIBRARY
+            f"cuattn::{name}", functools.partial(backward, entry) if name in _CUSTOM_VJPS else backward,
+            setup_context=functools.partial(_save, entry), lib=_LIBRARY,
         )
     return getattr(torch.ops.cuattn, name).default
 
@@ -452,7 +470,8 @@ def _merge_vjp(entry: ops.OpEntry, ctx, dout, dlse):
         w_rows = w.transpose(1, 2).unsqueeze(-1)  # (batch, seqlen, heads, 1)
         douts.append((w_rows * dout.float()).to(out_i.dtype))
         dot = ((out_i.float() - out.float()) * dout.float()).sum(-1).transpose(1, 2)  # (batch, heads, seqlen)
-        dlses.append(w * (dot + (0.0 if dlse is None else dlse)))
+        # A partial of lse -inf gets 0 whatever its out holds (NaN included), as in the forward.
+        dlses.append(torch.where(w > 0, w * (dot + (0.0 if dlse is None else dlse)), 0.0))
     return douts, dlses
 
 

@@ -106,6 +106,35 @@ def test_merged_partials_match_full_attention_with_gradients(dtype):
     _assert_matches(halves, lambda q, k, v: _reference(q, k, v)[0], inputs, DTYPES[dtype], [w])
 
 
+def test_merge_gradients_ignore_what_an_empty_partial_holds():
+    """A partial of lse -inf contributes nothing whatever its out holds (NaN included): its
+    gradients are zeros and the others' are finite (its dlse was 0 * NaN = NaN)."""
+    outs = [torch.randn(1, 8, 2, 16, device="cuda", requires_grad=True) for _ in range(2)]
+    lses = [torch.randn(1, 2, 8, device="cuda") for _ in range(2)]
+    with torch.no_grad():
+        outs[0][0, 3, 1] = float("nan")
+        lses[0][0, 1, 3] = float("-inf")
+    lses = [x.requires_grad_() for x in lses]
+    out, lse = ct.merge(outs, lses)
+    (out.square().sum() + lse.sum()).backward()
+    for x in (*outs, *lses):
+        assert torch.isfinite(x.grad).all(), x.grad
+    assert lses[0].grad[0, 1, 3] == 0 and (outs[0].grad[0, 3, 1] == 0).all()
+    assert torch.isfinite(out).all()
+
+
+def test_double_backward_through_the_ops_raises():
+    """The kernels' backward is not differentiable. On the op path (varlen with gradients) a
+    graph of it (create_graph=True) gave zeros when differentiated, with a warning; now it
+    raises, as the eager path does."""
+    q, k, v = (torch.randn(32, 4, 64, device="cuda", dtype=torch.float16, requires_grad=True) for _ in range(3))
+    cu = torch.tensor([0, 10, 32], dtype=torch.int32, device="cuda")
+    out = ct.attention_varlen(q, k, v, cu, cu, max_seqlen_q=22, max_seqlen_k=22)
+    dq, = torch.autograd.grad(out.float().square().sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        dq.float().square().sum().backward()
+
+
 def test_opcheck():
     q = torch.randn(2, 33, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(2, 40, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
