@@ -257,6 +257,9 @@ def import_arrays(**arrays) -> tuple[CallContext, dict[str, DeviceArray | None]]
         raise TypeError("no array arguments given")
     scope = _SCOPE.get()
     if scope is not None:
+        for k, v in present.items():
+            if not hasattr(v, "shape"):
+                raise TypeError(f"{k} must be an array, got {type(v).__name__}")
         return scope, {k: None if v is None else scope.wrap(v) for k, v in arrays.items()}
     frameworks = {k: framework_of(v, k) for k, v in present.items()}
     first = next(iter(present))

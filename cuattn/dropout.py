@@ -25,7 +25,7 @@ NO_DROPOUT_FIELDS = {"dropout_seed_ptr": 0, "dropout_seed": 0, "dropout_threshol
 
 @dataclasses.dataclass(frozen=True)
 class Dropout:
-    """A checked dropout: the 16-bit threshold and the seed, a host int or (``seed_array``) two
+    """A checked dropout: the 8-bit threshold and the seed, a host int or (``seed_array``) two
     uint32 words on the device that the kernels read."""
 
     threshold: int
@@ -65,8 +65,12 @@ def seed_array_argument(dropout_seed):
 
 def replayable(dropout_p, seed_array) -> bool:
     """Whether a call may take a replayed plan: not with dropout and an int seed, which the
-    plan would bake in (a plan per seed would never be replayed)."""
-    return not dropout_p or seed_array is not None
+    plan would bake in (a plan per seed would never be replayed). A ``dropout_p`` that is no
+    plain number takes the full path, whose checks name it."""
+    if seed_array is not None:
+        return True
+    kind = type(dropout_p)
+    return (kind is float or kind is int) and not dropout_p
 
 
 def check_seed_int(seed) -> int:
@@ -79,7 +83,7 @@ def check_seed_int(seed) -> int:
 
 
 def from_user(dropout_p, dropout_seed, seed_array=None, sink_tokens=0) -> Dropout | None:
-    """The checked dropout, or None where nothing is dropped (``dropout_p`` 0, or below
+    """The checked dropout, or None where nothing is dropped (``dropout_p`` 0, or at most
     1 / 512, which the 8-bit threshold rounds to 0). ``seed_array``: ``dropout_seed`` imported as a
     DeviceArray when it is an array; ``sink_tokens``: the call's (dropout is refused with them)."""
     p = check_dropout_p(dropout_p)

@@ -47,7 +47,7 @@ def attention(
     :func:`dropout_seed` gives the seed that :func:`cuattn.reference.dropout_keep` takes.
     ``block_mask``: a :class:`cuattn.block_mask.BlockMask` of int32 JAX arrays
     (``mask.to(jax.numpy.asarray)``; traced under jit like any argument)."""
-    user = AttnOptions.from_user(causal, window, align, scale, softcap, head_dim=q.shape[-1], sink_tokens=sink_tokens)
+    user = AttnOptions.from_user(causal, window, align, scale, softcap, head_dim=_head_dim(q), sink_tokens=sink_tokens)
     options = tuple(user.flat().items())
     if block_mask is not None:
         if sink is not None or check_dropout_p(dropout_p):
@@ -88,7 +88,7 @@ def attention_varlen(
     in ``q``, ``k``, ``v`` (and through ``lse``). Under ``jax.jit`` the offsets are traced:
     pass ``max_seqlen_*`` as Python ints when known, else the grids are sized by the totals.
     Dropout as :func:`attention`."""
-    options = {**AttnOptions.from_user(causal, window, align, scale, softcap, head_dim=q.shape[-1]).flat(WINDOW_SCHEMA),
+    options = {**AttnOptions.from_user(causal, window, align, scale, softcap, head_dim=_head_dim(q, 3)).flat(WINDOW_SCHEMA),
                **flat_seqlen_bounds(max_seqlen_q, max_seqlen_k)}
     if check_dropout_p(dropout_p):
         out, lse = _differentiable("attention_varlen_dropout")(
@@ -102,6 +102,16 @@ def attention_varlen(
 def merge(outs, lses):
     """:func:`cuattn.merge` of lists of partial ``(out, lse)`` arrays, differentiable in both."""
     return _differentiable("merge")((), list(outs), list(lses))
+
+
+def _head_dim(q, rank: int = 4) -> int:
+    """q's head_dim, read before the op's checks: an argument that is no array of ``rank``
+    dimensions gets the core's error naming q here."""
+    if not hasattr(q, "shape"):
+        raise TypeError(f"q must be an array, got {type(q).__name__}")
+    if len(q.shape) != rank:
+        raise ValueError(f"q must have {rank} dimensions, got shape {tuple(q.shape)}")
+    return q.shape[-1]
 
 
 def call(name: str, *arrays, **options):
@@ -191,7 +201,7 @@ def attention_with_kvcache(
     v_cache)`` (``(out, lse, k_cache, v_cache)`` with ``return_lse``), the caches with the new
     rows written; donate the caches (``jax.jit(..., donate_argnums=...)``) and they are updated
     in place, else XLA copies them first."""
-    options = AttnOptions.from_user(causal, window, "bottom_right", scale, softcap, head_dim=q.shape[-1]).flat(WINDOW_SCHEMA)
+    options = AttnOptions.from_user(causal, window, "bottom_right", scale, softcap, head_dim=_head_dim(q)).flat(WINDOW_SCHEMA)
     del options["align"]
     options["num_splits"] = -1 if num_splits is None else check_num_splits(num_splits)
     out, lse, *caches = call(

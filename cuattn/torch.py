@@ -198,7 +198,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     ``(batch, heads, seqlen, head_dim)`` tensors: strided views into cuattn's layout, no copies.
     ``is_causal`` is aligned top-left, as in SDPA. ``dropout_p`` as SDPA's (applied whenever
     it is given, seeded from torch's generator), but kept in 8 bits as in :func:`cuattn.attention`
-    (a probability below 1/512 drops nothing). ``attn_mask`` is not supported."""
+    (a probability of at most 1/512 drops nothing). ``attn_mask`` is not supported."""
     if attn_mask is not None:
         raise NotImplementedError("cuattn's scaled_dot_product_attention takes no attn_mask; use is_causal (or cuattn.torch.attention's window)")
     for name, x in (("query", query), ("key", key), ("value", value)):

@@ -425,3 +425,11 @@ def _torch_varlen_grads(torch, ct, cu, q, k, v, w, p):
     out = ct.attention_varlen(*xs, cu_t, cu_t, dropout_p=p, dropout_seed=SEED)
     (out.float() * torch.from_numpy(w).cuda()).sum().backward()
     return [x.grad.float().cpu().numpy() for x in xs]
+
+
+def test_an_array_dropout_p_is_named_before_the_fast_path():
+    """A dropout_p that is no plain number takes the full path, whose checks name it (an array
+    of two gave NumPy's 'truth value of an array is ambiguous' from the fast path's test)."""
+    q = np.ones((1, 8, 2, 16), np.float16)
+    with pytest.raises(TypeError, match="dropout_p must be a float in"):
+        cuattn.attention(q, q, q, dropout_p=np.array([0.1, 0.2]), dropout_seed=1)
