@@ -655,6 +655,47 @@ def test_prefetch_before_the_wait_changes_no_bit(monkeypatch, paged):
         np.testing.assert_array_equal(lse.get(), first_lse)
 
 
+_LATE_WRITER = r"""
+extern "C" __global__ void late_writer(int* rows, const int* values, int n, long long spin) {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");  // the decode grid may start now
+  const long long start = clock64();
+  while (clock64() - start < spin) {}
+  if (threadIdx.x < n) rows[threadIdx.x] = values[threadIdx.x];
+}
+"""
+
+
+@gpu
+def test_index_arrays_written_by_an_early_releasing_kernel_are_read_after_the_wait():
+    """A kernel ahead that lets the decode grid start at once (griddepcontrol.launch_dependents)
+    and then rewrites cache_batch_idx: the decode kernel prefetches from the old rows but reads
+    the cache through the new ones, after its wait (Hopper's dependent launches)."""
+    import cupy
+
+    from cuattn import launch
+
+    if not (launch.enabled() and launch.supported(cupy.cuda.Device().id)):
+        pytest.skip("dependent launches: Hopper")
+    rng = np.random.default_rng(23)
+    k, v, _ = _cache(rng, [2048] * 4, 2, 128, "float16")
+    q = randn(rng, (2, 1, 8, 128), "float16")
+    lengths = np.array([2048, 1500], np.int32)
+    old_rows, new_rows = np.array([0, 1], np.int32), np.array([3, 2], np.int32)
+    from cuattn.loader import device_arch
+
+    writer = cupy.RawKernel(_LATE_WRITER, "late_writer", options=(f"-arch={device_arch()}",))
+    rows = cupy.asarray(old_rows)
+    args = [cupy.asarray(x) for x in (q, k, v)]
+    for _ in range(3):
+        rows[...] = cupy.asarray(old_rows)
+        writer((1,), (32,), (rows, cupy.asarray(new_rows), np.int32(2), np.int64(200_000)))
+        out = cuattn.attention_with_kvcache(*args, cache_seqlens=cupy.asarray(lengths), cache_batch_idx=rows).get()
+        ref = reference.attention_with_kvcache(q, k[new_rows], v[new_rows], cache_seqlens=lengths)
+        for b in range(2):
+            naive = naive_attention(q[b:b + 1], k[new_rows[b]][None, :lengths[b]], v[new_rows[b]][None, :lengths[b]], "float16", causal=True)
+            assert_attention_accuracy(out[b:b + 1], ref[b:b + 1], naive)
+
+
 @gpu
 def test_graph_with_copies_and_kernels_before_the_decode_step_matches_eager():
     """Dependent launches inside a captured graph: the step's inputs are written by a copy (a

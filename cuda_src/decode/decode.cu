@@ -133,8 +133,11 @@ __device__ __forceinline__ DecodeSpan decode_span(const DecodeParams& p, int seq
 // A paged cache's prefetch waits for its block-table reads, so the host asks for it only under a
 // dependent launch (cuattn/kernels/decode.py prefetch_blocks).
 template <typename T, bool PAGED>
-__device__ __forceinline__ void prefetch_first_blocks(const DecodeParams& p, const CacheRows<PAGED>& cache, const T* k, const T* v,
-                                                      const DecodeSpan& d) {
+__device__ __forceinline__ void prefetch_first_blocks(const DecodeParams& p, int seq, int kv_head, const DecodeSpan& d) {
+  const CacheRows<PAGED> cache(p, seq);  // its cache row (cache_batch_idx) read before the wait too: for prefetches only
+  const i64 row = PAGED ? 0 : cache.row;
+  const T* k = static_cast<const T*>(p.k) + (row * p.k_strides[0] + kv_head * p.k_strides[2]);
+  const T* v = static_cast<const T*>(p.v) + (row * p.v_strides[0] + kv_head * p.v_strides[2]);
   const int lines = (p.head_dim * int(sizeof(T)) + 127) / 128;  // 128-byte lines of a key's row
   const int n0 = d.b_begin * kDecodeBlockN, n_end = min(min(d.b_end, d.b_begin + p.prefetch_blocks) * kDecodeBlockN, d.length);
   for (int i = threadIdx.x; i < (n_end - n0) * lines; i += kDecodeWarps * 32) {
@@ -162,14 +165,15 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, 1) decode_kernel(const __gr
   const int row0 = row_block * kDecodeRows;
   if (row0 >= rows) return;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
+  if (row_block == 0 && p.prefetch_blocks > 0) prefetch_first_blocks<T, PAGED>(p, seq, kv_head, decode_span(p, seq, split, row0, rows, group));
+
+  wait_for_previous_grid();  // the append (or the caller's kernel) wrote the cache, q and maybe the index arrays
+  allow_next_grid();         // decode_combine may launch now; its CTAs wait for this grid to finish
+  // Nothing read before the wait is used below: lengths, pages and the cache row are read again.
   const CacheRows<PAGED> cache(p, seq);
   const i64 cache_row = PAGED ? 0 : cache.row;  // contiguous: the sequence's row, once
   const T* k_seq = static_cast<const T*>(p.k) + (cache_row * p.k_strides[0] + kv_head * p.k_strides[2]);
   const T* v_seq = static_cast<const T*>(p.v) + (cache_row * p.v_strides[0] + kv_head * p.v_strides[2]);
-  if (row_block == 0 && p.prefetch_blocks > 0) prefetch_first_blocks<T, PAGED>(p, cache, k_seq, v_seq, decode_span(p, seq, split, row0, rows, group));
-
-  wait_for_previous_grid();  // the append (or the caller's kernel) wrote the cache and q
-  allow_next_grid();         // decode_combine may launch now; its CTAs wait for this grid to finish
   const DecodeSpan span = decode_span(p, seq, split, row0, rows, group);
   const int length = span.length;
   const CacheBand band = span.band;
