@@ -98,7 +98,7 @@ def attention(
     """
     seed_array = dropout_.seed_array_argument(dropout_seed)
     mask_arrays = block_mask_.array_arguments(block_mask)
-    if out is None and dropout_.replayable(dropout_p, seed_array):
+    if out is None and dropout_.replayable(dropout_p, dropout_seed, seed_array):
         result = replay.run(
             "attention",
             lambda: attention(

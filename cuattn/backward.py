@@ -70,7 +70,7 @@ def attention_backward(
         mask_arrays = block_mask_.array_arguments(block_mask)
         arrays = (dout, q, k, v, out, lse, dlse, sink, seed_array, *mask_arrays.values())
         keyed = (causal, window, align, scale, softcap, sink_tokens, deterministic, dropout_p, *block_mask_.replay_key(block_mask))
-    if dropout_.replayable(dropout_p, seed_array):
+    if dropout_.replayable(dropout_p, dropout_seed, seed_array):
         result = replay.run(
             "attention_backward",
             lambda: attention_backward(

@@ -63,14 +63,15 @@ def seed_array_argument(dropout_seed):
     return None if dropout_seed is None or seed_is_int(dropout_seed) else dropout_seed
 
 
-def replayable(dropout_p, seed_array) -> bool:
-    """Whether a call may take a replayed plan: not with dropout and an int seed, which the
-    plan would bake in (a plan per seed would never be replayed). A ``dropout_p`` that is no
-    plain number takes the full path, whose checks name it."""
+def replayable(dropout_p, dropout_seed, seed_array) -> bool:
+    """Whether a call may take a replayed plan: not with an int seed, which the plan would
+    bake in (a plan per seed would never be replayed) and which the full path checks even
+    where ``dropout_p`` is 0. A ``dropout_p`` that is no plain number takes the full path too,
+    whose checks name it."""
     if seed_array is not None:
         return True
     kind = type(dropout_p)
-    return (kind is float or kind is int) and not dropout_p
+    return dropout_seed is None and (kind is float or kind is int) and not dropout_p
 
 
 def check_seed_int(seed) -> int:

@@ -167,15 +167,18 @@ def option_key(values: tuple) -> tuple:
     checked differently (``True`` and ``1``, ``1`` and ``1.0``); a list or tuple (``window``)
     is keyed by its items and their types. Raises TypeError for an unhashable value."""
     types = tuple(map(type, values))
-    if tuple not in types and list not in types:
+    if _SCALAR_TYPES.issuperset(types):
         return values, types
     key = []
     for v in values:
-        if type(v) in (tuple, list):
+        if isinstance(v, (tuple, list)):  # subclasses too (a namedtuple window): by items and their types
             key.append((type(v), tuple(v), tuple(map(type, v))))
         else:
             key.append((type(v), v))
     return tuple(key)
+
+
+_SCALAR_TYPES = frozenset((bool, int, float, str, type(None)))
 
 
 # --- recording -------------------------------------------------------------------------------

@@ -63,7 +63,7 @@ def attention_varlen(
     """
     raise_reported()
     seed_array = dropout_.seed_array_argument(dropout_seed)
-    if out is None and dropout_.replayable(dropout_p, seed_array):
+    if out is None and dropout_.replayable(dropout_p, dropout_seed, seed_array):
         result = replay.run(
             "attention_varlen",
             lambda: attention_varlen(
@@ -130,7 +130,7 @@ def attention_varlen_backward(
     """
     raise_reported()
     seed_array = dropout_.seed_array_argument(dropout_seed)
-    if dropout_.replayable(dropout_p, seed_array):
+    if dropout_.replayable(dropout_p, dropout_seed, seed_array):
         result = replay.run(
             "attention_varlen_backward",
             lambda: attention_varlen_backward(

@@ -11,6 +11,8 @@ import importlib
 import pathlib
 import sys
 
+import collections
+
 import numpy as np
 import pytest
 
@@ -323,6 +325,32 @@ def test_bad_options_raise_after_good_ones_were_cached(fake, kwargs, error):
     cuattn.attention(q, k, v, **{**good, **{"window": [1, 0]}})
     with pytest.raises(error):
         cuattn.attention(q, k, v, **{**good, **kwargs})
+
+
+_Window = collections.namedtuple("_Window", "left right")
+
+
+@pytest.mark.parametrize("bad", [_Window(True, 0), _Window(1.0, 0)])
+def test_a_tuple_subclass_window_is_keyed_by_its_items_types(fake, bad):
+    """A namedtuple window was keyed by value alone (True == 1, 1.0 == 1): a bad one replayed
+    the plan of a good one instead of raising the full path's TypeError."""
+    q, k, v = _arrays(fake, (1, 16, 2, 64), (1, 16, 2, 64), (1, 16, 2, 64))
+    for _ in range(2):
+        cuattn.attention(q, k, v, window=_Window(1, 0))
+    with pytest.raises(TypeError, match="window"):
+        cuattn.attention(q, k, v, window=bad)
+
+
+def test_an_int_seed_takes_the_full_path_even_without_dropout():
+    """An int dropout_seed is no part of a plan's key; at dropout_p 0 such calls were replayed,
+    so a bad seed after a good one raised nothing. They take the full path, which checks it."""
+    from cuattn import dropout
+
+    assert not dropout.replayable(0.0, 5, None) and dropout.replayable(0.0, None, None)
+    q = np.ones((1, 16, 2, 64), np.float16)
+    for seed in (-1, 2**64):
+        with pytest.raises(ValueError, match=r"dropout_seed must be in \[0, 2\*\*64\)"):
+            cuattn.attention(q, q, q, dropout_seed=seed)
 
 
 def test_bad_arrays_raise_after_good_ones_were_cached(fake):
