@@ -317,8 +317,7 @@ def _check_new(ctx, a: dict, cache: dict) -> None:
     if ctx.framework in (boundary.JAX, boundary.NUMPY):
         raise TypeError(f"appending writes the cache in place, which {ctx.framework} arrays cannot be")
     k = a["k_cache"]
-    batch = a["cache_seqlens"].shape[0]
-    validation.check_rank("k_new", k_new, 4, _NEW)
+    batch = a["cache_seqlens"].shape[0]  # k_new / v_new were ranked by _check_cache
     validation.check_same_dtype("k_new", k_new, "k_cache", k)
     validation.check_same_dtype("v_new", v_new, "k_cache", k)
     if k_new.shape[0] != batch or k_new.shape[2:] != k.shape[2:]:

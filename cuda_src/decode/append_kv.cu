@@ -23,14 +23,9 @@ __global__ void __launch_bounds__(kAppendWarps * 32) append_kv_kernel(const __gr
   if (t >= p.capacity - cached || p.cache_rows == 0) return;
   const int pos = cached + t;
   const CacheRows<PAGED> cache(p, seq);
-  int at = cache.row;
-  if constexpr (PAGED) {
-    at = cache.table[cache.page_of(pos)];
-    if (at < 0 || at >= p.cache_rows) return;
-  } else if (p.cache_batch_idx != nullptr) {
-    at = p.cache_batch_idx[seq];
-    if (at < 0 || at >= p.cache_rows) return;
-  }
+  // The row (page) written, unclamped: out of the cache, nothing is written.
+  const int at = PAGED ? cache.table[cache.page_of(pos)] : p.cache_batch_idx != nullptr ? p.cache_batch_idx[seq] : seq;
+  if (at < 0 || at >= p.cache_rows) return;
   const int in_row = cache.pos_of(pos);
   const T* k_src = static_cast<const T*>(p.k_new) + seq * p.k_new_strides[0] + t * p.k_new_strides[1] + head * p.k_new_strides[2];
   const T* v_src = static_cast<const T*>(p.v_new) + seq * p.v_new_strides[0] + t * p.v_new_strides[1] + head * p.v_new_strides[2];
