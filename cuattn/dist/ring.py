@@ -57,6 +57,13 @@ def _mask(options: AttnOptions) -> tuple[int, int]:
     return options.window_left, right
 
 
+def _send_kv(ctx, held):
+    """Posts the K/V shard held to the next rank; returns the buffers the previous rank's arrives in."""
+    arriving = tuple(ctx.empty(x.shape, x.dtype) for x in held)
+    yield ("send", "kv", held, arriving)
+    return arriving
+
+
 def forward_steps(ctx, c_type: str, q, k, v, out, lse, options: AttnOptions, work: Plan):
     """One rank's forward: writes ``out`` and ``lse``, yielding its exchanges."""
     acc = ctx.empty(q.shape, np.float32)
@@ -71,8 +78,7 @@ def forward_steps(ctx, c_type: str, q, k, v, out, lse, options: AttnOptions, wor
     for s, pieces in enumerate(work.steps):
         more = s < len(work.steps) - 1
         if more:
-            nxt = (ctx.empty(k.shape, k.dtype), ctx.empty(v.shape, v.dtype))
-            yield ("send", "kv", cur, nxt)
+            nxt = yield from _send_kv(ctx, cur)
         for qs, ks, fields in pieces:
             fresh = {start not in started for start in starts[i]}
             if len(fresh) != 1:
@@ -112,8 +118,7 @@ def backward_steps(ctx, c_type: str, a: dict, grads: tuple, options: AttnOptions
     batch, _, heads_q, head_dim = q.shape
     cur = (k, v)
     if len(work.steps) > 1:  # the first K/V leave before any kernel is queued (docstring)
-        nxt = (ctx.empty(k.shape, k.dtype), ctx.empty(v.shape, v.dtype))
-        yield ("send", "kv", cur, nxt)
+        nxt = yield from _send_kv(ctx, cur)
     delta = ctx.empty((batch, heads_q, q.shape[1]), np.float32)
     dq_sum = _DqSum(ctx, c_type, a, grads, delta, options, work, deterministic)
     accs = (ctx.empty(k.shape, np.float32), ctx.empty(v.shape, np.float32))
@@ -121,9 +126,8 @@ def backward_steps(ctx, c_type: str, a: dict, grads: tuple, options: AttnOptions
     scratch = (ctx.empty(k.shape, np.float32), ctx.empty(v.shape, np.float32)) if len(work.steps) > 1 else None
     for s, pairs in enumerate(work.steps):
         more = s < len(work.steps) - 1
-        if more and s > 0:
-            nxt = (ctx.empty(k.shape, k.dtype), ctx.empty(v.shape, v.dtype))
-            yield ("send", "kv", cur, nxt)
+        if more and s > 0:  # step 0's went before the prep
+            nxt = yield from _send_kv(ctx, cur)
         sums = accs if s == 0 else scratch  # step 0: this rank's own shard, its accumulators here
         if s > 0 and pairs:
             ctx.zero(*scratch)

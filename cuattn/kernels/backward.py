@@ -130,7 +130,8 @@ def fused_smem_bytes(bucket: int) -> int:
     resident, swizzle_alignment = fused_keys(bucket), 1024
     ds_tile = resident * stream * 2
     if bucket > WGMMA_COLUMN_SPLIT_ABOVE:  # column shares: P^T beside dS^T, dQ staged in the Q and dO tiles or a share's stage
-        p_tile, dq_stages = ds_tile, 64 * 64 * 4 if bucket - 128 < 128 else 0  # the 64-column share's stage (WgmmaFusedTraits)
+        last_share_cols = bucket - WGMMA_COLUMN_SPLIT_ABOVE  # kLastOutCols: 64 at 192, 128 at 256
+        p_tile, dq_stages = ds_tile, 64 * 64 * 4 if last_share_cols < 128 else 0  # kShareStageBytes: 64-row pieces of 64 fp32 columns
     else:
         dq_cols = bucket if stream // 64 >= warpgroups else bucket * (stream // 64) // warpgroups
         p_tile, dq_stages = 0, warpgroups * 64 * dq_cols * 4

@@ -174,8 +174,9 @@ __device__ __forceinline__ void produce_paged(const TmaAttnParams& tp, int seq, 
   const int box = min(cache.page_size, BLOCK_N), boxes = BLOCK_N / box;
   // Block j's table entry is read one block ahead and clamped only where its loads are issued,
   // so the read's latency passes under the wait for a free slot.
-  const auto entry_of = [&](int j) { return lane < boxes && j < blocks ? cache.table_entry(min(block_at(j) * BLOCK_N + lane * box, p.capacity - 1)) : 0; };
-  const auto pos_at = [&](int j) { return cache.pos_of(min(block_at(j) * BLOCK_N + lane * box, p.capacity - 1)) / box * box; };
+  const auto key_at = [&](int j) { return min(block_at(j) * BLOCK_N + lane * box, p.capacity - 1); };  // this lane's box's first key
+  const auto entry_of = [&](int j) { return lane < boxes && j < blocks ? cache.table_entry(key_at(j)) : 0; };
+  const auto pos_at = [&](int j) { return cache.pos_of(key_at(j)) / box * box; };
   const auto load = [&](unsigned char* ring, const TensorMap* map, u64* full, u64* empty, int j, int pg, int ps) {
     const int s = j % STAGES;
     if (lane == 0) {
