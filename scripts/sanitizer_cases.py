@@ -14,8 +14,8 @@ dQ pieces staged in the spent Q / dO tiles or the 64-column share's stage, the c
 order) over several key and query blocks. ``decode``: only the KV-cache family (decode.cu, its
 merge, append_kv.cu): contiguous caches (rows picked by cache_batch_idx, one out of range) and
 paged ones (pages of 16, 7 and 1, shuffled tables, one entry out of range), appends across
-pages, lengths at and past the capacity, calls back to back (so each one's prefetch runs under
-the grid before it).
+pages, lengths at and past the capacity, one split over a whole paged sequence, calls back to
+back (so each one's prefetch runs under the grid before it).
 """
 
 import os
@@ -126,5 +126,7 @@ for dtype in (np.float16, BFLOAT16) if DECODE_ONLY else ():
                 for _ in range(2):
                     cuattn.attention_with_kvcache(q, *paged, cache_seqlens=lengths, block_table=table, k_new=k_new, v_new=v_new)
                     cuattn.attention_with_kvcache(q, *paged, cache_seqlens=lengths, block_table=table, softcap=20.0)
+                    # one split: a CTA streams every key block, so its ring and table-entry slots turn over
+                    cuattn.attention_with_kvcache(q, *paged, cache_seqlens=lengths, block_table=table, num_splits=1)
 cupy.cuda.Device().synchronize()
 print("sanitizer cases ran")

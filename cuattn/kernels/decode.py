@@ -23,7 +23,7 @@ PAGED_STAGES = {32: 2, 64: 2, 96: 2, 128: 3, 160: 2, 192: 2, 224: 2, 256: 3}
 WIDE_STAGES = {32: 3, 64: 3, 96: 3, 128: 3, 160: 2, 192: 2, 224: 2, 256: 2}
 MIN_BLOCKS_PER_SPLIT = 1  # key blocks of the capacity per split, at least
 # Key blocks of its split a decode CTA pulls into L2 before it waits for the grid ahead
-# (decode.cu prefetch_first_blocks; scripts/decode_prefetch_ab.sh, H100, benchmarks/NOTES.md):
+# (decode.cu prefetch_first_blocks; scripts/decode_ab.sh, H100, benchmarks/NOTES.md):
 # contiguous caches always, paged ones only under a dependent launch, where the block-table
 # reads the prefetch waits for pass under the grid ahead (without one, b4 1k pages of 16 lost 10%).
 PREFETCH_BLOCKS = 2
@@ -45,7 +45,7 @@ SM_SMEM = 228 * 1024  # shared memory per SM that resident CTAs share (1 KB of i
 
 def smem_bytes_for(bucket: int, ring: int) -> int:
     row = bucket if bucket % 64 == 0 else bucket + 8  # DecodeTraits: swizzled rows of whole 128-byte lines, else padded
-    return (ROWS * row + 2 * ring * BLOCK_N * row) * 2 + 2 * BLOCK_N * 4  # + the page numbers of two blocks
+    return (ROWS * row + 2 * ring * BLOCK_N * row) * 2 + ring * BLOCK_N * 4  # + the table entries of a block per slot
 
 
 def stages(bucket: int, paged: bool, smem_limit: int = MAX_SMEM_OPTIN, wide: bool = False) -> int | None:

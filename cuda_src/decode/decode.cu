@@ -34,7 +34,7 @@ struct DecodeTraits {
   static constexpr int kChunksPerRow = HEAD_DIM / 8;
   static constexpr int kSmemQ = kDecodeRows * kRowStride;
   static constexpr int kSmemKV = kDecodeBlockN * kRowStride;
-  static constexpr int kSmemRows = 2 * kDecodeBlockN * 4;  // cache rows of the next blocks (paged), two buffers
+  static constexpr int kSmemRows = STAGES * kDecodeBlockN * 4;  // paged: the block-table entries of blocks in flight, one buffer a slot
   static constexpr int kSmemBytes = (kSmemQ + 2 * STAGES * kSmemKV) * 2 + kSmemRows;
   static constexpr int kPartialStride = HEAD_DIM + 4;  // fp32 rows of the warps' outputs, in the ring
   static_assert(STAGES >= 2, "a ring");
@@ -53,9 +53,9 @@ struct CacheBand {
 // warp that reads them) from K and V into the shared tiles; keys past `end` and columns past
 // head_dim read as zeros (no load issued). A lane copies one 16-byte column of every
 // kRowsPerRound-th row (lanes past the last whole round idle). k and v point at the sequence's
-// head: in its cache row (contiguous), or at page 0 (paged: each key's page comes from `rows`,
-// loaded one block ahead by lane_table_entry and stored by store_rows, so that the table loads
-// are in flight while the previous block is computed). The row loop is not unrolled: unrolled,
+// head: in its cache row (contiguous), or at page 0 (paged: each key's page is its block-table
+// entry in `rows`, copied there by copy_table_entries STAGES - 1 blocks ahead, and clamped
+// into the cache here). The row loop is not unrolled: unrolled,
 // the compiler keeps every row's address live across the key loop.
 template <typename T, int HEAD_DIM, int STAGES, bool PAGED>
 __device__ __forceinline__ void load_kv_rows(T* sK, T* sV, const DecodeParams& p, const CacheRows<PAGED>& cache, const T* k, const T* v,
@@ -72,7 +72,7 @@ __device__ __forceinline__ void load_kv_rows(T* sK, T* sV, const DecodeParams& p
     const bool valid = j < end && c < p.head_dim;
     i64 k_at = 0, v_at = 0;
     if (valid) {
-      const int at = PAGED ? rows[r] : 0, pos = cache.pos_of(j);
+      const int at = PAGED ? cache.clamp_row(rows[r]) : 0, pos = cache.pos_of(j);
       k_at = at * p.k_strides[0] + pos * p.k_strides[1] + c;
       v_at = at * p.v_strides[0] + pos * p.v_strides[1] + c;
     }
@@ -81,18 +81,15 @@ __device__ __forceinline__ void load_kv_rows(T* sK, T* sV, const DecodeParams& p
   }
 }
 
-// The block-table entry of this lane's key among its warp's 16 of the block at n0 (0 past `end`
-// and for lanes 16-31), loaded a block ahead of its store by store_rows, which clamps it.
+// Paged: the block-table entries of this warp's 16 keys of the block at n0 (lanes 0-15, one key
+// each; zeros past `end`) copied into `entries` by cp.async, in the commit group issued next, so
+// no warp waits on a table load (the copies of a block wait only for their own group).
 template <bool PAGED>
-__device__ __forceinline__ int lane_table_entry(const CacheRows<PAGED>& cache, int n0, int end) {
-  const int lane = threadIdx.x % 32, r = threadIdx.x / 32 * 16 + lane;
-  if constexpr (PAGED) return lane < 16 && n0 + r < end ? cache.table_entry(n0 + r) : 0;
-  return 0;
-}
-template <bool PAGED>
-__device__ __forceinline__ void store_rows(const CacheRows<PAGED>& cache, int entry, int* rows) {
-  const int lane = threadIdx.x % 32;
-  if (PAGED && lane < 16) rows[threadIdx.x / 32 * 16 + lane] = cache.clamp_row(entry);
+__device__ __forceinline__ void copy_table_entries(const CacheRows<PAGED>& cache, int n0, int end, int* entries) {
+  if constexpr (PAGED) {
+    const int lane = threadIdx.x % 32, r = threadIdx.x / 32 * 16 + lane, j = n0 + r;
+    if (lane < 16) cp_async_4(entries + r, cache.table + (j < end ? cache.page_of(j) : 0), j < end);
+  }
 }
 
 // The keys one CTA reads: its rows' band over the sequence's cache, and its split's key blocks
@@ -181,14 +178,14 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, 1) decode_kernel(const __gr
   const int b_begin = span.b_begin, b_end = span.b_end;
 
   const T* q = static_cast<const T*>(p.q) + seq * p.q_strides[0];
-  int* s_rows = reinterpret_cast<int*>(sV_ring + STAGES * Tr::kSmemKV);  // two buffers, by block parity
-  const auto look_up = [&](int n_block) {  // paged: a table load, to be stored (store_up) a block later
-    return PAGED && n_block < b_end ? lane_table_entry<PAGED>(cache, n_block * kDecodeBlockN, length) : 0;
+  int* s_entries = reinterpret_cast<int*>(sV_ring + STAGES * Tr::kSmemKV);  // paged: a block's table entries, by block % STAGES
+  const auto entries_of = [&](int n_block) { return s_entries + n_block % STAGES * kDecodeBlockN; };
+  const auto copy_entries = [&](int n_block) {
+    if (PAGED && n_block < b_end) copy_table_entries<PAGED>(cache, n_block * kDecodeBlockN, length, entries_of(n_block));
   };
-  const auto store_up = [&](int n_block, int entry) { store_rows<PAGED>(cache, entry, s_rows + (n_block & 1) * kDecodeBlockN); };
   const auto load_block = [&](int n_block, int slot) {
     load_kv_rows<T, HEAD_DIM, STAGES, PAGED>(sK_ring + slot * Tr::kSmemKV, sV_ring + slot * Tr::kSmemKV, p, cache, k_seq, v_seq,
-                                             n_block * kDecodeBlockN, length, s_rows + (n_block & 1) * kDecodeBlockN);
+                                             n_block * kDecodeBlockN, length, entries_of(n_block));
   };
 
   float acc[1][kDTiles][4];
@@ -203,7 +200,16 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, 1) decode_kernel(const __gr
   // The ring: blocks b_begin .. b_begin + STAGES - 2 in flight before the loop (Q with the
   // first); each iteration waits for its block and refills the slot freed one iteration ago.
   // Each warp copies and reads only its own 16 keys of every block, so after Q the warps never
-  // wait for each other (a warp's barrier per block, not the CTA's).
+  // wait for each other (a warp's barrier per block, not the CTA's). Paged: the table entries
+  // of block b travel in the commit group of block b - (STAGES - 1), so they have landed when
+  // the wait for that block returns, the iteration that issues block b's copies; the first
+  // STAGES - 1 blocks' entries are waited for here.
+  if (PAGED) {
+    for (int i = 0; i < STAGES - 1; ++i) copy_entries(b_begin + i);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncwarp();
+  }
   if (b_end > b_begin) {
     for (int i = threadIdx.x; i < kDecodeRows * Tr::kChunksPerRow; i += Tr::kThreads) {
       const int r = i / Tr::kChunksPerRow, c = (i % Tr::kChunksPerRow) * 8, row = row0 + r;
@@ -214,15 +220,13 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, 1) decode_kernel(const __gr
   }
 #pragma unroll
   for (int i = 0; i < STAGES - 1; ++i) {
-    if (PAGED) {
-      store_up(b_begin + i, look_up(b_begin + i));
-      __syncwarp();  // the pages are in s_rows
-    }
     if (b_begin + i < b_end) load_block(b_begin + i, i);
+    if (PAGED) {
+      __syncwarp();  // every lane read block b_begin + i - 1's entries (the slot refilled next) before
+      copy_entries(b_begin + i + STAGES - 1);
+    }
     cp_async_commit();
-    if (PAGED) __syncwarp();  // every lane read them before the buffer is reused
   }
-  int entry_ahead = look_up(b_begin + STAGES - 1);  // stored at the loop's first iteration
 
   // Q as A fragments, in registers for the whole key loop where they fit (kQInRegisters).
   constexpr bool kQInRegisters = HEAD_DIM <= 160;
@@ -239,15 +243,11 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, 1) decode_kernel(const __gr
 
   for (int n_block = b_begin, slot = 0; n_block < b_end; ++n_block, slot = slot + 1 == STAGES ? 0 : slot + 1) {
     cp_async_wait<STAGES - 2>();
-    __syncwarp();  // this warp's keys of block n_block landed; its lanes finished with the slot refilled next
+    __syncwarp();  // this warp's keys of block n_block and entries of block `ahead` landed; its lanes finished with the slots refilled next
     const int ahead = n_block + STAGES - 1;
-    if (PAGED && ahead < b_end) {
-      store_up(ahead, entry_ahead);  // loaded an iteration ago
-      __syncwarp();
-    }
     if (ahead < b_end) load_block(ahead, slot == 0 ? STAGES - 1 : slot - 1);
+    copy_entries(ahead + STAGES - 1);  // into the slot of block ahead - 1, whose copies went an iteration ago
     cp_async_commit();
-    entry_ahead = look_up(ahead + 1);  // in flight while this block is computed
     const int n0 = n_block * kDecodeBlockN + warp * 16;  // this warp's 16 keys
     if (n0 > key_last || n0 + 16 <= key_first) continue;
     const T* sK = sK_ring + slot * Tr::kSmemKV + warp * 16 * Tr::kRowStride;
