@@ -31,7 +31,7 @@ def attention_with_kvcache(
     ----------
     q : ``(batch, seqlen_q, heads_q, head_dim)`` float16 / bfloat16: the new tokens of each
         sequence, bottom-right aligned to its cache (token ``t`` sits at position
-        ``cache_seqlens[b] - seqlen_q + t``).
+        ``cache_seqlens[b] + seqlen_new - seqlen_q + t``, ``seqlen_new`` 0 without ``k_new``).
     k_cache, v_cache : a contiguous cache ``(batch_cache, max_seqlen, heads_kv, head_dim)``
         (sequence ``b`` in row ``cache_batch_idx[b]``, or ``b``), or with ``block_table`` a paged
         cache ``(num_pages, page_size, heads_kv, head_dim)`` of any page size. ``q``'s dtype;
@@ -44,7 +44,8 @@ def attention_with_kvcache(
         attended to. ``cache_seqlens`` itself is not changed: add ``seqlen_new`` to it for the
         next step.
     block_table : optional ``(batch, max_pages)`` int32: page ``i`` of sequence ``b`` is
-        ``k_cache[block_table[b, i]]``.
+        ``k_cache[block_table[b, i]]``. A NumPy table is checked on the host whole: every
+        entry a page of the cache, those past a sequence's length included.
     cache_batch_idx : optional ``(batch,)`` int32, contiguous caches only.
     causal, window, scale, softcap, sink : as :func:`cuattn.attention` (``causal`` defaults to
         True: a new token sees the cache and the new tokens before it).
@@ -61,7 +62,8 @@ def attention_with_kvcache(
     ``[0, capacity]`` (the cache's ``max_seqlen``, or ``max_pages * page_size``) and page
     numbers and cache rows within the cache; appends skip positions past the capacity, pages
     outside the cache and (``cache_batch_idx``) rows outside it. No value reads or writes
-    outside the cache, and an append writes no row or page but the sequence's own.
+    outside the cache; an append writes only the rows or pages its index arrays name (a table
+    entry naming another sequence's page writes there).
 
     Returns ``out`` (or ``(out, lse)``) as the caller's array type.
     """
@@ -267,6 +269,8 @@ def _check_cache(a: dict, batch: int, head_dim: int, dtype_of: str = "q") -> dic
         raise ValueError(f"head_dim {head_dim} is not supported: use a multiple of 8 from 8 to 256")
     if rows == 0 and batch:
         raise ValueError("k_cache holds no rows (pages) for the sequences to use")
+    if rows >= 2**31:  # int32 cache rows and block-table entries
+        raise ValueError(f"k_cache holds {rows} rows (pages); at most 2**31 - 1 are supported")
     if k.shape[3] != head_dim:
         raise ValueError(f"k_cache has head_dim {k.shape[3]} but {dtype_of} has {head_dim}")
     if "q" in a and (heads_kv == 0 or a["q"].shape[2] % heads_kv):

@@ -267,7 +267,7 @@ def _merge_vjp(inputs, outputs, grads):
         w_rows = jnp.swapaxes(w, 1, 2)[..., None]  # (batch, seqlen, heads, 1)
         douts.append((w_rows * dout.astype(jnp.float32)).astype(out_i.dtype))
         dot = jnp.swapaxes(((out_i.astype(jnp.float32) - out.astype(jnp.float32)) * dout.astype(jnp.float32)).sum(-1), 1, 2)
-        dlses.append(w * (dot + dlse))
+        dlses.append(jnp.where(w > 0, w * (dot + dlse), 0.0))  # a partial of lse -inf: 0 whatever its out holds (NaN included)
     return douts, dlses
 
 

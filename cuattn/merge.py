@@ -34,7 +34,9 @@ def merge(outs, lses):
     (out, lse) : ``out`` like one partial (its dtype), ``lse`` ``(batch, heads, seqlen)`` float32,
         as arrays of the caller's framework. Arithmetic is fp32. A partial with ``lse = -inf``
         (it saw no key) contributes nothing, whatever its ``out`` holds (NaN included); rows where every partial
-        is ``-inf`` get ``out = 0`` and ``lse = -inf``. More than 16 partials are merged 16 at a
+        is ``-inf`` get ``out = 0`` and ``lse = -inf``. A partial of ``lse = +inf`` (overflowed
+        scores) makes its row ``out`` NaN and ``lse = +inf``; one of ``lse`` NaN makes both NaN
+        (never a row that looks empty). More than 16 partials are merged 16 at a
         time, the running result rounded to the output dtype between groups.
     """
     if type(outs) in (list, tuple) and type(lses) in (list, tuple):

@@ -322,4 +322,7 @@ def merge(outs, lses):
     w = np.where(total > 0, weights / np.where(total > 0, total, 1.0), 0.0)
     safe_outs = np.where(np.isfinite(lses).transpose(0, 1, 3, 2)[..., None], outs, 0.0)
     out = np.einsum("nbhs,nbshd->bshd", w, safe_outs)
+    undefined = np.isnan(lses).any(axis=0)  # a partial of lse NaN: the merged row is NaN
+    lse = np.where(undefined, np.nan, lse)
+    out = np.where(undefined.transpose(0, 2, 1)[..., None], np.nan, out)
     return out, lse

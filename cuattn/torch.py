@@ -17,7 +17,7 @@ from cuattn import ops, replay, requirements
 from cuattn.attention import attention as core_attention
 from cuattn.backward import attention_backward as core_attention_backward
 from cuattn.block_mask import ARRAY_FIELDS as BLOCK_MASK_FIELDS, BlockMask, check_lengths
-from cuattn.dropout import check_dropout_p, check_seed_int
+from cuattn.dropout import check_dropout_p, check_seed_int, dropout_threshold
 from cuattn.decode import append_kv as core_append_kv, attention_with_kvcache as core_attention_with_kvcache, check_num_splits
 from cuattn.merge import merge as core_merge
 from cuattn.options import OP_SCHEMA, WINDOW_SCHEMA, AttnOptions, flat_seqlen_bounds
@@ -43,9 +43,16 @@ def attention(
     draws a new one each replay); the backward reuses it. ``block_mask``: a
     :class:`cuattn.block_mask.BlockMask` of CUDA int32 tensors (``mask.to(lambda a:
     torch.as_tensor(a, device="cuda"))``); traced, ``torch.ops.cuattn.attention_block_sparse``."""
+    _check_tensors(q=q, k=k, v=v)
+    return_lse = check_bool("return_lse", return_lse)
+    dropout = check_dropout_p(dropout_p)
+    if dropout_seed is not None and not isinstance(dropout_seed, torch.Tensor):
+        check_seed_int(dropout_seed)  # whatever dropout_p, as the core path checks it
     if block_mask is not None:
+        if dropout_threshold(dropout):
+            raise ValueError("block_mask is not supported with dropout")
         return _attention_block_sparse(q, k, v, sink, block_mask, (causal, window, align, scale, softcap, sink_tokens), return_lse)
-    if check_dropout_p(dropout_p):
+    if dropout:
         dropout_seed = _device_seed(dropout_seed, q)
         return _attention_dropout(q, k, v, sink, dropout_p, dropout_seed, (causal, window, align, scale, softcap, sink_tokens), return_lse)
     if _eager(q, k, v, sink):
@@ -56,11 +63,11 @@ def attention(
                 return_lse=return_lse,
             )
         out, lse = _apply_eager_attention(q, k, v, sink, (causal, window, align, scale, softcap, sink_tokens))
-    elif sink is None:
-        out, lse = op("attention")(q, k, v, *_flat_mask_options(causal, window, align, scale, softcap, q.shape[-1], sink_tokens))
     else:
-        out, lse = op("attention_sink")(q, k, v, sink, *_flat_mask_options(causal, window, align, scale, softcap, q.shape[-1], sink_tokens))
-    return (out, lse) if check_bool("return_lse", return_lse) else out
+        _check_cuda(q=q, k=k, v=v, sink=sink)
+        flat = _flat_mask_options(causal, window, align, scale, softcap, _head_dim(q), sink_tokens)
+        out, lse = op("attention")(q, k, v, *flat) if sink is None else op("attention_sink")(q, k, v, sink, *flat)
+    return (out, lse) if return_lse else out
 
 
 def _device_seed(seed, q):
@@ -84,16 +91,18 @@ def _attention_dropout(q, k, v, sink, dropout_p, seed, options, return_lse):
             )
         out, lse = _EagerAttention.apply(q, k, v, sink, options, (dropout_p, seed))
     elif sink is None:
-        out, lse = op("attention_dropout")(q, k, v, seed, *_flat_mask_options(causal, window, align, scale, softcap, q.shape[-1], sink_tokens), dropout_p)
+        _check_cuda(q=q, k=k, v=v, dropout_seed=seed)
+        out, lse = op("attention_dropout")(q, k, v, seed, *_flat_mask_options(causal, window, align, scale, softcap, _head_dim(q), sink_tokens), dropout_p)
     else:
         raise NotImplementedError("traced cuattn.torch.attention takes sink or dropout, not both (eager calls take both)")
-    return (out, lse) if check_bool("return_lse", return_lse) else out
+    return (out, lse) if return_lse else out
 
 
 def _attention_block_sparse(q, k, v, sink, block_mask, options, return_lse):
     tensors = (q, k, v) if sink is None else (q, k, v, sink)
     causal, window, align, scale, softcap, sink_tokens = options
     mask_arrays = block_mask_arrays(block_mask)
+    _check_rank4(q=q, k=k)
     check_lengths(block_mask, q.shape[1], k.shape[1])  # a traced op sees the arrays alone
     if _eager(*tensors, *mask_arrays):
         if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
@@ -103,11 +112,12 @@ def _attention_block_sparse(q, k, v, sink, block_mask, options, return_lse):
             )
         out, lse = _EagerAttention.apply(q, k, v, sink, options, (0.0, None), block_mask)
     elif sink is None:
-        flat = _flat_mask_options(causal, window, align, scale, softcap, q.shape[-1], sink_tokens)
+        _check_cuda(q=q, k=k, v=v, **{f"block_mask.{n}": a for n, a in zip(BLOCK_MASK_FIELDS, mask_arrays)})
+        flat = _flat_mask_options(causal, window, align, scale, softcap, _head_dim(q), sink_tokens)
         out, lse = op("attention_block_sparse")(q, k, v, *mask_arrays, *flat)
     else:
         raise NotImplementedError("traced cuattn.torch.attention takes sink or block_mask, not both (eager calls take both)")
-    return (out, lse) if check_bool("return_lse", return_lse) else out
+    return (out, lse) if return_lse else out
 
 
 def block_mask_arrays(block_mask) -> tuple:
@@ -129,7 +139,11 @@ def attention_varlen(
     differentiable in ``q``, ``k``, ``v`` (and through ``lse``). Pass ``max_seqlen_*`` as ints
     when known: derived, they are the totals (device offsets are never read on the host).
     Dropout as :func:`attention` (the seed drawn on the device unless given)."""
+    _check_tensors(q=q, k=k, v=v)
+    return_lse = check_bool("return_lse", return_lse)
     dropout = check_dropout_p(dropout_p)
+    if dropout_seed is not None and not isinstance(dropout_seed, torch.Tensor):
+        check_seed_int(dropout_seed)  # whatever dropout_p, as the core path checks it
     seed = _device_seed(dropout_seed, q) if dropout else None
     if _eager(q, k, v) and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
         return core_attention_varlen(
@@ -137,13 +151,13 @@ def attention_varlen(
             window=window, align=align, scale=scale, softcap=softcap, dropout_p=dropout, dropout_seed=seed, return_lse=return_lse,
         )
     _check_cuda(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
-    options = _flat_mask_options(causal, window, align, scale, softcap, q.shape[-1], schema=WINDOW_SCHEMA)
+    options = _flat_mask_options(causal, window, align, scale, softcap, _head_dim(q), schema=WINDOW_SCHEMA)
     bounds = tuple(flat_seqlen_bounds(max_seqlen_q, max_seqlen_k).values())
     if dropout:
         out, lse = op("attention_varlen_dropout")(q, k, v, cu_seqlens_q, cu_seqlens_k, seed, *options, *bounds, dropout)
     else:
         out, lse = op("attention_varlen")(q, k, v, cu_seqlens_q, cu_seqlens_k, *options, *bounds)
-    return (out, lse) if check_bool("return_lse", return_lse) else out
+    return (out, lse) if return_lse else out
 
 
 def attention_with_kvcache(
@@ -155,6 +169,8 @@ def attention_with_kvcache(
     in place) when ``k_new`` / ``v_new`` are given, else
     ``torch.ops.cuattn.attention_with_kvcache_readonly`` (no write declared); both trace under
     ``torch.compile(fullgraph=True)`` and capture in CUDA graphs."""
+    _check_tensors(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens)
+    return_lse = check_bool("return_lse", return_lse)
     tensors = [x for x in (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, cache_batch_idx, sink) if x is not None]
     if _eager(*tensors):
         return core_attention_with_kvcache(
@@ -162,7 +178,9 @@ def attention_with_kvcache(
             cache_batch_idx=cache_batch_idx, causal=causal, window=window, scale=scale, softcap=softcap, sink=sink,
             num_splits=num_splits, return_lse=return_lse,
         )
-    flat = AttnOptions.from_user(causal, window, "bottom_right", scale, softcap, head_dim=q.shape[-1]).flat(WINDOW_SCHEMA)
+    _check_cuda(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens, k_new=k_new, v_new=v_new, block_table=block_table,
+                cache_batch_idx=cache_batch_idx, sink=sink)
+    flat = AttnOptions.from_user(causal, window, "bottom_right", scale, softcap, head_dim=_head_dim(q)).flat(WINDOW_SCHEMA)
     del flat["align"]
     splits = -1 if num_splits is None else check_num_splits(num_splits)
     if k_new is None and v_new is None:
@@ -173,13 +191,16 @@ def attention_with_kvcache(
         out, lse = op("attention_with_kvcache")(
             q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, cache_batch_idx, sink, *flat.values(), splits,
         )
-    return (out, lse) if check_bool("return_lse", return_lse) else out
+    return (out, lse) if return_lse else out
 
 
 def append_kv(k_new, v_new, k_cache, v_cache, *, cache_seqlens, block_table=None, cache_batch_idx=None):
     """:func:`cuattn.append_kv` on torch tensors (``torch.ops.cuattn.append_kv`` when traced)."""
     if _eager(*(x for x in (k_new, v_new, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx) if x is not None)):
         return core_append_kv(k_new, v_new, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, cache_batch_idx=cache_batch_idx)
+    _check_tensors(k_new=k_new, v_new=v_new, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens)
+    _check_cuda(k_new=k_new, v_new=v_new, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens, block_table=block_table,
+                cache_batch_idx=cache_batch_idx)
     op("append_kv")(k_new, v_new, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx)
     return None
 
@@ -277,6 +298,28 @@ def _eager(*tensors) -> bool:
 _PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))  # a learnable sink is a Parameter
 
 
+def _check_tensors(**tensors) -> None:
+    """TypeError naming the first required argument that is no torch tensor (None included),
+    before anything reads its shape."""
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch tensor, got {'None' if t is None else type(t).__name__}")
+
+
+def _check_rank4(**tensors) -> None:
+    """ValueError naming the first of ``tensors`` that is not (batch, seqlen, heads, head_dim),
+    before a traced path reads its dimensions."""
+    for name, t in tensors.items():
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have rank 4 (batch, seqlen, heads, head_dim), got shape {tuple(t.shape)}")
+
+
+def _head_dim(q) -> int:
+    """q's last dimension, after its rank check."""
+    _check_rank4(q=q)
+    return q.shape[-1]
+
+
 def _check_cuda(**tensors) -> None:
     """ValueError naming the first argument not on a CUDA device (before the dispatcher, which
     would say only that the op has no CPU kernel)."""
@@ -286,14 +329,29 @@ def _check_cuda(**tensors) -> None:
 
 
 def _once_differentiable(backward):
-    """``once_differentiable`` where a graph of the backward is being built (create_graph=True,
-    grad mode on); otherwise the autograd engine runs the backward under no_grad already, and
-    it is called as it is (the wrapper's own no_grad scope costs microseconds a call)."""
-    wrapped = torch.autograd.function.once_differentiable(backward)
+    """A backward whose results raise when differentiated: where a graph of the backward is
+    being built (create_graph=True: grad mode on in the backward), it runs under no_grad and
+    each gradient it returns is handed out through torch's ``DelayedError`` node, so a second
+    differentiation through it raises instead of treating it as a constant. (torch's
+    ``once_differentiable`` does that only when an incoming gradient requires grad, which the
+    ones ``create_graph=True`` starts from do not: a gradient penalty then came out without this
+    term, silently.) Otherwise the engine runs the backward under no_grad already, and it is
+    called as it is."""
 
     @functools.wraps(backward)
     def dispatch(ctx, *grads):
-        return wrapped(ctx, *grads) if torch.is_grad_enabled() else backward(ctx, *grads)
+        if not torch.is_grad_enabled():
+            return backward(ctx, *grads)
+        with torch.no_grad():
+            results = backward(ctx, *grads)
+        single = not isinstance(results, tuple)
+        results = (results,) if single else results
+        delayed = torch._C._functions.DelayedError(b"trying to differentiate twice cuattn's backward, which is not differentiable", len(results))
+        detached = [r.detach().requires_grad_() if isinstance(r, torch.Tensor) and r.is_floating_point() else r for r in results]
+        wrapped = delayed(*detached)
+        wrapped = wrapped if isinstance(wrapped, tuple) else (wrapped,)
+        results = tuple(w if isinstance(r, torch.Tensor) and r.is_floating_point() else r for w, r in zip(wrapped, results))
+        return results[0] if single else results
 
     return dispatch
 

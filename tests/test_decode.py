@@ -726,3 +726,22 @@ def test_graph_with_copies_and_kernels_before_the_decode_step_matches_eager():
         torch.cuda.synchronize()
         replayed = captured.clone()
         torch.testing.assert_close(replayed, step(), rtol=0, atol=0)
+
+
+def test_a_cache_of_2_to_the_31_pages_is_a_value_error():
+    """Cache rows and block-table entries are int32: a paged cache of 2**31 pages (32 GiB at
+    head_dim 8, one KV head, pages of 1) raised an OverflowError while its parameters were
+    packed; 2**31 - 1 pages pass the checks (boundary.trace: arrays known by shape only)."""
+    from types import SimpleNamespace
+
+    from cuattn import boundary
+
+    spec = lambda shape, dtype: SimpleNamespace(shape=tuple(shape), dtype=np.dtype(dtype))  # noqa: E731
+    q, lengths, table = spec((2, 1, 1, 8), np.float16), spec((2,), np.int32), spec((2, 4), np.int32)
+    too_many = spec((2**31, 1, 1, 8), np.float16)
+    with pytest.raises(ValueError, match=r"k_cache holds 2147483648 rows \(pages\)"):
+        boundary.trace(cuattn.attention_with_kvcache, q, too_many, too_many, cache_seqlens=lengths, block_table=table)
+    with pytest.raises(ValueError, match=r"k_cache holds 2147483648 rows \(pages\)"):
+        boundary.trace(cuattn.append_kv, q, q, too_many, too_many, cache_seqlens=lengths, block_table=table)
+    most = spec((2**31 - 1, 1, 1, 8), np.float16)
+    boundary.trace(cuattn.attention_with_kvcache, q, most, most, cache_seqlens=lengths, block_table=table)

@@ -127,6 +127,33 @@ def test_a_partial_of_infinite_lse_gives_nan_and_inf_as_the_reference(parts):
     np.testing.assert_allclose(out.get()[finite], ref_out[finite], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("parts", [2, 17])
+def test_a_partial_of_nan_lse_gives_nan_as_the_reference(parts):
+    """A partial whose lse is NaN makes its merged row out NaN and lse NaN, in the kernel and
+    in cuattn.reference.merge (both made it an empty row: fmaxf passes over NaN; 17 partials
+    take the grouped path); in place too. Rows beside it merge as usual."""
+    import cupy
+
+    rng = np.random.default_rng(11)
+    outs = rng.standard_normal((parts, 1, 3, 2, 8)).astype(np.float32)
+    lses = rng.standard_normal((parts, 1, 2, 3)).astype(np.float32)
+    lses[1, 0, 1, 2] = np.nan
+    ref_out, ref_lse = reference.merge(outs, lses)
+    assert np.isnan(ref_lse[0, 1, 2]) and np.isnan(ref_out[0, 2, 1]).all()
+    assert np.isnan(ref_lse).sum() == 1 and np.isnan(ref_out).sum() == 8
+    out, lse = cuattn.merge(cupy.asarray(outs), cupy.asarray(lses))
+    np.testing.assert_array_equal(np.isnan(out.get()), np.isnan(ref_out))
+    np.testing.assert_array_equal(np.isnan(lse.get()), np.isnan(ref_lse))
+    finite = ~np.isnan(ref_lse)
+    np.testing.assert_allclose(lse.get()[finite], ref_lse[finite], rtol=2e-6, atol=2e-6)
+    np.testing.assert_allclose(out.get()[~np.isnan(ref_out)], ref_out[~np.isnan(ref_out)], rtol=1e-5, atol=1e-6)
+    acc_out, acc_lse = cupy.asarray(outs[0]), cupy.asarray(lses[0])
+    cuattn.merge_(acc_out, acc_lse, cupy.asarray(outs[1]), cupy.asarray(lses[1]))
+    ref2_out, ref2_lse = reference.merge(outs[:2], lses[:2])
+    np.testing.assert_array_equal(np.isnan(acc_out.get()), np.isnan(ref2_out))
+    np.testing.assert_array_equal(np.isnan(acc_lse.get()), np.isnan(ref2_lse))
+
+
 def test_merge_in_place_accumulates_chunks():
     """merge_ over KV chunks equals attention over all keys (the accumulating-loop use)."""
     import cupy

@@ -233,3 +233,15 @@ def test_varlen_references_take_cuattns_signatures_and_sinks():
     assert not np.allclose(out, reference.attention_varlen(q, k, v, cu, cu, causal=True))  # the sink changed something
     with pytest.raises(TypeError):
         reference.attention_varlen(q, k, v, cu, cu, sink_tokens=1)
+
+
+def test_reference_merge_of_a_nan_lse_is_nan():
+    """The float64 reference the GPU test compares with: a partial of lse NaN gives out and lse
+    NaN on its row alone."""
+    rng = np.random.default_rng(12)
+    outs = rng.standard_normal((3, 1, 4, 2, 5))
+    lses = rng.standard_normal((3, 1, 2, 4))
+    lses[2, 0, 0, 3] = np.nan
+    out, lse = reference.merge(outs, lses)
+    assert np.isnan(lse).sum() == 1 and np.isnan(lse[0, 0, 3])
+    assert np.isnan(out).sum() == 5 and np.isnan(out[0, 3, 0]).all()

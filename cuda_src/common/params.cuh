@@ -167,11 +167,13 @@ struct BlockScheduleParams {
 };
 
 // Decoding against a KV cache (decode/decode.cu): the new query rows of each sequence attend
-// to the first cache_seqlens[b] keys of its cache, bottom-right aligned. The cache is contiguous
+// to the first cache_seqlens[b] + seqlen_new keys of its cache (the appended rows included),
+// bottom-right aligned. The cache is contiguous
 // (batch_cache, capacity, heads_kv, head_dim), sequence b in row cache_batch_idx[b] (or b), or
 // paged (num_pages, page_size, heads_kv, head_dim) through block_table (batch, max_pages):
 // common/seq_layout.cuh CacheRows. Device-side lengths, pages and batch rows are clamped for
-// reads; appends skip positions past the capacity and pages outside the cache.
+// reads; appends skip positions past the capacity, pages outside the cache and batch rows
+// outside it.
 struct DecodeParams {
   const void* q;                            // (batch, seqlen_q, heads_q, head_dim)
   const void* k;

@@ -2,7 +2,8 @@
 // cache_seqlens[b] + t of its cache (contiguous row, or the page the block table names, crossing
 // pages as needed). Positions past the capacity, pages outside the cache and cache rows
 // (cache_batch_idx) outside it are skipped, never written: a bad device value cannot write
-// outside the sequence's own cache (CacheRows clamps, which serves reads only). One warp per
+// outside the cache (CacheRows clamps, which serves reads only); within it, the rows and pages
+// the index arrays name are written, whichever sequence's they are. One warp per
 // (sequence, new row, KV head), 16-byte chunks.
 #include "common/dependent_launch.cuh"
 #include "common/params.cuh"

@@ -69,7 +69,8 @@ __global__ void __launch_bounds__(kMergeThreads, CAP < 16 ? 2 : 1) merge_kernel(
       for (int i = 0; i < CAP; ++i) lse_max = fmaxf(lse_max, weight[r][i]);
       // All partials empty: sum stays 0 and the merged row is out = 0, lse = -inf. A partial of
       // lse +inf (scores that overflowed): shift 0 makes the sum +inf, so lse +inf and out NaN
-      // (below), as the reference has it, never a row that looks empty.
+      // (below), as the reference has it, never a row that looks empty. A partial of lse NaN
+      // (which fmaxf passes over) makes the sum NaN: lse and out NaN.
       const float shift = isfinite(lse_max) ? lse_max : 0.f;
       float sum = 0.f;
 #pragma unroll
@@ -80,7 +81,7 @@ __global__ void __launch_bounds__(kMergeThreads, CAP < 16 ? 2 : 1) merge_kernel(
       const float inv_sum = sum > 0.f ? 1.f / sum : 0.f;
 #pragma unroll
       for (int i = 0; i < CAP; ++i) weight[r][i] *= inv_sum;
-      lse[r] = sum > 0.f ? shift + logf(sum) : neg_inf();
+      lse[r] = sum > 0.f ? shift + logf(sum) : sum == 0.f ? neg_inf() : sum;
     }
 
 #pragma unroll
@@ -89,7 +90,7 @@ __global__ void __launch_bounds__(kMergeThreads, CAP < 16 ? 2 : 1) merge_kernel(
       T* dst = static_cast<T*>(p.dst_out) + b[r] * p.dst_out_strides[0] + s[r] * p.dst_out_strides[1] + h[r] * p.dst_out_strides[2];
       for (int col = first_col; col < p.head_dim; col += group * VEC) {
         float acc[VEC];
-        const float start = lse[r] == -neg_inf() ? __int_as_float(0x7fc00000) : 0.f;  // NaN under an lse of +inf
+        const float start = lse[r] == -neg_inf() || isnan(lse[r]) ? __int_as_float(0x7fc00000) : 0.f;  // NaN under an lse of +inf or NaN
 #pragma unroll
         for (int e = 0; e < VEC; ++e) acc[e] = start;
 #pragma unroll

@@ -1,0 +1,118 @@
+"""Argument checks of the framework adapters that need no GPU: each bad argument is named in a
+TypeError / ValueError before anything runs, on the eager path and on the op path (a dispatch
+mode watching makes a call take the op), and the adapters' gradient rules."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+import cuattn.torch  # noqa: E402
+from cuattn import block_mask as bm  # noqa: E402
+
+
+def _qkv(grad: bool = False):
+    q, k, v = (torch.ones(1, 128, 2, 64, dtype=torch.float16) for _ in range(3))
+    return q.requires_grad_(grad), k, v
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_dropout_with_a_block_mask_is_refused(grad):
+    """The adapter took the block-sparse path first and dropped dropout_p and the seed."""
+    mask = bm.local_global(128, 128, window_blocks=1).to(torch.as_tensor)
+    with pytest.raises(ValueError, match="block_mask is not supported with dropout"):
+        cuattn.torch.attention(*_qkv(grad), block_mask=mask, dropout_p=0.5, dropout_seed=3)
+    with pytest.raises(TypeError, match="dropout_p"):
+        cuattn.torch.attention(*_qkv(grad), block_mask=mask, dropout_p="junk")
+
+
+@pytest.mark.parametrize("seed, error", [(-1, ValueError), (2**64, ValueError), (1.5, TypeError), ("x", TypeError)])
+def test_a_bad_dropout_seed_is_named_at_dropout_p_zero(seed, error):
+    """The core path checks an int seed whatever dropout_p; the adapter passed it unchecked."""
+    with pytest.raises(error, match="dropout_seed"):
+        cuattn.torch.attention(*_qkv(), dropout_seed=seed)
+    q = torch.ones(32, 2, 64, dtype=torch.float16)
+    cu = torch.tensor([0, 16, 32], dtype=torch.int32)
+    with pytest.raises(error, match="dropout_seed"):
+        cuattn.torch.attention_varlen(q, q, q, cu, cu, max_seqlen_q=16, max_seqlen_k=16, dropout_seed=seed)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_return_lse_is_checked_before_anything_runs(grad):
+    """It was checked after the forward (with gradients: after the kernels; here, on the CPU,
+    the device error came first)."""
+    with pytest.raises(TypeError, match="return_lse"):
+        cuattn.torch.attention(*_qkv(grad), return_lse=1)
+    with pytest.raises(TypeError, match="return_lse"):
+        cuattn.torch.attention_with_kvcache(*_qkv(), cache_seqlens=torch.zeros(1, dtype=torch.int32), return_lse="yes")
+
+
+def test_a_missing_tensor_is_a_type_error():
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match="q must be a torch tensor, got None"):
+        cuattn.torch.attention(None, k, v)
+    with pytest.raises(TypeError, match="v must be a torch tensor, got ndarray"):
+        cuattn.torch.attention(q, k, np.ones((1, 128, 2, 64), np.float16))
+    with pytest.raises(TypeError, match="cache_seqlens must be a torch tensor"):
+        cuattn.torch.attention_with_kvcache(q, k, v, cache_seqlens=None)
+
+
+def test_op_paths_name_a_tensor_off_the_gpu():
+    """Under a dispatch mode the calls take the registered ops, whose dispatcher said only that
+    they have no CPU kernel (NotImplementedError)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    q, k, v = _qkv()
+    lengths = torch.zeros(1, dtype=torch.int32)
+    calls = {
+        "attention": lambda: cuattn.torch.attention(q, k, v),
+        "dropout": lambda: cuattn.torch.attention(q, k, v, dropout_p=0.5, dropout_seed=torch.zeros(1, dtype=torch.int64)),
+        "block mask": lambda: cuattn.torch.attention(q, k, v, block_mask=bm.local_global(128, 128, window_blocks=1).to(torch.as_tensor)),
+        "kvcache": lambda: cuattn.torch.attention_with_kvcache(q, k, v, cache_seqlens=lengths),
+        "append": lambda: cuattn.torch.append_kv(q[:, :1], v[:, :1], k, v, cache_seqlens=lengths),
+    }
+    for name, call in calls.items():
+        with FlopCounterMode(display=False), pytest.raises(ValueError, match="is on device 'cpu'"):
+            call()
+
+
+def test_a_second_differentiation_of_the_backward_raises():
+    """torch's once_differentiable lets a create_graph=True gradient through as a constant when
+    the incoming gradients need none (the usual case): a gradient penalty lost its term."""
+    from cuattn.torch import _once_differentiable
+
+    class Square(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, option):
+            ctx.save_for_backward(x)
+            return x * x
+
+        @staticmethod
+        @_once_differentiable
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            return 2 * x * g, None
+
+    x = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    (g,) = torch.autograd.grad(Square.apply(x, 0).sum(), x)
+    assert torch.equal(g, 2 * x.detach()) and not g.requires_grad
+    (g,) = torch.autograd.grad(Square.apply(x, 0).sum(), x, create_graph=True)
+    assert torch.equal(g.detach(), 2 * x.detach())
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        (g**2).sum().backward()
+
+
+def test_jax_merge_gradient_of_an_empty_partial_is_zero_whatever_its_out():
+    """A partial of lse -inf whose out holds NaN: its dlse was NaN in the JAX adapter (the torch
+    adapter gave zeros)."""
+    jnp = pytest.importorskip("jax.numpy")
+    from cuattn.jax import _merge_vjp
+
+    rng = np.random.default_rng(3)
+    outs = [jnp.asarray(rng.standard_normal((1, 4, 2, 8)), jnp.float32), jnp.full((1, 4, 2, 8), jnp.nan, jnp.float32)]
+    lses = [jnp.asarray(rng.standard_normal((1, 2, 4)), jnp.float32), jnp.full((1, 2, 4), -jnp.inf, jnp.float32)]
+    out, lse = outs[0], lses[0]
+    dout, dlse = jnp.asarray(rng.standard_normal((1, 4, 2, 8)), jnp.float32), jnp.asarray(rng.standard_normal((1, 2, 4)), jnp.float32)
+    douts, dlses = _merge_vjp((outs, lses), (out, lse), (dout, dlse))
+    assert bool(jnp.all(dlses[1] == 0)) and bool(jnp.all(douts[1] == 0))
+    np.testing.assert_allclose(np.asarray(douts[0]), np.asarray(dout), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(dlses[0]), np.asarray(dlse), rtol=1e-5, atol=1e-6)
