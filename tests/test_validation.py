@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import cuattn
-from cuattn import boundary, loader
+from cuattn import boundary, loader, validation
 from cuattn.kernels import forward
 from cuattn.kernels.variant import MAX_GRID_YZ, Variant, tile_launches
 from cuattn.options import LOG2E, AttnOptions, score_factors
@@ -305,8 +305,6 @@ class _Dev:
 
 
 def test_out_may_not_overlap_k_v_or_itself():
-    from cuattn import validation
-
     base, shape = 1 << 40, (2, 16, 4, 64)
     packed = (16 * 3 * 4 * 64, 3 * 4 * 64, 64, 1)  # q, k, v interleaved in one (b, s, 3, h, d) buffer
     q, k, v = (_Dev(base + i * 4 * 64 * 2, shape, packed).array for i in range(3))
@@ -446,3 +444,27 @@ def test_op_table_options_keep_their_checks():
     with pytest.raises(ValueError, match="window bounds"):
         ops.OPS["attention"].call(q, k, v, **{**options, "window_left": -7})
     assert flat_mask_options(window=(10**20, None), head_dim=64)["window_left"] == 2**62
+
+
+def test_check_disjoint_names_arrays_that_share_memory():
+    """The KV-cache append's check (device arrays known by address, shape and strides): the same
+    cache as K and V, or k_new / v_new inside a cache, is named; K and V as interleaved views of
+    one fused (pages, 2, page, heads, head_dim) buffer are not (they share no element)."""
+    from types import SimpleNamespace
+
+    def arr(ptr, shape, strides):
+        return SimpleNamespace(ptr=ptr, shape=shape, strides=strides, dtype=np.dtype(np.float16), size=int(np.prod(shape)))
+
+    strides = (4096, 128, 64, 1)
+    k, v = arr(1 << 20, (2, 32, 2, 64), strides), arr((1 << 20) + 2 * 4096 * 2, (2, 32, 2, 64), strides)
+    new = arr(1 << 24, (2, 2, 2, 64), (256, 128, 64, 1))
+    validation.check_disjoint({"k_cache": k, "v_cache": v}, {"k_new": new, "v_new": new})
+    with pytest.raises(ValueError, match="k_cache overlaps v_cache in memory"):
+        validation.check_disjoint({"k_cache": k, "v_cache": k}, {"k_new": new, "v_new": new})
+    with pytest.raises(ValueError, match="v_cache overlaps v_new in memory"):
+        validation.check_disjoint({"k_cache": k, "v_cache": v}, {"k_new": new, "v_new": arr(v.ptr + 30 * 128 * 2, (2, 2, 2, 64), strides)})
+    pages, page, heads, head_dim = 100_000, 16, 8, 128
+    fused = (2 * page * heads * head_dim, heads * head_dim, head_dim, 1)
+    k_view = arr(1 << 30, (pages, page, heads, head_dim), fused)
+    v_view = arr((1 << 30) + page * heads * head_dim * 2, (pages, page, heads, head_dim), fused)
+    validation.check_disjoint({"k_cache": k_view, "v_cache": v_view}, {})
