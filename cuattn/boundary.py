@@ -267,6 +267,12 @@ def import_arrays(**arrays) -> tuple[CallContext, dict[str, DeviceArray | None]]
     for k, f in frameworks.items():
         if f != framework:
             raise TypeError(f"{k} is a {f} array but {first} is a {framework} array; pass arrays of one framework")
+    if framework == TORCH:
+        import torch
+
+        for k, v in present.items():
+            if v.layout != torch.strided:  # sparse COO / CSR, mkldnn: no strides to read
+                raise TypeError(f"{k} is a torch tensor of layout {v.layout}; cuattn takes strided (dense) tensors")
     devices = {k: _device_of(k, v, framework) for k, v in present.items()}
     for k, d in devices.items():
         if d != devices[first]:

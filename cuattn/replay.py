@@ -463,7 +463,10 @@ def run(op: str, call, arrays: tuple, options: tuple):
             continue
         if type(x) is not kind and _frameworks.get(type(x)) is not framework:
             return MISS
-        shape, strides, dtype, where, address = read(x)
+        try:
+            shape, strides, dtype, where, address = read(x)
+        except RuntimeError:  # a tensor without strides or data (sparse): the full path names it
+            return MISS
         if where != device:
             if device is not None or where < 0:
                 return MISS

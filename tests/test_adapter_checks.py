@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
+import cuattn  # noqa: E402
 import cuattn.torch  # noqa: E402
 from cuattn import block_mask as bm  # noqa: E402
 
@@ -116,3 +117,12 @@ def test_jax_merge_gradient_of_an_empty_partial_is_zero_whatever_its_out():
     assert bool(jnp.all(dlses[1] == 0)) and bool(jnp.all(douts[1] == 0))
     np.testing.assert_allclose(np.asarray(douts[0]), np.asarray(dout), rtol=1e-6)
     np.testing.assert_allclose(np.asarray(dlses[0]), np.asarray(dlse), rtol=1e-5, atol=1e-6)
+
+
+def test_a_sparse_tensor_is_named_in_a_type_error():
+    """A sparse tensor has no strides: the plan cache's read of it raised torch's RuntimeError."""
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match=r"q is a torch tensor of layout torch.sparse_coo"):
+        cuattn.attention(q.to_sparse(), k, v)
+    with pytest.raises(TypeError, match=r"v is a torch tensor of layout torch.sparse_coo"):
+        cuattn.torch.attention(q, k, v.to_sparse())
