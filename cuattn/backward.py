@@ -222,14 +222,15 @@ def _sum_splits(ctx, partials, first: int, splits: int, batch: int, out) -> None
     sum_rows(ctx, splits_from(1, 1), splits_from(0, 1), out)
 
 
-def check_dout(dout, q, c_type: str, layout: str) -> None:
-    """``dout`` shaped and typed like ``q``, loadable by the kernels of ``c_type``."""
-    validation.check_rank("dout", dout, len(q.shape), layout)
-    validation.check_shape("dout", dout, q.shape, "(the shape of q)")
-    validation.check_same_dtype("dout", dout, "q", q)
-    validation.check_unit_last_stride("dout", dout)
+def check_dout(dout, q, c_type: str, layout: str, name: str = "dout") -> None:
+    """``dout`` (or the array ``name``, such as ``out``) shaped and typed like ``q``, loadable by
+    the kernels of ``c_type`` (16-bit rows are read 16 bytes at a time)."""
+    validation.check_rank(name, dout, len(q.shape), layout)
+    validation.check_shape(name, dout, q.shape, "(the shape of q)")
+    validation.check_same_dtype(name, dout, "q", q)
+    validation.check_unit_last_stride(name, dout)
     if c_type != "float" and dout.ptr is not None and not validation.aligned([dout.ptr], dout.strides[:-1], dout.dtype.itemsize, 8, 8):
-        raise ValueError(f"dout strides {dout.strides} (elements) or its address are not multiples of 16 bytes; make it contiguous")
+        raise ValueError(f"{name} strides {dout.strides} (elements) or its address are not multiples of 16 bytes; make it contiguous")
 
 
 _REQUIRED = {

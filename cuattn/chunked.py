@@ -339,7 +339,17 @@ def _copy_rows(dst: int, dst_pitch: int, src: int, src_pitch: int, row_elems: in
     spitch = src_pitch * itemsize if rows > 1 else width
     dpitch = dst_pitch * itemsize if rows > 1 else width
     direction = rt.memcpyHostToDevice if kind == "h2d" else rt.memcpyDeviceToHost
+    if max(spitch, dpitch, width) > MAX_COPY_PITCH:  # a sequence of 2 GB or more: one copy a row
+        for r in range(rows):
+            rt.memcpyAsync(dst + r * dst_pitch * itemsize, src + r * src_pitch * itemsize, width, direction, stream.ptr)
+        return
     rt.memcpy2DAsync(dst, dpitch, src, spitch, width, rows, direction, stream.ptr)
+
+
+# cudaMemcpy2DAsync refuses pitches (and widths) past the device's cudaDevAttrMaxPitch, 2**31 - 1
+# bytes on NVIDIA GPUs: a batch whose rows are 2 GB apart (a million keys of 8 KV heads at
+# head_dim 128) is copied row by row.
+MAX_COPY_PITCH = 2**31 - 1
 
 
 _COPY_WORKERS = 8
@@ -399,12 +409,26 @@ def _shape_only(h: HostArray) -> boundary.DeviceArray:
     return boundary.DeviceArray(None, h.shape, (0, 0, 0, 1), h.dtype, None)
 
 
+def _masked(options: AttnOptions) -> bool:
+    """Whether key positions matter (a causal mask or a window)."""
+    return options.causal or options.window_left >= 0 or options.window_right >= 0
+
+
 def _mask_fields(options: AttnOptions, seqlen_q: int, total: int | None) -> dict:
-    if total is None:  # no mask (an iterable of unknown length): positions do not matter
+    """The kernels' mask fields for the whole key sequence. Without a mask the positions do not
+    matter: the fields are those of no keys and stay as they are for every chunk
+    (:func:`_at_chunk`), so any number of keys streams."""
+    if total is None or not _masked(options):  # an iterable of unknown length has no mask (_Source)
         total = 0
     if seqlen_q + total > _INT32_REACH // 2:
-        raise ValueError(f"seqlen_q + seqlen_k must stay below {_INT32_REACH // 2}, got {seqlen_q} + {total}")
+        raise ValueError(f"with a mask, seqlen_q + seqlen_k must be at most {_INT32_REACH // 2}, got {seqlen_q} + {total}")
     return options.kernel_fields(seqlen_q, total)
+
+
+def _at_chunk(fields: dict, start: int) -> dict:
+    """``fields`` for a kernel whose key 0 is key ``start``: the diagonal moves with it (unmasked,
+    nothing moves: the offset would pass int32 past 2**31 keys, and no kernel reads it)."""
+    return shifted(fields, start) if fields["window_left"] >= 0 or fields["window_right"] >= 0 else fields
 
 
 def attention_chunked(
@@ -464,7 +488,7 @@ def attention_chunked(
                 continue
             k, v = streams.upload(slot, chunk) if chunk.on_host else (chunk.k, chunk.v)
             p = attn_params(qa, k, v, out.unwritten(), lse, options)
-            set_mask(p, shifted(fields, chunk.start))
+            set_mask(p, _at_chunk(fields, chunk.start))
             p["accum"], p["accum_strides"], p["accum_fresh"] = acc.ptr, acc.strides[:3], int(launched == 0)
             launch_forward(ctx, c_type, p, seqlen_q, heads_q, batch)
             launched += 1
@@ -532,10 +556,7 @@ def attention_chunked_backward(
     qa = a["q"]
     batch, seqlen_q, heads_q, head_dim = qa.shape
     check_dout(a["dout"], qa, c_type, _LAYOUT)
-    validation.check_rank("out", a["out"], 4, _LAYOUT)
-    validation.check_shape("out", a["out"], qa.shape, "(the shape of q)")
-    validation.check_same_dtype("out", a["out"], "q", qa)
-    validation.check_unit_last_stride("out", a["out"])
+    check_dout(a["out"], qa, c_type, _LAYOUT, name="out")  # aligned too: backward_prep reads 16 bytes at a time
     check_row_stats(a, ("lse", "dlse"), (batch, heads_q, seqlen_q))
     ctx.stage(*a.values())
 
@@ -561,7 +582,7 @@ def attention_chunked_backward(
                 k, v = chunk.k, chunk.v
                 dk, dv = ctx.empty(k.shape, k.dtype), ctx.empty(v.shape, v.dtype)
             attn = attn_params(qa, k, v, a["out"], a["lse"], options)
-            set_mask(attn, shifted(fields, chunk.start))
+            set_mask(attn, _at_chunk(fields, chunk.start))
             p = backward_params({"dout": a["dout"], "dlse": a["dlse"]}, [dq_sum, dk, dv], delta, attn)
             p["sum_grads"] = SUM_DQ
             grid = BackwardGrid("dense", batch, seqlen_q, chunk.length, heads_q, k.shape[2], head_dim, batch * seqlen_q, batch * chunk.length)

@@ -179,13 +179,19 @@ def _check_float32(name: str, value: float, given) -> None:
         )
 
 
+# Packed rows: a grid of row blocks (at most 256 rows each) sized from a bound on the lengths
+# counts its rows in int32 (grid_covers in common/seq_layout.cuh), so bounds and totals stay a
+# block below 2**31.
+MAX_PACKED_ROWS = 2**31 - 256
+
+
 def check_max_seqlen(name: str, value) -> int | None:
     if value is None:
         return None
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name} must be an int (or None), got {type(value).__name__} {value!r}")
-    if not 0 <= value < 2**31:
-        raise ValueError(f"{name} must be in [0, 2**31), got {value}")
+    if not 0 <= value <= MAX_PACKED_ROWS:
+        raise ValueError(f"{name} must be in [0, 2**31 - 256], got {value}")
     return int(value)
 
 

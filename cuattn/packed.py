@@ -11,6 +11,7 @@ import numpy as np
 
 from cuattn import boundary, params, validation
 from cuattn.kernels import packed as packed_plan
+from cuattn.options import MAX_PACKED_ROWS
 
 PACKED = "(total, heads, head_dim)"
 PACKED_STATS = "(heads_q, total_q)"
@@ -44,6 +45,9 @@ def check_cu_seqlens(cu_q, cu_k, total_q: int, total_k: int) -> int:
     if cu_q.shape != cu_k.shape:
         raise ValueError(f"cu_seqlens_q has {cu_q.shape[0]} offsets and cu_seqlens_k {cu_k.shape[0]}: both are (batch + 1,)")
     batch = cu_q.shape[0] - 1
+    for name, total in (("q", total_q), ("k", total_k)):
+        if total > MAX_PACKED_ROWS:  # int32 offsets, totals and row bounds (options.MAX_PACKED_ROWS)
+            raise ValueError(f"{name} holds {total} rows (total_{name}); at most 2**31 - 256 are supported (int32 cu_seqlens)")
     if batch == 0 and (total_q or total_k):
         raise ValueError(f"no sequences (cu_seqlens of one offset) cannot cover {total_q} query and {total_k} key rows")
     return batch

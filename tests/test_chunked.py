@@ -4,6 +4,8 @@ both forward kernel paths, the device memory held at any moment, iterables of ho
 chunks, chunks that no row sees (GPU); which keys a mask leaves visible and the argument
 checks (no GPU needed)."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -382,3 +384,67 @@ def test_host_staging_copies_every_byte_of_strided_runs():
     out = np.zeros_like(big)
     chunked._parallel_copy([(out.__array_interface__["data"][0], big.__array_interface__["data"][0], big.nbytes)])
     np.testing.assert_array_equal(out, big)
+
+
+def test_backward_refuses_an_out_its_kernels_cannot_load(monkeypatch):
+    """out is read 16 bytes at a time (backward_prep): a view 2 elements into a wider array was
+    accepted and faulted on the device; attention_backward refused it. Address-only arrays
+    (boundary.trace), out shifted by 4 bytes."""
+    imported = boundary.import_arrays
+
+    def shifted_out(**arrays):
+        ctx, a = imported(**arrays)
+        if a.get("out") is not None:
+            o = a["out"]
+            a["out"] = boundary.DeviceArray(o.ptr + 4, o.shape, (o.strides[0] * 2, o.strides[1] * 2, o.strides[2] + 4, 1), o.dtype, None)
+        return ctx, a
+
+    monkeypatch.setattr(boundary, "import_arrays", shifted_out)
+    q = SimpleNamespace(shape=(1, 16, 2, 64), dtype=np.dtype(np.float16))
+    lse = SimpleNamespace(shape=(1, 2, 16), dtype=np.dtype(np.float32))
+    k = np.zeros((1, 32, 2, 64), np.float16)
+    with pytest.raises(ValueError, match=r"out strides .* not multiples of 16 bytes"):
+        boundary.trace(chunked.attention_chunked_backward, q, q, (k, k.copy()), q, lse)
+
+
+def test_copies_of_rows_2_gb_apart_go_row_by_row(monkeypatch):
+    """cudaMemcpy2DAsync refuses a pitch past 2**31 - 1 bytes: a pinned (k, v) pair of batch 2
+    whose sequences are 4 GB apart made the upload fail midway. Such copies go one row each;
+    smaller pitches stay one 2-D copy."""
+    import cupy
+
+    calls = []
+    rt = cupy.cuda.runtime
+    monkeypatch.setattr(rt, "memcpy2DAsync", lambda *args: calls.append(("2d", args)))
+    monkeypatch.setattr(rt, "memcpyAsync", lambda *args: calls.append(("1d", args)))
+    stream = SimpleNamespace(ptr=7)
+    row = 2**20 * 8 * 128  # a million keys of 8 heads of head_dim 128, in elements
+    chunked._copy_rows(1 << 40, 4096 * 8 * 128, 1 << 20, row, 4096 * 8 * 128, 2, 2, "h2d", stream)
+    assert [c[0] for c in calls] == ["1d", "1d"]
+    assert [c[1][:3] for c in calls] == [(1 << 40, 1 << 20, 4096 * 8 * 128 * 2), ((1 << 40) + 4096 * 8 * 128 * 2, (1 << 20) + row * 2, 4096 * 8 * 128 * 2)]
+    calls.clear()
+    chunked._copy_rows(1 << 40, 4096 * 8 * 128, 1 << 20, 2**16 * 8 * 128, 4096 * 8 * 128, 2, 2, "d2h", stream)
+    assert [c[0] for c in calls] == ["2d"]
+
+
+
+def test_without_a_mask_any_number_of_keys_streams():
+    """Unmasked, key positions do not matter: a (k, v) pair of 2**30 keys was refused
+    (seqlen_q + seqlen_k past 2**30), and an iterable's chunk starting at 2**31 moved the
+    diagonal out of int32 (OverflowError when its fields were packed). With a mask the limit
+    stays. Shape-only host arrays (never read)."""
+    from cuattn.attention import set_mask
+
+    base = np.zeros(16, np.float16)
+    keys = 2**30
+    k = np.lib.stride_tricks.as_strided(base, (1, keys, 1, 8), (keys * 16, 16, 16, 2))
+    q = SimpleNamespace(shape=(1, 16, 1, 8), dtype=np.dtype(np.float16))
+    boundary.trace(chunked.attention_chunked, q, (k, k))
+    with pytest.raises(ValueError, match=r"with a mask, seqlen_q \+ seqlen_k must be at most"):
+        boundary.trace(chunked.attention_chunked, q, (k, k), causal=True)
+    unmasked = chunked._mask_fields(AttnOptions.from_user(head_dim=8), 16, None)
+    assert chunked._at_chunk(unmasked, 2**31) == unmasked
+    fields = np.zeros((), [("window_left", np.int32), ("window_right", np.int32), ("diagonal_offset", np.int32)])[()]
+    set_mask(fields, chunked._at_chunk(unmasked, 2**31))
+    causal = chunked._mask_fields(AttnOptions.from_user(causal=True, head_dim=8), 16, 4096)
+    assert chunked._at_chunk(causal, 1024)["diagonal_offset"] == causal["diagonal_offset"] - 1024

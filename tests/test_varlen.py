@@ -207,8 +207,9 @@ def _host_args(lengths_q=(3, 0, 4), lengths_k=(5, 1, 0), dtype=np.float16):
     (lambda a: {**a, "cu_seqlens_q": np.array([0, 3, 3, 6], np.int32)}, ValueError, r"cu_seqlens_q must end at the number of rows \(7\)"),
     (lambda a: {**a, "cu_seqlens_q": np.array([0], np.int32), "cu_seqlens_k": np.array([0], np.int32)}, ValueError, r"no sequences"),
     (lambda a: {**a, "cu_seqlens_q": np.zeros(0, np.int32), "cu_seqlens_k": np.zeros(0, np.int32)}, ValueError, r"batch \+ 1 >= 1"),
-    (lambda a: {**a, "max_seqlen_q": -1}, ValueError, r"max_seqlen_q must be in \[0, 2\*\*31\), got -1"),
-    (lambda a: {**a, "max_seqlen_q": 2**31}, ValueError, r"max_seqlen_q must be in \[0, 2\*\*31\)"),  # was an OverflowError at packing
+    (lambda a: {**a, "max_seqlen_q": -1}, ValueError, r"max_seqlen_q must be in \[0, 2\*\*31 - 256\], got -1"),
+    (lambda a: {**a, "max_seqlen_q": 2**31}, ValueError, r"max_seqlen_q must be in \[0, 2\*\*31 - 256\]"),
+    (lambda a: {**a, "max_seqlen_k": 2**31 - 255}, ValueError, r"max_seqlen_k must be in \[0, 2\*\*31 - 256\]"),  # was an OverflowError at packing
     (lambda a: {**a, "max_seqlen_q": 3}, ValueError, r"max_seqlen_q \(3\) is below the longest sequence \(4\)"),
     (lambda a: {**a, "max_seqlen_k": 2.0}, TypeError, r"max_seqlen_k must be an int"),
     (lambda a: {**a, "max_seqlen_q": True}, TypeError, r"max_seqlen_q must be an int"),
@@ -275,3 +276,25 @@ def test_offset_reports_name_the_argument_and_the_rule():
     assert describe_report((6 << 32) | 4).startswith("cu_seqlens_k decreases at entry 4")
     assert describe_report((3 << 32) | 9).startswith("cu_seqlens_q does not end at the number of rows (entry 9, its last, differs)")
     assert describe_report((8 << 32) | 2).startswith("cu_seqlens_k has sequence 1 longer than max_seqlen_k")
+
+
+@pytest.mark.parametrize("side", ["q", "k"])
+def test_packed_totals_past_int32_are_a_value_error(side):
+    """2**31 packed rows (32 GB of q at one head of head_dim 8) passed the checks and raised an
+    OverflowError while the int32 totals were packed. Totals stay a row block below 2**31 (a grid
+    sized from them counts its rows in int32): 2**31 - 255 are refused, 2**31 - 256 pass
+    (address-only arrays)."""
+    from types import SimpleNamespace
+
+    from cuattn import boundary
+
+    spec = lambda shape, dtype: SimpleNamespace(shape=tuple(shape), dtype=np.dtype(dtype))  # noqa: E731
+    cu = spec((3,), np.int32)
+    for total, refused in ((2**31, True), (2**31 - 255, True), (2**31 - 256, False)):
+        q = spec((total if side == "q" else 64, 1, 8), np.float16)
+        k = spec((total if side == "k" else 64, 1, 8), np.float16)
+        if refused:
+            with pytest.raises(ValueError, match=rf"{side} holds {total} rows \(total_{side}\)"):
+                boundary.trace(cuattn.attention_varlen, q, k, k, cu, cu)
+        else:
+            boundary.trace(cuattn.attention_varlen, q, k, k, cu, cu)

@@ -328,7 +328,7 @@ def _host_args(dtype=np.float16):
     (lambda a: {**a, "lse": None}, TypeError, r"lse is required"),
     (lambda a: {**a, "cu_seqlens_k": np.array([0, 5, 4, 6], np.int32)}, ValueError, r"cu_seqlens_k must be non-decreasing"),
     (lambda a: {**a, "cu_seqlens_q": a["cu_seqlens_q"].astype(np.int64)}, ValueError, r"cu_seqlens_q must be int32"),
-    (lambda a: {**a, "max_seqlen_k": -2}, ValueError, r"max_seqlen_k must be in \[0, 2\*\*31\)"),
+    (lambda a: {**a, "max_seqlen_k": -2}, ValueError, r"max_seqlen_k must be in \[0, 2\*\*31 - 256\]"),
     (lambda a: {**a, "deterministic": 1}, TypeError, r"deterministic must be a bool"),
     (lambda a: {**a, "window": (1, 2, 3)}, ValueError, r"window must be"),
 ])

@@ -27,9 +27,10 @@ __device__ __forceinline__ void check_offset_entry(const OffsetCheckParams& p, i
 
 template <int THREADS>
 __global__ void __launch_bounds__(THREADS) check_offsets_kernel(const __grid_constant__ OffsetCheckParams p) {
-  for (int i = blockIdx.x * THREADS + threadIdx.x; i <= p.batch; i += gridDim.x * THREADS) {
-    check_offset_entry(p, 0, i);
-    check_offset_entry(p, 1, i);
+  // 64-bit: with batch near 2**31 the step past the last entry would wrap an int to a negative index
+  for (i64 i = i64(blockIdx.x) * THREADS + threadIdx.x; i <= p.batch; i += i64(gridDim.x) * THREADS) {
+    check_offset_entry(p, 0, int(i));
+    check_offset_entry(p, 1, int(i));
   }
 }
 
