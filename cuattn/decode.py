@@ -42,7 +42,8 @@ def attention_with_kvcache(
     k_new, v_new : optional ``(batch, seqlen_new, heads_kv, head_dim)``: written into the cache
         in place at positions ``cache_seqlens[b] + t`` first (as :func:`append_kv`; the caches,
         ``k_new`` and ``v_new`` must not share memory: checked when a call's arguments are
-        validated, not again when a call of the same shapes replays its plan), then
+        validated; a call of the same shapes that replays its plan checks only that k_cache and
+        v_cache are not the same array), then
         attended to. ``cache_seqlens`` itself is not changed: add ``seqlen_new`` to it for the
         next step.
     block_table : optional ``(batch, max_pages)`` int32: page ``i`` of sequence ``b`` is
@@ -69,7 +70,7 @@ def attention_with_kvcache(
 
     Returns ``out`` (or ``(out, lse)``) as the caller's array type.
     """
-    if out is None:
+    if out is None and (k_new is None or k_cache is not v_cache):  # one array as both caches: the full path refuses it
         result = replay.run(
             "attention_with_kvcache",
             lambda: attention_with_kvcache(

@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-from cuattn import ops, replay, requirements
+from cuattn import ops, replay, requirements, validation
 from cuattn.attention import attention as core_attention
 from cuattn.backward import attention_backward as core_attention_backward
 from cuattn.block_mask import ARRAY_FIELDS as BLOCK_MASK_FIELDS, BlockMask, check_lengths
@@ -310,8 +310,7 @@ def _check_rank4(**tensors) -> None:
     """ValueError naming the first of ``tensors`` that is not (batch, seqlen, heads, head_dim),
     before a traced path reads its dimensions."""
     for name, t in tensors.items():
-        if t.dim() != 4:
-            raise ValueError(f"{name} must have rank 4 (batch, seqlen, heads, head_dim), got shape {tuple(t.shape)}")
+        validation.check_rank(name, t, 4, "(batch, seqlen, heads, head_dim)")  # the core path's words
 
 
 def _head_dim(q) -> int:
@@ -321,10 +320,10 @@ def _head_dim(q) -> int:
 
 
 def _check_cuda(**tensors) -> None:
-    """ValueError naming the first argument not on a CUDA device (before the dispatcher, which
+    """ValueError naming the first argument not on a CUDA device or meta (before the dispatcher, which
     would say only that the op has no CPU kernel)."""
     for name, t in tensors.items():
-        if t is not None and t.device.type != "cuda":
+        if t is not None and t.device.type not in ("cuda", "meta"):  # meta: shapes only, the ops' fake kernels
             raise ValueError(f"{name} is on device '{t.device}'; cuattn computes on CUDA devices (move it with .cuda())")
 
 

@@ -84,8 +84,9 @@ def _may_overlap(a, b, unsure: bool = True) -> bool:
 
 def check_disjoint(written: dict, read: dict) -> None:
     """ValueError naming the first pair that shares memory among arrays a kernel writes
-    (``written``) and everything it reads from them or writes besides (``read``). Where NumPy
-    cannot tell (very large interleaved views: K and V views of one fused buffer), they pass."""
+    (``written``) and everything it reads from them or writes besides (``read``). Interleaved
+    views that share no element (K and V views of one fused buffer) pass; where NumPy's solver
+    gives up on a pair, it passes too (no call is refused on a guess)."""
     names = list(written)
     for i, name in enumerate(names):
         others = {**{n: written[n] for n in names[i + 1:]}, **read}

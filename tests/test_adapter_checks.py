@@ -126,3 +126,17 @@ def test_a_sparse_tensor_is_named_in_a_type_error():
         cuattn.attention(q.to_sparse(), k, v)
     with pytest.raises(TypeError, match=r"v is a torch tensor of layout torch.sparse_coo"):
         cuattn.torch.attention(q, k, v.to_sparse())
+
+
+def test_meta_tensors_take_the_ops_fake_kernels():
+    """Shapes only (meta tensors) under a dispatch mode: the ops' fake kernels give the outputs'
+    shapes; the device check takes meta as it takes CUDA."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    q, k, v = (torch.empty(1, 128, 2, 64, dtype=torch.float16, device="meta") for _ in range(3))
+    with FlopCounterMode(display=False):
+        out, lse = cuattn.torch.attention(q, k, v, causal=True, return_lse=True)
+    assert out.device.type == "meta" and out.shape == q.shape and lse.shape == (1, 2, 128)
+    with pytest.raises(ValueError, match=r"q must have 4 dimensions \(batch, seqlen, heads, head_dim\), got shape \(128, 2, 64\)"):
+        with FlopCounterMode(display=False):
+            cuattn.torch.attention(q[0], k, v)

@@ -513,6 +513,21 @@ def test_append_rejects_bad_arguments(change, error, match):
         cuattn.append_kv(**append)
 
 
+@gpu
+def test_one_array_as_both_caches_is_refused_after_a_good_call_of_its_shapes():
+    """The good call records a plan; the same shapes with k_cache passed as v_cache too would
+    replay it and write v_new over k_new, so such a call takes the full path, which refuses it."""
+    import cupy
+
+    a = {k: cupy.asarray(x) for k, x in _host_args().items()}
+    a["k_new"], a["v_new"] = (cupy.ones((2, 2, 2, 64), np.float16) for _ in range(2))
+    a["cache_seqlens"] = cupy.asarray([3, 20], np.int32)
+    cuattn.attention_with_kvcache(**a)
+    cuattn.attention_with_kvcache(**a)  # replayed
+    with pytest.raises(ValueError, match=r"k_cache overlaps v_cache in memory"):
+        cuattn.attention_with_kvcache(**{**a, "v_cache": a["k_cache"]})
+
+
 # --- PyTorch ops -----------------------------------------------------------------------------
 
 
