@@ -41,9 +41,7 @@ def attention_with_kvcache(
         ``cache_seqlens[b]`` positions (0 allowed), plus the appended rows.
     k_new, v_new : optional ``(batch, seqlen_new, heads_kv, head_dim)``: written into the cache
         in place at positions ``cache_seqlens[b] + t`` first (as :func:`append_kv`; the caches,
-        ``k_new`` and ``v_new`` must not share memory: checked when a call's arguments are
-        validated; a call of the same shapes that replays its plan checks only that k_cache and
-        v_cache are not the same array), then
+        ``k_new`` and ``v_new`` must not share memory, which is not checked), then
         attended to. ``cache_seqlens`` itself is not changed: add ``seqlen_new`` to it for the
         next step.
     block_table : optional ``(batch, max_pages)`` int32: page ``i`` of sequence ``b`` is
@@ -70,7 +68,7 @@ def attention_with_kvcache(
 
     Returns ``out`` (or ``(out, lse)``) as the caller's array type.
     """
-    if out is None and (k_new is None or k_cache is not v_cache):  # one array as both caches: the full path refuses it
+    if out is None:
         result = replay.run(
             "attention_with_kvcache",
             lambda: attention_with_kvcache(
@@ -332,9 +330,6 @@ def _check_new(ctx, a: dict, cache: dict) -> None:
     validation.check_shape("v_new", v_new, k_new.shape, "(the shape of k_new)")
     if k_new.shape[1] > cache["capacity"]:
         raise ValueError(f"k_new has {k_new.shape[1]} new rows per sequence but the cache holds at most {cache['capacity']} positions per sequence")
-    # The append writes both caches from k_new / v_new: none of them may share memory (the same
-    # array passed as k_cache and v_cache would take v_new over k_new).
-    validation.check_disjoint({"k_cache": k, "v_cache": a["v_cache"]}, {"k_new": k_new, "v_new": v_new})
     cache["seqlen_new"] = k_new.shape[1]
 
 

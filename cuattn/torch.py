@@ -151,7 +151,7 @@ def attention_varlen(
             window=window, align=align, scale=scale, softcap=softcap, dropout_p=dropout, dropout_seed=seed, return_lse=return_lse,
         )
     _check_cuda(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
-    options = _flat_mask_options(causal, window, align, scale, softcap, _head_dim(q), schema=WINDOW_SCHEMA)
+    options = _flat_mask_options(causal, window, align, scale, softcap, _head_dim(q, 3), schema=WINDOW_SCHEMA)
     bounds = tuple(flat_seqlen_bounds(max_seqlen_q, max_seqlen_k).values())
     if dropout:
         out, lse = op("attention_varlen_dropout")(q, k, v, cu_seqlens_q, cu_seqlens_k, seed, *options, *bounds, dropout)
@@ -313,9 +313,12 @@ def _check_rank4(**tensors) -> None:
         validation.check_rank(name, t, 4, "(batch, seqlen, heads, head_dim)")  # the core path's words
 
 
-def _head_dim(q) -> int:
-    """q's last dimension, after its rank check."""
-    _check_rank4(q=q)
+def _head_dim(q, rank: int = 4) -> int:
+    """q's last dimension, after its rank check (3: packed varlen rows)."""
+    if rank == 4:
+        _check_rank4(q=q)
+    else:
+        validation.check_rank("q", q, rank, "(total, heads, head_dim)")
     return q.shape[-1]
 
 

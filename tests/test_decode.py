@@ -492,17 +492,10 @@ def test_reference_reads_pages_like_a_contiguous_cache():
     (lambda a: {**a, "k_new": a["k_new"].astype(np.float32), "v_new": a["v_new"].astype(np.float32)}, TypeError, r"k_new has dtype float32"),
     (lambda a: {**a, "k_new": a["k_new"][:, :1].repeat(33, axis=1), "v_new": a["v_new"][:, :1].repeat(33, axis=1)}, ValueError,
      r"k_new has 33 new rows per sequence but the cache holds at most 32 positions"),  # was accepted, its last rows dropped
-    # one array as both caches: the append wrote v_new over k_new
-    (lambda a: {**a, "v_cache": a["k_cache"]}, ValueError, r"k_cache overlaps v_cache in memory"),
-    (lambda a: {**a, "k_new": a["k_cache"][:, :2], "v_new": a["v_new"]}, ValueError, r"k_cache overlaps k_new in memory"),
-    (lambda a: {**a, "v_new": a["v_cache"][:, 30:]}, ValueError, r"v_cache overlaps v_new in memory"),
 ])
 def test_append_rejects_bad_arguments(change, error, match):
     import cupy
 
-    from cuattn import replay
-
-    replay.clear()  # a good call of the same shapes before would replay its plan (checks not run again; docstring)
     a = {k: cupy.asarray(x) for k, x in _host_args().items()}
     a["k_new"], a["v_new"] = (cupy.ones((2, 2, 2, 64), np.float16) for _ in range(2))
     a = change(a)
@@ -511,21 +504,6 @@ def test_append_rejects_bad_arguments(change, error, match):
     append = {name: a[name] for name in ("k_new", "v_new", "k_cache", "v_cache", "cache_seqlens", "block_table", "cache_batch_idx") if name in a}
     with pytest.raises(error, match=match):
         cuattn.append_kv(**append)
-
-
-@gpu
-def test_one_array_as_both_caches_is_refused_after_a_good_call_of_its_shapes():
-    """The good call records a plan; the same shapes with k_cache passed as v_cache too would
-    replay it and write v_new over k_new, so such a call takes the full path, which refuses it."""
-    import cupy
-
-    a = {k: cupy.asarray(x) for k, x in _host_args().items()}
-    a["k_new"], a["v_new"] = (cupy.ones((2, 2, 2, 64), np.float16) for _ in range(2))
-    a["cache_seqlens"] = cupy.asarray([3, 20], np.int32)
-    cuattn.attention_with_kvcache(**a)
-    cuattn.attention_with_kvcache(**a)  # replayed
-    with pytest.raises(ValueError, match=r"k_cache overlaps v_cache in memory"):
-        cuattn.attention_with_kvcache(**{**a, "v_cache": a["k_cache"]})
 
 
 # --- PyTorch ops -----------------------------------------------------------------------------

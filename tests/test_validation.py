@@ -445,26 +445,3 @@ def test_op_table_options_keep_their_checks():
         ops.OPS["attention"].call(q, k, v, **{**options, "window_left": -7})
     assert flat_mask_options(window=(10**20, None), head_dim=64)["window_left"] == 2**62
 
-
-def test_check_disjoint_names_arrays_that_share_memory():
-    """The KV-cache append's check (device arrays known by address, shape and strides): the same
-    cache as K and V, or k_new / v_new inside a cache, is named; K and V as interleaved views of
-    one fused (pages, 2, page, heads, head_dim) buffer are not (they share no element)."""
-    from types import SimpleNamespace
-
-    def arr(ptr, shape, strides):
-        return SimpleNamespace(ptr=ptr, shape=shape, strides=strides, dtype=np.dtype(np.float16), size=int(np.prod(shape)))
-
-    strides = (4096, 128, 64, 1)
-    k, v = arr(1 << 20, (2, 32, 2, 64), strides), arr((1 << 20) + 2 * 4096 * 2, (2, 32, 2, 64), strides)
-    new = arr(1 << 24, (2, 2, 2, 64), (256, 128, 64, 1))
-    validation.check_disjoint({"k_cache": k, "v_cache": v}, {"k_new": new, "v_new": new})
-    with pytest.raises(ValueError, match="k_cache overlaps v_cache in memory"):
-        validation.check_disjoint({"k_cache": k, "v_cache": k}, {"k_new": new, "v_new": new})
-    with pytest.raises(ValueError, match="v_cache overlaps v_new in memory"):
-        validation.check_disjoint({"k_cache": k, "v_cache": v}, {"k_new": new, "v_new": arr(v.ptr + 30 * 128 * 2, (2, 2, 2, 64), strides)})
-    pages, page, heads, head_dim = 100_000, 16, 8, 128
-    fused = (2 * page * heads * head_dim, heads * head_dim, head_dim, 1)
-    k_view = arr(1 << 30, (pages, page, heads, head_dim), fused)
-    v_view = arr((1 << 30) + page * heads * head_dim * 2, (pages, page, heads, head_dim), fused)
-    validation.check_disjoint({"k_cache": k_view, "v_cache": v_view}, {})
