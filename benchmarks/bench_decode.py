@@ -43,6 +43,20 @@ def _gbs(nbytes: int, fn, sets: int = 0) -> float:
         return float("nan")
 
 
+def rotated_row(batch: int, seqlen: int, head_dim: int = HEAD_DIM):
+    """One decode row's inputs as the tuning scripts time them (bf16, GQA 32:8, one new token,
+    full lengths): ``sets`` copies of q and K/V, enough to pass L2 together. Returns the K/V
+    bytes of one call, ``sets``, the q and (k, v) lists and the lengths."""
+    import torch
+
+    nbytes = 2 * batch * seqlen * HEADS_KV * head_dim * 2
+    sets = max(1, -(-ROTATE_BYTES // nbytes))
+    q = [torch.randn(batch, 1, HEADS_Q, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
+    kv = [tuple(torch.randn(batch, seqlen, HEADS_KV, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2)) for _ in range(sets)]
+    lengths = torch.full((batch,), seqlen, dtype=torch.int32, device="cuda")
+    return nbytes, sets, q, kv, lengths
+
+
 def _paged(k, v, page_size: int, rng):
     """The contiguous cache's sequences as shuffled pages, and the block table."""
     import torch

@@ -19,7 +19,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 
 import cuattn  # noqa: E402
-from benchmarks.bench_decode import HEAD_DIM, HEADS_KV, HEADS_Q, ROTATE_BYTES, _gbs, _paged  # noqa: E402
+from benchmarks.bench_decode import _gbs, _paged, rotated_row  # noqa: E402
 
 
 class _InOrder:
@@ -30,8 +30,6 @@ class _InOrder:
 
 
 def main() -> None:
-    import torch
-
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", default="1x32768,4x8192")
     parser.add_argument("--splits", default="0,8,16,24,32")
@@ -41,11 +39,7 @@ def main() -> None:
     splits = [int(s) or None for s in args.splits.split(",")]
     print(f"{'row':>10}  " + "  ".join(f"{'splits ' + str(s or 'default'):>22}" for s in splits) + "   (contiguous/page16/page1 GB/s)")
     for batch, seqlen in (tuple(map(int, r.split("x"))) for r in args.rows.split(",")):
-        nbytes = 2 * batch * seqlen * HEADS_KV * HEAD_DIM * 2
-        sets = max(1, -(-ROTATE_BYTES // nbytes))
-        q = [torch.randn(batch, 1, HEADS_Q, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
-        kv = [tuple(torch.randn(batch, seqlen, HEADS_KV, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(2)) for _ in range(sets)]
-        lengths = torch.full((batch,), seqlen, dtype=torch.int32, device="cuda")
+        nbytes, sets, q, kv, lengths = rotated_row(batch, seqlen)
         paged = {ps: [_paged(k, v, ps, rng) for k, v in kv] for ps in (16, 1)}
         cells = []
         for n in splits:

@@ -17,7 +17,7 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import cuattn  # noqa: E402
-from benchmarks.bench_decode import HEAD_DIM, HEADS_KV, HEADS_Q, ROTATE_BYTES, _gbs  # noqa: E402
+from benchmarks.bench_decode import _gbs, rotated_row  # noqa: E402
 from benchmarks.timing import copy_bandwidth_gbs  # noqa: E402
 from cuattn import decode, replay  # noqa: E402
 
@@ -41,11 +41,7 @@ def main() -> None:
     merged, unmerged = decode._launch_decode, _without_merge()
     print(f"copy 1 GB: {copy_bandwidth_gbs():.0f} GB/s")
     for batch, seqlen in (tuple(map(int, r.split("x"))) for r in args.rows.split(",")):
-        nbytes = 2 * batch * seqlen * HEADS_KV * HEAD_DIM * 2
-        sets = max(1, -(-ROTATE_BYTES // nbytes))
-        q = [torch.randn(batch, 1, HEADS_Q, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
-        kv = [tuple(torch.randn(batch, seqlen, HEADS_KV, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(2)) for _ in range(sets)]
-        lengths = torch.full((batch,), seqlen, dtype=torch.int32, device="cuda")
+        nbytes, sets, q, kv, lengths = rotated_row(batch, seqlen)
         cells = {}
         for name, launch, splits in [("default", merged, None), ("no merge", unmerged, None)] + [
                 (f"splits {s}", merged, int(s)) for s in args.splits.split(",")]:

@@ -21,7 +21,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 
 import cuattn  # noqa: E402
-from benchmarks.bench_decode import HEAD_DIM, HEADS_KV, HEADS_Q, ROTATE_BYTES, _gbs, _paged  # noqa: E402
+from benchmarks.bench_decode import HEAD_DIM, _gbs, _paged, rotated_row  # noqa: E402
 from cuattn import replay  # noqa: E402
 from cuattn.kernels import decode as plan  # noqa: E402
 from cuattn.kernels.variant import head_dim_bucket  # noqa: E402
@@ -49,11 +49,7 @@ def main() -> None:
     print(f"{'row':>10} {'cudnn':>6}  " + "  ".join(f"{'st %s mb %d pdl %s' % (s or '-', m, pdl):>20}" for s, m, pdl in configs)
           + "   (contiguous/page16/page1 GB/s)")
     for batch, seqlen in rows:
-        nbytes = 2 * batch * seqlen * HEADS_KV * head_dim * 2
-        sets = max(1, -(-ROTATE_BYTES // nbytes))
-        q = [torch.randn(batch, 1, HEADS_Q, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
-        kv = [tuple(torch.randn(batch, seqlen, HEADS_KV, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2)) for _ in range(sets)]
-        lengths = torch.full((batch,), seqlen, dtype=torch.int32, device="cuda")
+        nbytes, sets, q, kv, lengths = rotated_row(batch, seqlen, head_dim)
         paged = {ps: [_paged(k, v, ps, rng) for k, v in kv] for ps in (16, 1)}
         views = [[x.transpose(1, 2) for x in (q[i], *kv[i])] for i in range(sets)]
 
