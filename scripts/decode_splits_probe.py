@@ -5,7 +5,9 @@ splits (a narrower merge) or more would serve a row better than the one-wave def
     PYTHONPATH=. python scripts/decode_splits_probe.py --rows 1x32768,4x8192 --splits 0,8,16,24
 (0: the default, num_splits=None.) ``--pages in_order``: each sequence's pages consecutive in the
 pool (the table an arange) instead of shuffled, to tell the cost of scattered pages from the
-cost of the paged addressing itself.
+cost of the paged addressing itself; ``--pages local:2097152`` shuffles them only within runs of
+that many bytes of pool (whether what scattered pages lose is address translation, 2 MB
+pages, or a finer locality).
 """
 
 from __future__ import annotations
@@ -29,18 +31,40 @@ class _InOrder:
         return np.arange(n)
 
 
+class _Local:
+    """Shuffles the pool's pages within runs of ``run_bytes`` (the page size read from the
+    bytes of one page of the row at hand, set before each use)."""
+
+    def __init__(self, run_bytes: int):
+        self.run_bytes, self.page_bytes, self.rng = run_bytes, None, np.random.default_rng(0)
+
+    def permutation(self, n: int) -> np.ndarray:
+        run = max(1, self.run_bytes // self.page_bytes)
+        order = np.arange(n)
+        for start in range(0, n, run):
+            order[start:start + run] = start + self.rng.permutation(min(run, n - start))
+        return order
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", default="1x32768,4x8192")
     parser.add_argument("--splits", default="0,8,16,24,32")
-    parser.add_argument("--pages", choices=("shuffled", "in_order"), default="shuffled")
+    parser.add_argument("--pages", default="shuffled", help="shuffled, in_order or local:BYTES")
     args = parser.parse_args()
-    rng = np.random.default_rng(0) if args.pages == "shuffled" else _InOrder()
+    if args.pages.startswith("local:"):
+        rng = _Local(int(args.pages.split(":")[1]))
+    else:
+        rng = {"shuffled": np.random.default_rng(0), "in_order": _InOrder()}[args.pages]
     splits = [int(s) or None for s in args.splits.split(",")]
     print(f"{'row':>10}  " + "  ".join(f"{'splits ' + str(s or 'default'):>22}" for s in splits) + "   (contiguous/page16/page1 GB/s)")
     for batch, seqlen in (tuple(map(int, r.split("x"))) for r in args.rows.split(",")):
         nbytes, sets, q, kv, lengths = rotated_row(batch, seqlen)
-        paged = {ps: [_paged(k, v, ps, rng) for k, v in kv] for ps in (16, 1)}
+        paged = {}
+        for ps in (16, 1):
+            if isinstance(rng, _Local):
+                rng.page_bytes = ps * kv[0][0][0, 0].numel() * kv[0][0].element_size()
+            paged[ps] = [_paged(k, v, ps, rng) for k, v in kv]
         cells = []
         for n in splits:
             rates = [_gbs(nbytes, lambda i: cuattn.attention_with_kvcache(q[i], *kv[i], cache_seqlens=lengths, num_splits=n), sets)]
