@@ -57,11 +57,14 @@ def cupy_rows():
     x, y = cupy.ones(SHAPE, np.float32), cupy.empty(SHAPE, np.float32)
     sync = cupy.cuda.get_current_stream().synchronize
     out, lse = cuattn.attention(q, k, v, return_lse=True)
+    dst, dq, dk, dv = (cupy.empty_like(q) for _ in range(4))
     times = interleaved({
         BARE_LAUNCH: lambda: cupy.multiply(x, 2, out=y),
         "bare CuPy kernel launch (elementwise, allocating)": lambda: x * 2,
         "cuattn.attention": lambda: cuattn.attention(q, k, v),
+        "cuattn.attention (out=)": lambda: cuattn.attention(q, k, v, out=dst),
         "cuattn.attention_backward": lambda: cuattn.attention_backward(q, q, k, v, out, lse),
+        "cuattn.attention_backward (dq=, dk=, dv=)": lambda: cuattn.attention_backward(q, q, k, v, out, lse, dq=dq, dk=dk, dv=dv),
         "cuattn.merge (2 partials)": lambda: cuattn.merge([out, out], [lse, lse]),
     }, sync)
     return [("cupy", call, us) for call, us in times.items()]

@@ -89,7 +89,9 @@ def attention(
         Also return ``lse``, ``(batch, heads_q, seqlen_q)`` float32: the natural log of each
         row's softmax denominator including its max, ``lse = m + log(l)``; merging partial
         results with :func:`cuattn.merge` and the backward pass use it.
-    out : optional array like ``q`` to write the result into (same framework, shape, dtype).
+    out : optional array like ``q`` to write the result into (same framework, shape, dtype;
+        CuPy or PyTorch). It may be ``q`` itself, and must not overlap any other input.
+        Returned as given; a repeated call with it allocates nothing but ``lse``.
 
     Returns
     -------
@@ -98,15 +100,16 @@ def attention(
     """
     seed_array = dropout_.seed_array_argument(dropout_seed)
     mask_arrays = block_mask_.array_arguments(block_mask)
-    if out is None and dropout_.replayable(dropout_p, dropout_seed, seed_array):
+    if dropout_.replayable(dropout_p, dropout_seed, seed_array):
         result = replay.run(
             "attention",
             lambda: attention(
                 q, k, v, causal=causal, window=window, align=align, scale=scale, softcap=softcap, sink=sink, sink_tokens=sink_tokens,
-                dropout_p=dropout_p, dropout_seed=dropout_seed, block_mask=block_mask, return_lse=return_lse,
+                dropout_p=dropout_p, dropout_seed=dropout_seed, block_mask=block_mask, return_lse=return_lse, out=out,
             ),
-            (q, k, v, sink, seed_array, *mask_arrays.values()),
+            (q, k, v, sink, seed_array, out, *mask_arrays.values()),
             (causal, window, align, scale, softcap, sink_tokens, return_lse, dropout_p, *block_mask_.replay_key(block_mask)),
+            written=((5, 0),) if out is not None else (),
         )
         if result is not replay.MISS:
             return result

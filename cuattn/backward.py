@@ -23,7 +23,7 @@ SUM_DQ, SUM_DKDV = 1, 2
 
 def attention_backward(
     dout, q, k, v, out, lse, *, causal=False, window=None, align="bottom_right", scale=None, softcap=None, sink=None,
-    sink_tokens=0, dropout_p=0.0, dropout_seed=None, block_mask=None, dlse=None, deterministic=False,
+    sink_tokens=0, dropout_p=0.0, dropout_seed=None, block_mask=None, dlse=None, deterministic=False, dq=None, dk=None, dv=None,
 ):
     """Gradients of :func:`cuattn.attention` with respect to ``q``, ``k`` and ``v``.
 
@@ -50,6 +50,11 @@ def attention_backward(
         has few CTAs (grouped queries, few or short sequences) it also splits each key block
         over CTAs that add dK / dV into fp32 sums by atomics (two fp32 arrays shaped like ``k``
         and ``v``), so theirs can too; elsewhere it is the deterministic path.
+    dq, dk, dv : optional arrays to write the gradients into (each, any subset), shaped and
+        typed like ``q``, ``k``, ``v``, in their framework (CuPy or PyTorch: written in place),
+        16-byte aligned rows whose heads are contiguous (strides ``(any, any, head_dim, 1)`` in
+        elements: slices of a packed ``dqkv`` buffer qualify). They must not overlap any input
+        or each other. Returned as given; a repeated call with them allocates nothing.
 
     Returns
     -------
@@ -62,13 +67,15 @@ def attention_backward(
     128 the dK/dV columns are split over two CTAs, each recomputing the scores), float32 on
     the CUDA cores with fp32 accuracy (no tf32).
     """
+    given = dq is not None or dk is not None or dv is not None
     if dropout_seed is None and block_mask is None:  # the common call: its arrays are the tensors' (a shorter key)
         seed_array, mask_arrays = None, {}
-        arrays, keyed = (dout, q, k, v, out, lse, dlse, sink), (causal, window, align, scale, softcap, sink_tokens, deterministic, dropout_p)
+        arrays = (dout, q, k, v, out, lse, dlse, sink, dq, dk, dv) if given else (dout, q, k, v, out, lse, dlse, sink)
+        keyed = (causal, window, align, scale, softcap, sink_tokens, deterministic, dropout_p)
     else:
         seed_array = dropout_.seed_array_argument(dropout_seed)
         mask_arrays = block_mask_.array_arguments(block_mask)
-        arrays = (dout, q, k, v, out, lse, dlse, sink, seed_array, *mask_arrays.values())
+        arrays = (dout, q, k, v, out, lse, dlse, sink, seed_array, *mask_arrays.values(), dq, dk, dv)
         keyed = (causal, window, align, scale, softcap, sink_tokens, deterministic, dropout_p, *block_mask_.replay_key(block_mask))
     if dropout_.replayable(dropout_p, dropout_seed, seed_array):
         result = replay.run(
@@ -76,21 +83,25 @@ def attention_backward(
             lambda: attention_backward(
                 dout, q, k, v, out, lse, causal=causal, window=window, align=align, scale=scale, softcap=softcap, sink=sink,
                 sink_tokens=sink_tokens, dropout_p=dropout_p, dropout_seed=dropout_seed, block_mask=block_mask, dlse=dlse,
-                deterministic=deterministic,
+                deterministic=deterministic, dq=dq, dk=dk, dv=dv,
             ),
-            arrays, keyed,
+            arrays, keyed, written=tuple((i, None) for i in range(len(arrays) - 3, len(arrays))) if given else (),
         )
         if result is not replay.MISS:
             return result
     require_arrays({"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}, _REQUIRED)
     deterministic = check_bool("deterministic", deterministic)
     ctx, a = boundary.import_arrays(
-        dout=dout, q=q, k=k, v=v, out=out, lse=lse, dlse=dlse, sink=sink, dropout_seed=seed_array, **mask_arrays,
+        dout=dout, q=q, k=k, v=v, out=out, lse=lse, dlse=dlse, sink=sink, dropout_seed=seed_array, **mask_arrays, dq=dq, dk=dk, dv=dv,
     )
+    if given and ctx.framework in (boundary.JAX, boundary.NUMPY):
+        raise TypeError(f"dq= / dk= / dv= are written in place, which {ctx.framework} arrays cannot be")
     c_type = check_qkv(a["q"], a["k"], a["v"], a["out"])
     batch, seqlen_q, heads_q, head_dim = a["q"].shape
     check_sink(a["sink"], heads_q)
     check_dout(a["dout"], a["q"], c_type, _LAYOUT)
+    if given:
+        check_given_grads(a)
     for name in ("lse", "dlse"):
         x = a[name]
         if x is None:
@@ -104,7 +115,7 @@ def attention_backward(
     block_mask_.check_call(block_mask, a, batch, heads_q, seqlen_q, a["k"].shape[1], dropout, options.sink_tokens)
 
     ctx.stage(*a.values())
-    grads = [ctx.empty(a[n].shape, a[n].dtype) for n in ("q", "k", "v")]
+    grads = [a["d" + n] if a["d" + n] is not None else ctx.empty(a[n].shape, a[n].dtype) for n in ("q", "k", "v")]
     if sink is not None:
         grads.append(ctx.empty((heads_q,), np.float32))
     seqlen_k, heads_kv = a["k"].shape[1], a["k"].shape[2]
@@ -130,8 +141,45 @@ def attention_backward(
         delta = ctx.empty((batch, heads_q, seqlen_q), np.float32)
         _backward_pieces(ctx, c_type, a, grads, delta, options, pieces, deterministic)
     elif any(g.size for g in grads):  # nothing to launch: no query head (K and V had no influence), or no rows at all
-        ctx.zero(*(g for g in grads if g.size))
-    return tuple(ctx.export(g) for g in grads)
+        _zero(ctx, [g for g in grads if g.size])
+    returned = tuple(ctx.export(g) for g in grads)
+    if given:  # the caller's own arrays, as given
+        returned = tuple(x if x is not None else r for x, r in zip((dq, dk, dv), returned)) + returned[3:]
+    return returned
+
+
+def _zero(ctx, arrays) -> None:
+    """Zeros in ``arrays``: a memset where contiguous, else (a given gradient whose rows lie
+    apart) through its framework, on the call's stream."""
+    strided = [x for x in arrays if x.strides != boundary._contiguous_strides(x.shape)]
+    ctx.zero(*(x for x in arrays if not any(x is y for y in strided)))
+    with ctx.device, ctx.stream:
+        for x in strided:
+            x.native[...] = 0
+
+
+def check_given_grads(a: dict) -> None:
+    """dq / dk / dv given to be written: shaped and typed like q / k / v, rows the kernels and
+    sum_rows store 16 bytes at a time into (heads contiguous), apart from every input and
+    from each other."""
+    inputs = {n: x for n, x in a.items() if n not in ("dq", "dk", "dv")}
+    for name in ("dq", "dk", "dv"):
+        g, like = a[name], a[name[1:]]
+        if g is None:
+            continue
+        validation.check_rank(name, g, 4, _LAYOUT)
+        validation.check_shape(name, g, like.shape, f"(the shape of {name[1:]})")
+        validation.check_same_dtype(name, g, name[1:], like)
+        validation.check_unit_last_stride(name, g)
+        vec = 16 // g.dtype.itemsize
+        heads, head_dim = g.shape[2:]
+        if g.size and (heads > 1 and g.strides[2] != head_dim or not validation.aligned([g.ptr], g.strides[:2], g.dtype.itemsize, vec, head_dim)):
+            raise ValueError(
+                f"{name} strides {g.strides} (elements) or its address: rows must be 16-byte aligned with contiguous heads "
+                "(strides (any, any, head_dim, 1))"
+            )
+        others = {**inputs, **{n: a[n] for n in ("dq", "dk", "dv") if n != name}}
+        validation.check_writable_output(name, g, others)
 
 
 def _backward_pieces(ctx, c_type, a, grads, delta, options, pieces, deterministic) -> None:

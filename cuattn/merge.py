@@ -161,20 +161,25 @@ def sum_rows(ctx, piece, total, out=None, fresh: bool = False) -> None:
     """``total <- (fresh ? 0 : total) + piece`` in fp32, or ``out <- that`` rounded to out's
     dtype (``total`` not written), on the call's stream (merge/sum_partials.cu). Device views
     ``(batch, rows, heads, head_dim)`` whose rows are contiguous (a slice of rows of a contiguous
-    array); ``piece`` None adds nothing. For schedules that visit the keys in pieces."""
+    array); ``out``'s rows may lie apart (strides ``(any, any, head_dim, 1)``: a slice of a packed
+    dqkv). ``piece`` None adds nothing. For schedules that visit the keys in pieces."""
     batch, rows, heads, head_dim = total.shape
     inner = rows * heads * head_dim
     if batch * inner == 0:
         return
     for name, a in (("piece", piece), ("total", total), ("out", out)):
-        if a is not None and (a.shape != total.shape or a.strides[1:] != (heads * head_dim, head_dim, 1)):
+        if a is None:
+            continue
+        layout = a.strides[2:] == (head_dim, 1) or heads == 1 and a.strides[3] == 1
+        if a.shape != total.shape or not layout or name != "out" and a.strides[1] != heads * head_dim:
             raise ValueError(f"sum_rows: {name} must be rows of a contiguous array shaped like total, got {a.shape} {a.strides}")
     c_type = validation.check_dtype("piece", piece if piece is not None else total)
     out_type = c_type if out is None else validation.check_dtype("out", out)
     p = params.pack(
         params.SUM_PARAMS, piece=0 if piece is None else piece.ptr, sum=total.ptr, out=0 if out is None else out.ptr,
         outer=batch, inner=inner, piece_stride=0 if piece is None else piece.strides[0], sum_stride=total.strides[0],
-        out_stride=0 if out is None else out.strides[0], fresh=int(fresh),
+        out_stride=0 if out is None else out.strides[0], out_row_stride=heads * head_dim if out is None or rows == 1 else out.strides[1],
+        row_elems=heads * head_dim, fresh=int(fresh),
     )
     variant = merge_plan.sum_variant(c_type, out_type)
     with ctx.device, ctx.stream:

@@ -40,6 +40,8 @@ SUM_PARAMS = np.dtype(
         ("piece_stride", np.int64),
         ("sum_stride", np.int64),
         ("out_stride", np.int64),
+        ("out_row_stride", np.int64),
+        ("row_elems", np.int64),
         ("fresh", np.int32),
     ],
     align=True,

@@ -235,14 +235,16 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=No
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, align="bottom_right", scale=None, softcap=None, sink=None,
-                       sink_tokens=0, dropout_p=0.0, dropout_seed=None, block_mask=None, dlse=None, deterministic=False, first_sequence=0):
+                       sink_tokens=0, dropout_p=0.0, dropout_seed=None, block_mask=None, dlse=None, deterministic=False, dq=None, dk=None,
+                       dv=None, first_sequence=0):
     """Reference gradients ``(dq, dk, dv)`` of :func:`attention`, from the saved ``lse``
     (with ``sink``, ``(dq, dk, dv, dsink)``).
 
     ``dlse`` is the gradient flowing into ``lse``; since d lse / d s = softmax(s), it adds
     ``dlse * p`` to the score gradient. A sink is one more score with no value:
     ``dsink[h] = sum over h's rows of p_sink * (dlse - rowsum(dout * out))``, ``p_sink =
-    exp(sink[h] - lse)``. ``deterministic`` is accepted for signature parity.
+    exp(sink[h] - lse)``. ``deterministic`` and ``dq`` / ``dk`` / ``dv`` (arrays to write
+    into) are accepted for signature parity; new arrays are returned.
     """
     dout, q, k, v, out, lse = map(_f64, (dout, q, k, v, out, lse))
     batch, seqlen_q, heads_q, head_dim = q.shape

@@ -11,8 +11,11 @@ outputs and launch the recorded kernels with only the addresses written in.
 A call takes the fast path only when its arrays are all of one supported type (exactly
 ``cupy.ndarray``, exactly ``torch.Tensor`` / ``Parameter`` on CUDA, or XLA's buffers in a JAX
 callback), on one device, and every address is 16-byte aligned; anything else (NumPy, other
-DLPack producers, misaligned views, ``out=``) runs the full path every time, as do ops whose
-plan depends on more than the signature (they raise :class:`Uncacheable` while recording).
+DLPack producers, misaligned views) runs the full path every time, as do ops whose plan depends
+on more than the signature (they raise :class:`Uncacheable` while recording). Arrays an op
+writes (``out=``, ``dq=``) are sources like the others; whether they overlap another array
+depends on addresses, so each call checks that against the ranges its signature fixes (an
+overlap takes the full path, which raises).
 A bad argument raises while recording, from the same code, so errors are those of the full
 path; a signature is cached only once its recording succeeded.
 """
@@ -125,9 +128,28 @@ class Plan:
     results: Any  # int (source index) or tuple of them: what the op returns
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     writes: tuple = ()  # (pack_into, buffer bytes, byte offset, pointers -> addresses): _address_writes
+    # Per written source: (index, the other sources' (index, bounds, whether it may be the very
+    # same array)); their ranges overlap where below < other's address - this one's < above
+    # (_overlap_checks, from run()'s ``written``).
+    checks: tuple = ()
+    disjoint: dict = dataclasses.field(default_factory=dict)  # (index, other, delta) -> bool: interleaved()
 
     def __post_init__(self):
         self.writes = _address_writes(self.buffers)
+
+    def interleaved(self, index: int, other: int, delta: int, arrays, framework) -> bool:
+        """Whether sources ``index`` and ``other``, whose address ranges overlap with ``other``
+        ``delta`` bytes from ``index``, share no element (slices of one packed buffer): solved
+        exactly once per delta, which alone decides it at fixed shapes and strides."""
+        key = (index, other, delta)
+        known = self.disjoint.get(key)
+        if known is None:
+            from cuattn.validation import _may_overlap
+
+            if len(self.disjoint) >= 64:
+                self.disjoint.clear()
+            known = self.disjoint[key] = not _may_overlap(framework.wrap(arrays[index]), framework.wrap(arrays[other]))
+        return known
 
     def run(self, pointers: list[int], stream: int) -> None:
         """Writes the sources' addresses and launches every kernel on ``stream`` (a handle)."""
@@ -442,12 +464,14 @@ def _framework_of(x) -> _Framework | None:
     return _frameworks.get(type(x))
 
 
-def run(op: str, call, arrays: tuple, options: tuple):
+def run(op: str, call, arrays: tuple, options: tuple, written: tuple = ()):
     """``call()``'s result through the plan of this signature (recorded on first use), or
     :data:`MISS` when the call does not qualify (the caller then runs its full path).
 
     ``arrays``: the op's array arguments in a fixed order (None for an absent optional one);
-    ``options``: its other arguments' values, in a fixed order."""
+    ``options``: its other arguments' values, in a fixed order; ``written``: ``(index, alias)``
+    of each array the op writes (``alias``: the index of an array it may be exactly, or None).
+    A call whose written arrays overlap another array misses."""
     if not enabled or not arrays or _scope() is not None:
         return MISS
     framework = _frameworks.get(type(arrays[0])) or _framework_of(arrays[0])
@@ -491,9 +515,15 @@ def run(op: str, call, arrays: tuple, options: tuple):
         scope.__enter__()
     try:
         if plan is MISS:
-            plan = _record(key, call, arrays, framework, device)
+            plan = _record(key, call, arrays, framework, device, written)
             if plan is None:
                 return MISS
+        for index, others in plan.checks:
+            at = pointers[index]
+            for other, below, above, alias in others:
+                if below < pointers[other] - at < above and not (alias and pointers[other] == at):
+                    if not plan.interleaved(index, other, pointers[other] - at, arrays, framework):
+                        return MISS
         allocate, outputs = framework.allocate, []
         for shape, dtype in plan.outputs:
             native, address = allocate(shape, dtype, device)
@@ -513,15 +543,45 @@ def run(op: str, call, arrays: tuple, options: tuple):
     return _results(plan.results, arrays, outputs)
 
 
-def _record(key, call, arrays, framework: _Framework, device: int) -> Plan | None:
+def _record(key, call, arrays, framework: _Framework, device: int, written: tuple = ()) -> Plan | None:
     try:
         plan = record(call, list(arrays), framework.name, device, framework.wrap)
     except Uncacheable:
         plan = None
+    if plan is not None and written:
+        plan.checks = _overlap_checks([None if x is None else framework.wrap(x) for x in arrays], written)
     if len(_plans) >= MAX_PLANS:
         _plans.clear()
     _plans[key] = plan
     return plan
+
+
+def _overlap_checks(arrays: list, written: tuple) -> tuple:
+    """Plan.checks of ``arrays`` (DeviceArrays, None where absent) for ``written``: byte ranges
+    relative to each address, which the signature (shapes, strides, dtypes) fixes."""
+    def extent(a):
+        low = sum(min(0, (n - 1) * s) for n, s in zip(a.shape, a.strides))
+        high = sum(max(0, (n - 1) * s) for n, s in zip(a.shape, a.strides)) + 1
+        return low * a.dtype.itemsize, high * a.dtype.itemsize
+
+    present = [(i, a) for i, a in enumerate(arrays) if a is not None and a.size]
+    checks = []
+    for index, alias in written:
+        index %= len(arrays)
+        w = arrays[index]
+        if w is None or not w.size:
+            continue
+        low, high = extent(w)
+        others = []
+        for i, a in present:
+            if i != index:
+                other_low, other_high = extent(a)
+                # [at + low, at + high) and [there + other_low, there + other_high) meet where
+                # low - other_high < there - at < high - other_low.
+                same = i == alias and (a.shape, a.strides, a.dtype) == (w.shape, w.strides, w.dtype)
+                others.append((i, low - other_high, high - other_low, same))
+        checks.append((index, tuple(others)))
+    return tuple(checks)
 
 
 def run_preallocated(plans: dict, call, sources: list, outputs: list, device: int, stream_handle: int, decisions) -> bool:

@@ -3,6 +3,8 @@ the argument at fault."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from cuattn.dtypes import C_TYPE_NAMES, C_TYPES
@@ -83,7 +85,10 @@ def _may_overlap(a, b) -> bool:
 def check_writable_output(name: str, out, inputs: dict, same_as_ok: str | None = None) -> None:
     """``out`` must not overlap itself (no zero strides or interleaved dimensions) nor any
     input, except that it may be exactly the input named ``same_as_ok`` (same address, shape
-    and strides: a kernel that reads those elements only before it writes them)."""
+    and strides: a kernel that reads those elements only before it writes them). An empty
+    ``out`` is never written (its strides may be anything)."""
+    if not math.prod(out.shape):
+        return
     dims = sorted((abs(s), n) for s, n in zip(out.strides, out.shape) if n > 1)
     span = 1
     for stride, extent in dims:

@@ -87,6 +87,8 @@ class FakeFunction:
             return params.TMA_ATTN_PARAMS
         if self.variant.kernel == "backward_tma":
             return params.TMA_BACKWARD_PARAMS
+        if self.variant.uri.startswith("merge/sum_partials/"):
+            return params.SUM_PARAMS
         return params.MERGE_PARAMS if family == "merge" else params.BACKWARD_PARAMS if "backward" in family else params.ATTN_PARAMS
 
 
@@ -463,3 +465,76 @@ def test_block_sparse_backwards_take_the_tma_backward_where_it_has_their_form(fa
         assert uris[uris.index(passes[0]) - 1] == "sparse/block_schedule", uris
         launch = fake["launched"][uris.index(passes[0])]
         assert launch[1] == (key_blocks, 2, 2)  # 1000 keys in blocks of 128 (TMA) or 64, KV heads, sequences
+
+
+def test_given_gradients_and_out_are_written_and_replayed_without_allocations(fake):
+    """dq= / dk= / dv= (any subset) and the forward's out= are sources of the plan: a repeated
+    call writes them through the replayed launches, allocates nothing for them and returns them."""
+    q, k, v, dout = _arrays(fake, (2, 64, 4, 64), (2, 64, 2, 64), (2, 64, 2, 64), (2, 64, 4, 64))
+    out, lse = cuattn.attention(q, k, v, return_lse=True)
+    for subset in (("dq", "dk", "dv"), ("dk",)):
+        replay.clear()
+        recordings = replay.counters.recordings
+        for _ in range(3):
+            given = dict(zip(subset, _arrays(fake, *(dict(dq=q, dk=k, dv=v)[n].shape for n in subset))))
+            allocated, replays = fake["allocated"], replay.counters.replays
+            grads = cuattn.attention_backward(dout, q, k, v, out, lse, **given)
+            assert replay.counters.replays == replays + 1 and fake["allocated"] - allocated == 3 - len(subset)
+            for name, g in zip(("dq", "dk", "dv"), grads):
+                assert g is given[name] if name in given else isinstance(g, FakeArray)
+            p = np.frombuffer(fake["launched"][-1][-1], params.BACKWARD_PARAMS)[0]
+            assert (int(p["dq"]), int(p["dk"]), int(p["dv"])) == tuple(g.ptr for g in grads)
+        assert replay.counters.recordings == recordings + 2
+    for alias in (False, True):
+        for _ in range(3):
+            (dst,) = [q] if alias else _arrays(fake, q.shape)
+            allocated, replays = fake["allocated"], replay.counters.replays
+            assert cuattn.attention(q, k, v, out=dst) is dst
+            assert replay.counters.replays == replays + 1 and fake["allocated"] == allocated
+            assert _attn_params(fake["launched"][-1][-1])["out"] == dst.ptr
+
+
+def test_a_written_array_overlapping_another_misses_the_plan(fake):
+    """Whether an output overlaps an input depends on addresses, which a plan does not fix: a
+    call whose dk (or out) overlaps another array takes the full path (which raises its
+    ValueError on real arrays; the fake type it does not know), after the same shapes replayed."""
+    q, k, v, dout = _arrays(fake, (1, 64, 2, 64), (1, 64, 2, 64), (1, 64, 2, 64), (1, 64, 2, 64))
+    out, lse = cuattn.attention(q, k, v, return_lse=True)
+    dq, dk, dv = _arrays(fake, q.shape, k.shape, v.shape)
+    cuattn.attention_backward(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv)
+    cuattn.attention(q, k, v, out=dq)
+    replays = replay.counters.replays
+    inside = lambda x: FakeArray(x.shape, x.dtype, x.ptr + 1024)  # noqa: E731 - overlaps x
+    for bad in (dict(dk=inside(v)), dict(dk=inside(dq)), dict(dq=FakeArray(q.shape, q.dtype, lse.ptr)), dict(dv=inside(dout))):
+        with pytest.raises(TypeError, match="must be a CuPy"):
+            cuattn.attention_backward(dout, q, k, v, out, lse, **{**dict(dq=dq, dk=dk, dv=dv), **bad})
+    for bad in (inside(q), inside(k)):
+        with pytest.raises(TypeError, match="must be a CuPy"):
+            cuattn.attention(q, k, v, out=bad)
+    assert replay.counters.replays == replays
+    (pair,) = _arrays(fake, (2, *k.shape))  # dk and dv adjacent: touching, not overlapping
+    touching = [FakeArray(k.shape, k.dtype, pair.ptr + i * 2 * int(np.prod(k.shape))) for i in range(2)]
+    cuattn.attention_backward(dout, q, k, v, out, lse, dq=dq, dk=touching[0], dv=touching[1])
+    assert replay.counters.replays == replays + 1
+
+
+def test_given_gradients_with_rows_apart_are_summed_into_by_their_row_stride(fake, monkeypatch):
+    """Where dK / dV come from fp32 sums (the TMA backward's key-block splits under GQA), the
+    rounding pass writes a given dk whose rows lie apart (a slice of a packed dqkv) by its
+    own strides."""
+    monkeypatch.setenv("CUATTN_SMALL_BACKWARD", "0")
+    shape_q, shape_kv = (4, 1024, 16, 128), (4, 1024, 2, 128)
+    q, k, v, dout = _arrays(fake, shape_q, shape_kv, shape_kv, shape_q)
+    out, lse = cuattn.attention(q, k, v, causal=True, return_lse=True)
+    (packed,) = _arrays(fake, (4, 1024, 2, 2, 128))  # (batch, seqlen, dk / dv, heads_kv, head_dim)
+    dk = FakeArray(shape_kv, "float16", packed.ptr, strides=(1024 * 512, 512, 128, 1))
+    dv = FakeArray(shape_kv, "float16", packed.ptr + 256 * 2, strides=dk.strides)
+    replays = replay.counters.replays
+    for _ in range(2):
+        fake["launched"].clear()
+        cuattn.attention_backward(dout, q, k, v, out, lse, causal=True, dk=dk, dv=dv)
+        sums = [np.frombuffer(l[-1], params.SUM_PARAMS)[0] for l in fake["launched"] if "sum_partials" in l[0]]
+        rounding = [p for p in sums if p["out"]]
+        assert [int(p["out"]) for p in rounding] == [dk.ptr, dv.ptr]
+        assert all((int(p["out_stride"]), int(p["out_row_stride"]), int(p["row_elems"])) == (1024 * 512, 512, 256) for p in rounding)
+    assert replay.counters.replays == replays + 2  # interleaved dk and dv (overlapping ranges, no shared element) replay

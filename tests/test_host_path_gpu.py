@@ -231,3 +231,104 @@ def test_torch_gradient_through_lse_alone_and_jax_call_without_dlse(monkeypatch)
     ref = cuattn.attention_backward(*(cupy.asarray(np.asarray(x)) for x in (jdout, jq, jk, jv, out, lse)), scale=0.125, deterministic=True)
     for a, b in zip(got[1], ref):
         np.testing.assert_array_equal(np.asarray(a).view(np.uint16), cupy.asnumpy(b).view(np.uint16))
+
+
+# (shape_q, shape_kv, dtype, options): the backward's paths whose stores reach given gradients
+# differently: backward_small; the default one pass (dQ through an accumulator); the
+# deterministic kernels; GQA 16:2, whose TMA backward splits key blocks into fp32 sums rounded
+# by sum_rows; sink tokens beside a window (dQ summed over two key ranges); float32; and no
+# query rows (dK / dV zero-filled).
+GIVEN_GRAD_CASES = [
+    ((1, 100, 4, 64), (1, 100, 4, 64), "bfloat16", {}),
+    ((2, 300, 4, 128), (2, 333, 2, 128), "float16", {"causal": True}),
+    ((2, 300, 4, 128), (2, 333, 2, 128), "float16", {"causal": True, "deterministic": True}),
+    ((4, 1024, 16, 128), (4, 1024, 2, 128), "bfloat16", {"causal": True}),
+    ((1, 300, 4, 64), (1, 300, 2, 64), "bfloat16", {"causal": True, "window": (64, 0), "sink_tokens": 4}),
+    ((1, 77, 2, 64), (1, 50, 2, 64), "float32", {}),
+    ((2, 0, 4, 64), (2, 5, 2, 64), "float16", {}),
+]
+
+
+@pytest.mark.parametrize("shape_q, shape_kv, dtype, options", GIVEN_GRAD_CASES)
+def test_gradients_land_in_given_slices_of_packed_buffers(shape_q, shape_kv, dtype, options):
+    """dq= / dk= / dv= as slices of NaN-poisoned packed buffers ((batch, seqlen, 2, heads, d):
+    dq in slot 0, dk and dv interleaved): each call, recorded or replayed, writes them (equal to
+    the allocating call's gradients, bit for bit on deterministic paths, within two ulps where
+    atomics order fp32 sums) and nothing else (dq's slot 1 stays NaN)."""
+    from helpers import result_ulp
+
+    replay.clear()
+    rng = np.random.default_rng(4)
+    q, k, v = _cupy_inputs(rng, shape_q, shape_kv, dtype)
+    dout = cupy.asarray(randn(rng, shape_q, dtype))
+    mask = {key: x for key, x in options.items() if key != "deterministic"}
+    out, lse = cuattn.attention(q, k, v, return_lse=True, **mask)
+    expected = [g.get() for g in cuattn.attention_backward(dout, q, k, v, out, lse, **options)]
+    replays = replay.counters.replays
+    cuattn.attention_backward(dout, q, k, v, out, lse, **options)
+    replayed = replay.counters.replays - replays  # 0 where the path is not replayable (a memset)
+    exact = options.get("deterministic") or shape_q[1] <= 100 or dtype == "float32"
+    for call in range(3):
+        dq_buf = cupy.full((shape_q[0], shape_q[1], 2, *shape_q[2:]), np.nan, dtype=q.dtype)
+        dkv_buf = cupy.full((shape_kv[0], shape_kv[1], 2, *shape_kv[2:]), np.nan, dtype=q.dtype)
+        given = dict(dq=dq_buf[:, :, 0], dk=dkv_buf[:, :, 0], dv=dkv_buf[:, :, 1])
+        replays = replay.counters.replays
+        grads = cuattn.attention_backward(dout, q, k, v, out, lse, **options, **given)
+        assert all(g is given[name] for g, name in zip(grads, ("dq", "dk", "dv")))
+        if call:
+            assert replay.counters.replays == replays + replayed  # as often as without given gradients
+        for name, g, e in zip(("dq", "dk", "dv"), grads, expected):
+            got = g.get()
+            if exact:
+                np.testing.assert_array_equal(got.view(np.uint8), e.view(np.uint8), err_msg=name)
+            else:
+                assert not np.isnan(got.astype(np.float32)).any(), name
+                np.testing.assert_allclose(got.astype(np.float32), e.astype(np.float32), rtol=0, atol=2 * result_ulp(e, dtype), err_msg=name)
+        assert bool(cupy.isnan(dq_buf[:, :, 1]).all())
+
+
+def test_given_gradients_and_out_are_checked_on_every_call():
+    """Overlaps, shapes, dtypes and layouts of dq= / dk= / dv= and out= raise the full path's
+    errors, also after a good call of the same shapes and strides was cached."""
+    rng = np.random.default_rng(5)
+    qkv = cupy.asarray(randn(rng, (1, 64, 3, 4, 64), "float16"))
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    dout = cupy.asarray(randn(rng, q.shape, "float16"))
+    out, lse = cuattn.attention(q, k, v, return_lse=True)
+    spare = cupy.empty_like(qkv)
+    good = dict(dq=spare[:, :, 0], dk=spare[:, :, 1], dv=spare[:, :, 2])
+    for _ in range(2):  # the second round after good calls of the same signatures were cached
+        cuattn.attention_backward(dout, q, k, v, out, lse, **good)
+        cuattn.attention(q, k, v, out=spare[:, :, 0])
+        with pytest.raises(ValueError, match="dq overlaps q"):
+            cuattn.attention_backward(dout, q, k, v, out, lse, **{**good, "dq": qkv[:, :, 0]})
+        with pytest.raises(ValueError, match="dv overlaps v"):
+            cuattn.attention_backward(dout, q, k, v, out, lse, **{**good, "dv": qkv[:, :, 2]})
+        with pytest.raises(ValueError, match="dq overlaps dk"):
+            cuattn.attention_backward(dout, q, k, v, out, lse, **{**good, "dk": spare[:, :, 0]})
+        with pytest.raises(ValueError, match="out overlaps k"):
+            cuattn.attention(q, k, v, out=qkv[:, :, 1])
+    assert cuattn.attention(q, k, v, out=q) is q  # the very same array as q is allowed
+    with pytest.raises(ValueError, match="dq has shape"):
+        cuattn.attention_backward(dout, q, k, v, out, lse, dq=cupy.empty((1, 64, 2, 64), np.float16))
+    with pytest.raises(TypeError, match="dk has dtype float32"):
+        cuattn.attention_backward(dout, q, k, v, out, lse, dk=cupy.empty(k.shape, np.float32))
+    with pytest.raises(ValueError, match="contiguous heads"):
+        cuattn.attention_backward(dout, q, k, v, out, lse, dv=cupy.empty((1, 64, 4, 128), np.float16)[..., :64])
+    with pytest.raises(ValueError, match="overlapping elements"):
+        cuattn.attention_backward(dout, q, k, v, out, lse, dq=cupy.broadcast_to(cupy.empty((1, 1, 4, 64), np.float16), q.shape))
+    with pytest.raises(TypeError, match="written in place"):
+        cuattn.attention_backward(*(x.get() for x in (dout, q, k, v, out, lse)), dq=np.empty(q.shape, np.float16))
+
+
+def test_torch_tensors_take_given_gradients():
+    torch = pytest.importorskip("torch")
+    q, k, v, dout = (torch.randn(2, 50, 4, 64, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    out, lse = cuattn.attention(q, k, v, causal=True, return_lse=True)
+    expected = cuattn.attention_backward(dout, q, k, v, out, lse, causal=True, deterministic=True)
+    for _ in range(2):
+        dq, dk, dv = (torch.full_like(q, float("nan")) for _ in range(3))
+        grads = cuattn.attention_backward(dout, q, k, v, out, lse, causal=True, deterministic=True, dq=dq, dk=dk, dv=dv)
+        assert grads[0] is dq and grads[1] is dk and grads[2] is dv
+        for g, e in zip(grads, expected):
+            assert torch.equal(g, e)

@@ -39,6 +39,8 @@ struct SumParams {
   i64 piece_stride;
   i64 sum_stride;
   i64 out_stride;
+  i64 out_row_stride;  // out's rows of row_elems elements each (its heads contiguous) may lie apart
+  i64 row_elems;
   int fresh;
 };
 

@@ -9,7 +9,8 @@ namespace cuattn {
 constexpr int kSumThreads = 256;
 
 /// \brief SumParams over runs of elements, 8 elements per thread per step; the grid strides
-/// over the whole (outer x inner) range. TO: the output type.
+/// over the whole (outer x inner) range. TO: the output type. out's rows (row_elems elements,
+/// a multiple of 8) may lie out_row_stride apart; piece's and sum's are contiguous.
 template <typename T, typename TO>
 __global__ void __launch_bounds__(kSumThreads) sum_partials_kernel(const __grid_constant__ SumParams p) {
   constexpr int kVec = 8;
@@ -28,7 +29,8 @@ __global__ void __launch_bounds__(kSumThreads) sum_partials_kernel(const __grid_
       }
     }
     if (p.out != nullptr) {
-      store_floats<TO, kVec>(static_cast<TO*>(p.out) + run * p.out_stride + at, x);
+      const i64 row = at / p.row_elems;
+      store_floats<TO, kVec>(static_cast<TO*>(p.out) + run * p.out_stride + row * p.out_row_stride + (at - row * p.row_elems), x);
     } else {
 #pragma unroll
       for (int j = 0; j < kVec; j += 4) *reinterpret_cast<float4*>(sum + j) = make_float4(x[j], x[j + 1], x[j + 2], x[j + 3]);
