@@ -392,8 +392,7 @@ def _prepare(q, kv_chunks, causal, window, align, scale, softcap, chunk_tokens, 
     no_keys = boundary.DeviceArray(None, (batch, 0, heads_q, head_dim), (0, 0, 0, 1), a["q"].dtype, None)
     c_type = check_qkv(a["q"], no_keys, no_keys, None)  # q's dtype, head_dim, heads, alignment
     options = AttnOptions.from_user(causal, window, align, scale, softcap, head_dim=a["q"].shape[3])
-    needs_total = causal or options.window_left >= 0 or options.window_right >= 0
-    source = _Source(kv_chunks, a["q"], ctx, chunk_tokens, seqlen_k, needs_total)
+    source = _Source(kv_chunks, a["q"], ctx, chunk_tokens, seqlen_k, _masked(options))
     if source.pair:
         check_qkv(a["q"], _shape_only(source.k), _shape_only(source.v), None)
     return ctx, a, c_type, options, source

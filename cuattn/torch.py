@@ -43,11 +43,7 @@ def attention(
     draws a new one each replay); the backward reuses it. ``block_mask``: a
     :class:`cuattn.block_mask.BlockMask` of CUDA int32 tensors (``mask.to(lambda a:
     torch.as_tensor(a, device="cuda"))``); traced, ``torch.ops.cuattn.attention_block_sparse``."""
-    _check_tensors(q=q, k=k, v=v)
-    return_lse = check_bool("return_lse", return_lse)
-    dropout = check_dropout_p(dropout_p)
-    if dropout_seed is not None and not isinstance(dropout_seed, torch.Tensor):
-        check_seed_int(dropout_seed)  # whatever dropout_p, as the core path checks it
+    return_lse, dropout = _checked_arguments(q, k, v, return_lse, dropout_p, dropout_seed)
     if block_mask is not None:
         if dropout_threshold(dropout):
             raise ValueError("block_mask is not supported with dropout")
@@ -68,6 +64,18 @@ def attention(
         flat = _flat_mask_options(causal, window, align, scale, softcap, _head_dim(q), sink_tokens)
         out, lse = op("attention")(q, k, v, *flat) if sink is None else op("attention_sink")(q, k, v, sink, *flat)
     return (out, lse) if return_lse else out
+
+
+def _checked_arguments(q, k, v, return_lse, dropout_p, dropout_seed) -> tuple[bool, float]:
+    """The checks every attention entry point starts with: q, k, v torch tensors, return_lse a
+    bool, dropout_p in [0, 1), an int seed in range (whatever dropout_p, as the core path
+    checks it). Returns (return_lse, dropout_p)."""
+    _check_tensors(q=q, k=k, v=v)
+    return_lse = check_bool("return_lse", return_lse)
+    dropout = check_dropout_p(dropout_p)
+    if dropout_seed is not None and not isinstance(dropout_seed, torch.Tensor):
+        check_seed_int(dropout_seed)
+    return return_lse, dropout
 
 
 def _device_seed(seed, q):
@@ -139,11 +147,7 @@ def attention_varlen(
     differentiable in ``q``, ``k``, ``v`` (and through ``lse``). Pass ``max_seqlen_*`` as ints
     when known: derived, they are the totals (device offsets are never read on the host).
     Dropout as :func:`attention` (the seed drawn on the device unless given)."""
-    _check_tensors(q=q, k=k, v=v)
-    return_lse = check_bool("return_lse", return_lse)
-    dropout = check_dropout_p(dropout_p)
-    if dropout_seed is not None and not isinstance(dropout_seed, torch.Tensor):
-        check_seed_int(dropout_seed)  # whatever dropout_p, as the core path checks it
+    return_lse, dropout = _checked_arguments(q, k, v, return_lse, dropout_p, dropout_seed)
     seed = _device_seed(dropout_seed, q) if dropout else None
     if _eager(q, k, v) and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
         return core_attention_varlen(

@@ -282,6 +282,8 @@ def test_layout_helpers_refuse_ranks_outside_the_world_and_uneven_shards():
                 layouts.shard(x, world, rank, lay)
     with pytest.raises(TypeError, match="rank must be an int"):
         layouts.positions(16, 2, 1.0, "zigzag")
+    with pytest.raises(TypeError, match="seqlen must be a non-negative int, got float 16.0"):
+        layouts.positions(16.0, 2, 1, "zigzag")  # gave float positions
     with pytest.raises(ValueError, match=r"every rank's shard holds as many rows; got \[3, 5\]"):
         layouts.unshard([np.arange(3)[None], np.arange(3, 8)[None]], "zigzag")
     with pytest.raises(ValueError, match="got none"):

@@ -33,6 +33,8 @@ class Run:
 def check_layout(layout: str, seqlen: int, world: int) -> None:
     if not isinstance(layout, str) or layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    if isinstance(seqlen, (bool, np.bool_)) or not isinstance(seqlen, (int, np.integer)) or seqlen < 0:
+        raise TypeError(f"seqlen must be a non-negative int, got {type(seqlen).__name__} {seqlen!r}")
     parts = 2 * world if layout == "zigzag" else world
     if seqlen % parts:
         raise ValueError(f"the {layout} layout needs the sequence length ({seqlen}) to be a multiple of {parts} ({world} ranks)")

@@ -71,8 +71,9 @@ struct CacheRows {
   }
 };
 
-// Packed offsets are read clamped into [0, total] and non-decreasing: bad device-side
-// cu_seqlens cannot move an access outside the arrays.
+// A sequence's pair of packed offsets is read clamped into [0, total], its end no lower than
+// its start (sequences may still overlap one another): bad device-side cu_seqlens cannot move
+// an access outside the arrays.
 __device__ __forceinline__ void packed_rows(const int* cu_seqlens, int seq, int total, int& first, int& length) {
   first = min(max(cu_seqlens[seq], 0), total);
   length = min(max(cu_seqlens[seq + 1], first), total) - first;
