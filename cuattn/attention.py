@@ -90,8 +90,8 @@ def attention(
         row's softmax denominator including its max, ``lse = m + log(l)``; merging partial
         results with :func:`cuattn.merge` and the backward pass use it.
     out : optional array like ``q`` to write the result into (same framework, shape, dtype;
-        CuPy or PyTorch). It may be ``q`` itself, and must not overlap any other input.
-        Returned as given; a repeated call with it allocates nothing but ``lse``.
+        CuPy or PyTorch). It may be ``q`` itself, and must not overlap any other argument.
+        Returned as given; a repeated call with it allocates no output.
 
     Returns
     -------
@@ -121,7 +121,7 @@ def attention(
     c_type = check_qkv(a["q"], a["k"], a["v"], a["out"])
     check_sink(a["sink"], a["q"].shape[2])
     if out is not None:  # out=q is safe: each CTA reads its query rows before it writes them
-        validation.check_writable_output("out", a["out"], {"q": a["q"], "k": a["k"], "v": a["v"]}, same_as_ok="q")
+        validation.check_writable_output("out", a["out"], {n: x for n, x in a.items() if n != "out"}, same_as_ok="q")
     batch, seqlen_q, heads_q, head_dim = a["q"].shape
     options = AttnOptions.from_user(causal, window, align, scale, softcap, head_dim=head_dim, sink_tokens=sink_tokens)
     pieces = options.key_pieces(seqlen_q, a["k"].shape[1])

@@ -53,8 +53,10 @@ def attention_backward(
     dq, dk, dv : optional arrays to write the gradients into (each, any subset), shaped and
         typed like ``q``, ``k``, ``v``, in their framework (CuPy or PyTorch: written in place),
         16-byte aligned rows whose heads are contiguous (strides ``(any, any, head_dim, 1)`` in
-        elements: slices of a packed ``dqkv`` buffer qualify). They must not overlap any input
-        or each other. Returned as given; a repeated call with them allocates nothing.
+        elements, batch and row strides and the address multiples of 16 bytes: slices of a
+        packed ``dqkv`` buffer qualify). They must not overlap any input or each other.
+        Returned as given; a repeated call then allocates no gradient array (scratch such as
+        delta or the dQ accumulator still comes from the memory pool).
 
     Returns
     -------
@@ -150,12 +152,15 @@ def attention_backward(
 
 def _zero(ctx, arrays) -> None:
     """Zeros in ``arrays``: a memset where contiguous, else (a given gradient whose rows lie
-    apart) through its framework, on the call's stream."""
+    apart) through its framework, on the call's stream (torch: not recorded by autograd)."""
     strided = [x for x in arrays if x.strides != boundary._contiguous_strides(x.shape)]
     ctx.zero(*(x for x in arrays if not any(x is y for y in strided)))
     with ctx.device, ctx.stream:
         for x in strided:
-            x.native[...] = 0
+            if ctx.framework == boundary.TORCH:
+                x.native.detach().zero_()
+            else:
+                x.native.fill(0)
 
 
 def check_given_grads(a: dict) -> None:
@@ -163,10 +168,9 @@ def check_given_grads(a: dict) -> None:
     sum_rows store 16 bytes at a time into (heads contiguous), apart from every input and
     from each other."""
     inputs = {n: x for n, x in a.items() if n not in ("dq", "dk", "dv")}
-    for name in ("dq", "dk", "dv"):
+    given = [name for name in ("dq", "dk", "dv") if a[name] is not None]
+    for name in given:
         g, like = a[name], a[name[1:]]
-        if g is None:
-            continue
         validation.check_rank(name, g, 4, _LAYOUT)
         validation.check_shape(name, g, like.shape, f"(the shape of {name[1:]})")
         validation.check_same_dtype(name, g, name[1:], like)
@@ -178,8 +182,9 @@ def check_given_grads(a: dict) -> None:
                 f"{name} strides {g.strides} (elements) or its address: rows must be 16-byte aligned with contiguous heads "
                 "(strides (any, any, head_dim, 1))"
             )
-        others = {**inputs, **{n: a[n] for n in ("dq", "dk", "dv") if n != name}}
-        validation.check_writable_output(name, g, others)
+    for name in given:  # after every given gradient's own checks
+        others = {**inputs, **{n: a[n] for n in given if n != name}}
+        validation.check_writable_output(name, a[name], others)
 
 
 def _backward_pieces(ctx, c_type, a, grads, delta, options, pieces, deterministic) -> None:

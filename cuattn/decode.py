@@ -56,7 +56,8 @@ def attention_with_kvcache(
         forward kernel with the cache's addressing instead, one CTA per 128 query rows and
         head, and do not split the keys (``num_splits`` is then not used).
     return_lse : bool. Also return ``lse`` ``(batch, heads_q, seqlen_q)`` float32.
-    out : optional array like ``q``, written in place.
+    out : optional array like ``q``, written in place (it may be ``q`` itself and must not
+        overlap any other argument); returned as given.
 
     NumPy ``cache_seqlens`` / ``block_table`` / ``cache_batch_idx`` are checked on the host.
     Device values are not read there; the kernels clamp them: reads take lengths within
@@ -68,19 +69,19 @@ def attention_with_kvcache(
 
     Returns ``out`` (or ``(out, lse)``) as the caller's array type.
     """
-    if out is None:
-        result = replay.run(
-            "attention_with_kvcache",
-            lambda: attention_with_kvcache(
-                q, k_cache, v_cache, cache_seqlens=cache_seqlens, k_new=k_new, v_new=v_new, block_table=block_table,
-                cache_batch_idx=cache_batch_idx, causal=causal, window=window, scale=scale, softcap=softcap, sink=sink,
-                num_splits=num_splits, return_lse=return_lse,
-            ),
-            (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, cache_batch_idx, sink),
-            (causal, window, scale, softcap, num_splits, return_lse),
-        )
-        if result is not replay.MISS:
-            return result
+    result = replay.run(
+        "attention_with_kvcache",
+        lambda: attention_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=cache_seqlens, k_new=k_new, v_new=v_new, block_table=block_table,
+            cache_batch_idx=cache_batch_idx, causal=causal, window=window, scale=scale, softcap=softcap, sink=sink,
+            num_splits=num_splits, return_lse=return_lse, out=out,
+        ),
+        (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, cache_batch_idx, sink, out),
+        (causal, window, scale, softcap, num_splits, return_lse),
+        written=((9, 0),) if out is not None else (),
+    )
+    if result is not replay.MISS:
+        return result
     require_arrays({"q": q, "k_cache": k_cache, "v_cache": v_cache, "cache_seqlens": cache_seqlens})
     return_lse = check_bool("return_lse", return_lse)
     ctx, a = boundary.import_arrays(
@@ -98,7 +99,7 @@ def attention_with_kvcache(
     options = AttnOptions.from_user(causal, window, "bottom_right", scale, softcap, head_dim=head_dim)
     splits = check_num_splits(num_splits)
     if out is not None:
-        validation.check_writable_output("out", a["out"], {"q": a["q"], "k_cache": a["k_cache"], "v_cache": a["v_cache"]}, same_as_ok="q")
+        validation.check_writable_output("out", a["out"], {n: x for n, x in a.items() if n != "out"}, same_as_ok="q")
 
     ctx.stage(*a.values())
     dst = a["out"] if out is not None else ctx.empty(a["q"].shape, a["q"].dtype)

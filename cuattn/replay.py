@@ -550,10 +550,28 @@ def _record(key, call, arrays, framework: _Framework, device: int, written: tupl
         plan = None
     if plan is not None and written:
         plan.checks = _overlap_checks([None if x is None else framework.wrap(x) for x in arrays], written)
+        plan.results = _written_results(plan.results, arrays, written)
     if len(_plans) >= MAX_PLANS:
         _plans.clear()
     _plans[key] = plan
     return plan
+
+
+def _written_results(spec, arrays, written: tuple):
+    """Plan.results with a returned written array named by its own position: recorded with the
+    array also passed elsewhere (``out=q``), the recorder found its first position, which a
+    later call with a distinct ``out`` would have returned instead."""
+    if spec == _ALL_OUTPUTS:
+        return spec
+    moved = {}
+    for index, _ in written:
+        index %= len(arrays)
+        for other, x in enumerate(arrays):
+            if x is not None and x is arrays[index] and other != index:
+                moved[other] = index
+    if type(spec) is int:
+        return moved.get(spec, spec)
+    return tuple(moved.get(i, i) for i in spec)
 
 
 def _overlap_checks(arrays: list, written: tuple) -> tuple:

@@ -402,6 +402,40 @@ def test_one_torch_cuda_graph_serves_new_lengths_and_page_tables():
         np.testing.assert_allclose(captured.float().cpu().numpy(), ref, atol=2e-2)
 
 
+@gpu
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_out_is_written_on_every_call_and_checked_against_every_argument(page_size):
+    """out= (a separate array, or q itself) gets the allocating call's bits, recorded and
+    replayed; an out that overlaps cache_seqlens raises, also after a good call of the same
+    shapes was cached."""
+    import cupy
+
+    from cuattn import replay
+
+    rng = np.random.default_rng(8)
+    k, v, table = (None if x is None else cupy.asarray(x) for x in _cache(rng, [700, 33], 2, 64, "bfloat16", page_size))
+    q = cupy.asarray(randn(rng, (2, 1, 8, 64), "bfloat16"))
+    args = dict(cache_seqlens=cupy.asarray(np.array([700, 33], np.int32)), block_table=table)
+    expected = cuattn.attention_with_kvcache(q, k, v, **args).get()
+    replays = replay.counters.replays
+    for _ in range(3):
+        dst = cupy.full_like(q, np.nan)
+        assert cuattn.attention_with_kvcache(q, k, v, out=dst, **args) is dst
+        np.testing.assert_array_equal(dst.get().view(np.uint16), expected.view(np.uint16))
+    assert replay.counters.replays >= replays + 2
+    bytes_ = cupy.zeros(q.size * 2 + 64, np.uint8)
+    overlapping = bytes_[: q.size * 2].view(q.dtype).reshape(q.shape)
+    lengths = bytes_[:8].view(np.int32)  # the first 8 bytes of out
+    lengths[...] = cupy.asarray(np.array([700, 33], np.int32))
+    for _ in range(2):  # the second after a good call of these shapes
+        with pytest.raises(ValueError, match="out overlaps cache_seqlens"):
+            cuattn.attention_with_kvcache(q, k, v, out=overlapping, cache_seqlens=lengths, block_table=table)
+        cuattn.attention_with_kvcache(q, k, v, out=cupy.empty_like(q), cache_seqlens=lengths, block_table=table)
+    q2 = q.copy()
+    assert cuattn.attention_with_kvcache(q2, k, v, out=q2, **args) is q2
+    np.testing.assert_array_equal(q2.get().view(np.uint16), expected.view(np.uint16))
+
+
 # --- argument checks (no GPU: NumPy inputs are uploaded only after validation) ---------------
 
 

@@ -485,13 +485,21 @@ def test_given_gradients_and_out_are_written_and_replayed_without_allocations(fa
             p = np.frombuffer(fake["launched"][-1][-1], params.BACKWARD_PARAMS)[0]
             assert (int(p["dq"]), int(p["dk"]), int(p["dv"])) == tuple(g.ptr for g in grads)
         assert replay.counters.recordings == recordings + 2
-    for alias in (False, True):
-        for _ in range(3):
-            (dst,) = [q] if alias else _arrays(fake, q.shape)
-            allocated, replays = fake["allocated"], replay.counters.replays
-            assert cuattn.attention(q, k, v, out=dst) is dst
-            assert replay.counters.replays == replays + 1 and fake["allocated"] == allocated
-            assert _attn_params(fake["launched"][-1][-1])["out"] == dst.ptr
+    for order in ((False, True), (True, False)):  # recorded with out=q, a distinct out still comes back
+        replay.clear()
+        for alias in order:
+            for _ in range(3):
+                (dst,) = [q] if alias else _arrays(fake, q.shape)
+                allocated, replays = fake["allocated"], replay.counters.replays
+                assert cuattn.attention(q, k, v, out=dst) is dst
+                assert cuattn.attention(q, k, v, out=dst, return_lse=True)[0] is dst
+                assert replay.counters.replays == replays + 2 and fake["allocated"] == allocated + 1  # the lse
+                assert _attn_params(fake["launched"][-1][-1])["out"] == dst.ptr
+    replay.clear()
+    empty = _arrays(fake, (2, 0, 4, 64), (2, 0, 4, 64), (2, 4, 0))
+    e_out, e_lse = cuattn.attention(empty[0], k, v, return_lse=True)
+    for dq in (empty[1], *_arrays(fake, (2, 0, 4, 64))):  # first the very array given as dout
+        assert cuattn.attention_backward(empty[1], empty[0], k, v, e_out, e_lse, dq=dq)[0] is dq
 
 
 def test_a_written_array_overlapping_another_misses_the_plan(fake):

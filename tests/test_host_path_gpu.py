@@ -236,8 +236,8 @@ def test_torch_gradient_through_lse_alone_and_jax_call_without_dlse(monkeypatch)
 # (shape_q, shape_kv, dtype, options): the backward's paths whose stores reach given gradients
 # differently: backward_small; the default one pass (dQ through an accumulator); the
 # deterministic kernels; GQA 16:2, whose TMA backward splits key blocks into fp32 sums rounded
-# by sum_rows; sink tokens beside a window (dQ summed over two key ranges); float32; and no
-# query rows (dK / dV zero-filled).
+# by sum_rows; sink tokens beside a window (dQ summed over two key ranges); float32; no query
+# rows; no query heads.
 GIVEN_GRAD_CASES = [
     ((1, 100, 4, 64), (1, 100, 4, 64), "bfloat16", {}),
     ((2, 300, 4, 128), (2, 333, 2, 128), "float16", {"causal": True}),
@@ -246,6 +246,7 @@ GIVEN_GRAD_CASES = [
     ((1, 300, 4, 64), (1, 300, 2, 64), "bfloat16", {"causal": True, "window": (64, 0), "sink_tokens": 4}),
     ((1, 77, 2, 64), (1, 50, 2, 64), "float32", {}),
     ((2, 0, 4, 64), (2, 5, 2, 64), "float16", {}),
+    ((2, 5, 0, 64), (2, 5, 2, 64), "float16", {}),  # no query head: dK / dV zero-filled by the framework (rows apart)
 ]
 
 
