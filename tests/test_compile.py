@@ -290,3 +290,28 @@ def test_every_backward_launch_is_a_listed_variant(arch):
                             for variant, _ in backward.launches(grid, c_type, softcap, arch, True, arch_smem_limit(arch), fused=one_pass,
                                                                 dropout=dropout, sparse=sparse):
                                 assert variant.uri in listed, (variant.uri, layout, one_pass, dropout, sparse)
+
+
+def test_sum_rows_stores_out_16_bytes_at_a_time():
+    """sum_partials writes out, a caller's gradient (dq= / dk= / dv=) that is only 16-byte
+    aligned: no 32-byte store may reach it. Eight floats were one st.global.v8 on sm_100 and
+    later (two 16-byte stores on sm_80 / sm_90a, so the GPUs tested never faulted)."""
+    import re
+
+    from cupy.cuda import nvrtc
+
+    from cuattn.kernels import merge as merge_kernels
+
+    for c_type, out_type in (("float", "float"), ("float", "bf16"), ("bf16", "bf16")):
+        v = merge_kernels.sum_variant(c_type, out_type)
+        options = [o.replace("-arch=sm_", "-arch=compute_") for o in loader.compile_options("sm_100")]
+        prog = nvrtc.createProgram(loader.translation_unit(v.source), "unit.cu", [], [])
+        try:
+            nvrtc.addNameExpression(prog, v.expression)
+            nvrtc.compileProgram(prog, options)
+            ptx = nvrtc.getPTX(prog)
+        finally:
+            nvrtc.destroyProgram(prog)
+        ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+        stores = set(re.findall(r"st\.global\.(v\d)\.(\w\d+)", ptx))
+        assert stores and all(int(n[1:]) * int(w[1:]) <= 128 for n, w in stores), (v.uri, stores)
