@@ -143,14 +143,14 @@ def attention_backward(
         delta = ctx.empty((batch, heads_q, seqlen_q), np.float32)
         _backward_pieces(ctx, c_type, a, grads, delta, options, pieces, deterministic)
     elif any(g.size for g in grads):  # nothing to launch: no query head (K and V had no influence), or no rows at all
-        _zero(ctx, [g for g in grads if g.size])
+        zero_grads(ctx, [g for g in grads if g.size])
     returned = tuple(ctx.export(g) for g in grads)
     if given:  # the caller's own arrays, as given
         returned = tuple(x if x is not None else r for x, r in zip((dq, dk, dv), returned)) + returned[3:]
     return returned
 
 
-def _zero(ctx, arrays) -> None:
+def zero_grads(ctx, arrays) -> None:
     """Zeros in ``arrays``: a memset where contiguous, else (a given gradient whose rows lie
     apart) through its framework, on the call's stream (torch: not recorded by autograd)."""
     strided = [x for x in arrays if x.strides != boundary._contiguous_strides(x.shape)]
@@ -163,24 +163,25 @@ def _zero(ctx, arrays) -> None:
                 x.native.fill(0)
 
 
-def check_given_grads(a: dict) -> None:
+def check_given_grads(a: dict, rank: int = 4, layout: str = _LAYOUT) -> None:
     """dq / dk / dv given to be written: shaped and typed like q / k / v, rows the kernels and
     sum_rows store 16 bytes at a time into (heads contiguous), apart from every input and
-    from each other."""
+    from each other. ``rank`` 3: packed rows (varlen)."""
     inputs = {n: x for n, x in a.items() if n not in ("dq", "dk", "dv")}
     given = [name for name in ("dq", "dk", "dv") if a[name] is not None]
     for name in given:
         g, like = a[name], a[name[1:]]
-        validation.check_rank(name, g, 4, _LAYOUT)
+        validation.check_rank(name, g, rank, layout)
         validation.check_shape(name, g, like.shape, f"(the shape of {name[1:]})")
         validation.check_same_dtype(name, g, name[1:], like)
         validation.check_unit_last_stride(name, g)
         vec = 16 // g.dtype.itemsize
-        heads, head_dim = g.shape[2:]
-        if g.size and (heads > 1 and g.strides[2] != head_dim or not validation.aligned([g.ptr], g.strides[:2], g.dtype.itemsize, vec, head_dim)):
+        heads, head_dim = g.shape[-2:]
+        row_strides = g.strides[:-2]
+        if g.size and (heads > 1 and g.strides[-2] != head_dim or not validation.aligned([g.ptr], row_strides, g.dtype.itemsize, vec, head_dim)):
             raise ValueError(
                 f"{name} strides {g.strides} (elements) or its address: rows must be 16-byte aligned with contiguous heads "
-                "(strides (any, any, head_dim, 1))"
+                f"(strides ({'any, ' * len(row_strides)}head_dim, 1))"
             )
     for name in given:  # after every given gradient's own checks
         others = {**inputs, **{n: a[n] for n in given if n != name}}

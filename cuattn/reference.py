@@ -290,10 +290,11 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, al
 
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None,
                               causal=False, window=None, align="bottom_right", scale=None, softcap=None, sink=None, dropout_p=0.0,
-                              dropout_seed=None, dlse=None, deterministic=False):
+                              dropout_seed=None, dlse=None, deterministic=False, dq=None, dk=None, dv=None):
     """Reference gradients ``(dq, dk, dv)`` of :func:`attention_varlen` (with ``sink``, and
     ``dsink`` summed over the sequences), with its signature: every packed sequence through
-    :func:`attention_backward` alone. ``lse`` and ``dlse`` are ``(heads_q, total_q)``."""
+    :func:`attention_backward` alone. ``lse`` and ``dlse`` are ``(heads_q, total_q)``;
+    ``dq`` / ``dk`` / ``dv`` are accepted for signature parity (new arrays are returned)."""
     dout, q, k, v, out, lse = map(_f64, (dout, q, k, v, out, lse))
     dlse = None if dlse is None else _f64(dlse)
     cu_q, cu_k = (np.asarray(c, dtype=np.int64) for c in (cu_seqlens_q, cu_seqlens_k))

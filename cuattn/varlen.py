@@ -10,7 +10,7 @@ import numpy as np
 
 from cuattn import boundary, dropout as dropout_, replay, validation
 from cuattn.attention import NO_LSE, attn_params, check_qkv, check_sink, launch_forward, require_arrays
-from cuattn.backward import backward_params, check_dout, launch_backward, plan_backward
+from cuattn.backward import backward_params, check_dout, check_given_grads, launch_backward, plan_backward, zero_grads
 from cuattn.kernels.backward import BackwardGrid
 from cuattn.options import AttnOptions, check_max_seqlen
 from cuattn.packed import (
@@ -63,16 +63,17 @@ def attention_varlen(
     """
     raise_reported()
     seed_array = dropout_.seed_array_argument(dropout_seed)
-    if out is None and dropout_.replayable(dropout_p, dropout_seed, seed_array):
+    if dropout_.replayable(dropout_p, dropout_seed, seed_array):
         result = replay.run(
             "attention_varlen",
             lambda: attention_varlen(
                 q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal,
                 window=window, align=align, scale=scale, softcap=softcap, sink=sink, dropout_p=dropout_p, dropout_seed=dropout_seed,
-                return_lse=return_lse,
+                return_lse=return_lse, out=out,
             ),
-            (q, k, v, cu_seqlens_q, cu_seqlens_k, sink, seed_array),
+            (q, k, v, cu_seqlens_q, cu_seqlens_k, sink, seed_array, out),
             (max_seqlen_q, max_seqlen_k, causal, window, align, scale, softcap, return_lse, dropout_p),
+            written=((7, 0),) if out is not None else (),
         )
         if result is not replay.MISS:
             return result
@@ -85,7 +86,7 @@ def attention_varlen(
         raise TypeError(f"out= is written in place, which {ctx.framework} arrays cannot be")
     call = _PackedCall(a, max_seqlen_q, max_seqlen_k, causal, window, align, scale, softcap, dropout_p, dropout_seed)
     if out is not None:  # out=q is safe: each CTA reads its query rows before it writes them
-        validation.check_writable_output("out", a["out"], {"q": a["q"], "k": a["k"], "v": a["v"]}, same_as_ok="q")
+        validation.check_writable_output("out", a["out"], {n: x for n, x in a.items() if n != "out"}, same_as_ok="q")
 
     ctx.stage(*a.values())
     dst = a["out"] if out is not None else ctx.empty(a["q"].shape, a["q"].dtype)
@@ -102,7 +103,7 @@ def attention_varlen(
 def attention_varlen_backward(
     dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None, causal=False,
     window=None, align="bottom_right", scale=None, softcap=None, sink=None, dropout_p=0.0, dropout_seed=None, dlse=None,
-    deterministic=False,
+    deterministic=False, dq=None, dk=None, dv=None,
 ):
     """Gradients of :func:`attention_varlen` with respect to ``q``, ``k`` and ``v`` (and
     ``sink``), as :func:`cuattn.attention_backward` computes them for each sequence.
@@ -122,6 +123,8 @@ def attention_varlen_backward(
     deterministic : bool, as :func:`cuattn.attention_backward`. Batches of more sequences than
         64-row query blocks always take the deterministic kernels (the fused kernel's dQ
         accumulator would be mostly padding).
+    dq, dk, dv : optional arrays to write the gradients into, as :func:`cuattn.attention_backward`
+        takes them (``(total, heads, head_dim)``, strides ``(any, head_dim, 1)``).
 
     Returns
     -------
@@ -130,16 +133,18 @@ def attention_varlen_backward(
     """
     raise_reported()
     seed_array = dropout_.seed_array_argument(dropout_seed)
+    given = dq is not None or dk is not None or dv is not None
     if dropout_.replayable(dropout_p, dropout_seed, seed_array):
         result = replay.run(
             "attention_varlen_backward",
             lambda: attention_varlen_backward(
                 dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                 causal=causal, window=window, align=align, scale=scale, softcap=softcap, sink=sink, dropout_p=dropout_p,
-                dropout_seed=dropout_seed, dlse=dlse, deterministic=deterministic,
+                dropout_seed=dropout_seed, dlse=dlse, deterministic=deterministic, dq=dq, dk=dk, dv=dv,
             ),
-            (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dlse, sink, seed_array),
+            (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dlse, sink, seed_array, dq, dk, dv),
             (max_seqlen_q, max_seqlen_k, causal, window, align, scale, softcap, deterministic, dropout_p),
+            written=((11, None), (12, None), (13, None)) if given else (),
         )
         if result is not replay.MISS:
             return result
@@ -150,8 +155,10 @@ def attention_varlen_backward(
     deterministic = check_bool("deterministic", deterministic)
     ctx, a = boundary.import_arrays(
         dout=dout, q=q, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, dlse=dlse, sink=sink,
-        dropout_seed=seed_array,
+        dropout_seed=seed_array, dq=dq, dk=dk, dv=dv,
     )
+    if given and ctx.framework in (boundary.JAX, boundary.NUMPY):
+        raise TypeError(f"dq= / dk= / dv= are written in place, which {ctx.framework} arrays cannot be")
     call = _PackedCall(a, max_seqlen_q, max_seqlen_k, causal, window, align, scale, softcap, dropout_p, dropout_seed)
     check_dout(a["dout"], a["q"], call.c_type, PACKED)
     for name in ("lse", "dlse"):
@@ -160,9 +167,11 @@ def attention_varlen_backward(
             validation.check_shape(name, a[name], (call.heads_q, call.seqs.total_q), PACKED_STATS)
             validation.check_float32(name, a[name])
             validation.check_unit_last_stride(name, a[name])
+    if given:
+        check_given_grads(a, 3, PACKED)
 
     ctx.stage(*a.values())
-    grads = [ctx.empty(a[n].shape, a[n].dtype) for n in ("q", "k", "v")]
+    grads = [a["d" + n] if a["d" + n] is not None else ctx.empty(a[n].shape, a[n].dtype) for n in ("q", "k", "v")]
     if sink is not None:
         grads.append(ctx.empty((call.heads_q,), np.float32))
     delta = ctx.empty((call.heads_q, call.seqs.total_q), np.float32)
@@ -183,8 +192,11 @@ def attention_varlen_backward(
     if launched:
         launch_backward(ctx, call.c_type, p, grid, deterministic, fused=fused)
     elif any(g.size for g in grads):  # no query head (K and V had no influence), or no rows at all
-        ctx.zero(*(g for g in grads if g.size))
-    return tuple(ctx.export(g) for g in grads)
+        zero_grads(ctx, [g for g in grads if g.size])
+    returned = tuple(ctx.export(g) for g in grads)
+    if given:  # the caller's own arrays, as given
+        returned = tuple(x if x is not None else r for x, r in zip((dq, dk, dv), returned)) + returned[3:]
+    return returned
 
 
 _REQUIRED = {

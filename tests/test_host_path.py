@@ -546,3 +546,15 @@ def test_given_gradients_with_rows_apart_are_summed_into_by_their_row_stride(fak
         assert [int(p["out"]) for p in rounding] == [dk.ptr, dv.ptr]
         assert all((int(p["out_stride"]), int(p["out_row_stride"]), int(p["row_elems"])) == (1024 * 512, 512, 256) for p in rounding)
     assert replay.counters.replays == replays + 2  # interleaved dk and dv (overlapping ranges, no shared element) replay
+
+
+def test_given_gradients_must_be_writable_device_arrays():
+    """NumPy arrays are uploaded, so a NumPy dq= could never receive the gradient: a TypeError
+    before anything runs (dense and packed)."""
+    q = np.ones((1, 8, 2, 64), np.float16)
+    lse = np.zeros((1, 2, 8), np.float32)
+    with pytest.raises(TypeError, match="dq= / dk= / dv= are written in place, which numpy arrays cannot be"):
+        cuattn.attention_backward(q, q, q, q, q, lse, dq=np.empty_like(q))
+    cu = np.array([0, 8], np.int32)
+    with pytest.raises(TypeError, match="dq= / dk= / dv= are written in place, which numpy arrays cannot be"):
+        cuattn.attention_varlen_backward(q[0], q[0], q[0], q[0], q[0], lse[0], cu, cu, dv=np.empty_like(q[0]))

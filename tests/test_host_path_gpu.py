@@ -333,3 +333,42 @@ def test_torch_tensors_take_given_gradients():
         assert grads[0] is dq and grads[1] is dk and grads[2] is dv
         for g, e in zip(grads, expected):
             assert torch.equal(g, e)
+
+
+@pytest.mark.parametrize("heads_q, heads_kv, deterministic", [(4, 2, True), (4, 2, False), (0, 2, True)])
+def test_varlen_gradients_land_in_given_slices_and_out_is_replayed(heads_q, heads_kv, deterministic):
+    """attention_varlen_backward's dq= / dk= / dv= (slices of packed (total, 2, heads, d)
+    buffers, NaN-poisoned) and attention_varlen's out=: written on every call, recorded or
+    replayed, as the allocating calls write them (no query head: dK / dV zero-filled)."""
+    from helpers import result_ulp
+
+    replay.clear()
+    rng = np.random.default_rng(6)
+    lengths = [0, 37, 128, 5]
+    cu = cupy.asarray(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+    total = int(sum(lengths))
+    q, k, v = (cupy.asarray(randn(rng, (total, h, 64), "bfloat16")) for h in (heads_q, heads_kv, heads_kv))
+    dout = cupy.asarray(randn(rng, q.shape, "bfloat16"))
+    args = dict(max_seqlen_q=128, max_seqlen_k=128, causal=True)
+    out, lse = cuattn.attention_varlen(q, k, v, cu, cu, return_lse=True, **args)
+    expected = [g.get() for g in cuattn.attention_varlen_backward(dout, q, k, v, out, lse, cu, cu, deterministic=deterministic, **args)]
+    for call in range(3):
+        dst = cupy.full_like(q, np.nan)
+        replays = replay.counters.replays
+        assert cuattn.attention_varlen(q, k, v, cu, cu, out=dst, **args) is dst
+        np.testing.assert_array_equal(dst.get().view(np.uint16), out.get().view(np.uint16))
+        dq_buf = cupy.full((total, 2, heads_q, 64), np.nan, dtype=q.dtype)
+        dkv_buf = cupy.full((total, 2, heads_kv, 64), np.nan, dtype=q.dtype)
+        given = dict(dq=dq_buf[:, 0], dk=dkv_buf[:, 0], dv=dkv_buf[:, 1])
+        grads = cuattn.attention_varlen_backward(dout, q, k, v, out, lse, cu, cu, deterministic=deterministic, **args, **given)
+        assert all(g is given[name] for g, name in zip(grads, ("dq", "dk", "dv")))
+        if call and heads_q:
+            assert replay.counters.replays == replays + 2
+        for name, g, e in zip(("dq", "dk", "dv"), grads, expected):
+            if deterministic:
+                np.testing.assert_array_equal(g.get().view(np.uint16), e.view(np.uint16), err_msg=name)
+            else:
+                np.testing.assert_allclose(g.get().astype(np.float32), e.astype(np.float32), rtol=0, atol=2 * result_ulp(e, "bfloat16"), err_msg=name)
+        assert bool(cupy.isnan(dq_buf[:, 1]).all())
+    with pytest.raises(ValueError, match="dk overlaps k"):
+        cuattn.attention_varlen_backward(dout, q, k, v, out, lse, cu, cu, **args, dk=k)
