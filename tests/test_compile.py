@@ -296,22 +296,16 @@ def test_sum_rows_stores_out_16_bytes_at_a_time():
     """sum_partials writes out, a caller's gradient (dq= / dk= / dv=) that is only 16-byte
     aligned: no 32-byte store may reach it. Eight floats were one st.global.v8 on sm_100 and
     later (two 16-byte stores on sm_80 / sm_90a, so the GPUs tested never faulted)."""
-    import re
-
-    from cupy.cuda import nvrtc
+    import importlib.util
+    import pathlib
 
     from cuattn.kernels import merge as merge_kernels
 
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "ptx_identity.py"
+    spec = importlib.util.spec_from_file_location("ptx_identity", path)
+    ptx_identity = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ptx_identity)  # its ptx(variant, arch): the PTX a variant compiles to
     for c_type, out_type in (("float", "float"), ("float", "bf16"), ("bf16", "bf16")):
         v = merge_kernels.sum_variant(c_type, out_type)
-        options = [o.replace("-arch=sm_", "-arch=compute_") for o in loader.compile_options("sm_100")]
-        prog = nvrtc.createProgram(loader.translation_unit(v.source), "unit.cu", [], [])
-        try:
-            nvrtc.addNameExpression(prog, v.expression)
-            nvrtc.compileProgram(prog, options)
-            ptx = nvrtc.getPTX(prog)
-        finally:
-            nvrtc.destroyProgram(prog)
-        ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
-        stores = set(re.findall(r"st\.global\.(v\d)\.(\w\d+)", ptx))
+        stores = set(re.findall(r"st\.global\.(v\d)\.(\w\d+)", ptx_identity.ptx(v, "sm_100")))
         assert stores and all(int(n[1:]) * int(w[1:]) <= 128 for n, w in stores), (v.uri, stores)
