@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from cuattn import block_mask as block_mask_, boundary, dropout as dropout_, loader, params, replay, tensor_map, validation
@@ -96,8 +98,8 @@ def attention_backward(
     ctx, a = boundary.import_arrays(
         dout=dout, q=q, k=k, v=v, out=out, lse=lse, dlse=dlse, sink=sink, dropout_seed=seed_array, **mask_arrays, dq=dq, dk=dk, dv=dv,
     )
-    if given and ctx.framework in (boundary.JAX, boundary.NUMPY):
-        raise TypeError(f"dq= / dk= / dv= are written in place, which {ctx.framework} arrays cannot be")
+    if given:
+        ctx.check_writes("dq= / dk= / dv= are")
     c_type = check_qkv(a["q"], a["k"], a["v"], a["out"])
     batch, seqlen_q, heads_q, head_dim = a["q"].shape
     check_sink(a["sink"], heads_q)
@@ -144,10 +146,13 @@ def attention_backward(
         _backward_pieces(ctx, c_type, a, grads, delta, options, pieces, deterministic)
     elif any(g.size for g in grads):  # nothing to launch: no query head (K and V had no influence), or no rows at all
         zero_grads(ctx, [g for g in grads if g.size])
-    returned = tuple(ctx.export(g) for g in grads)
-    if given:  # the caller's own arrays, as given
-        returned = tuple(x if x is not None else r for x, r in zip((dq, dk, dv), returned)) + returned[3:]
-    return returned
+    return returned_grads(ctx, grads, (dq, dk, dv))
+
+
+def returned_grads(ctx, grads: list, given: tuple) -> tuple:
+    """``grads`` as a backward returns them: each gradient the caller gave (``(dq, dk, dv)``,
+    None where not) as it was passed, the others exported."""
+    return tuple(x if x is not None else ctx.export(g) for x, g in itertools.zip_longest(given, grads))
 
 
 def zero_grads(ctx, arrays) -> None:

@@ -154,6 +154,12 @@ class CallContext:
         so the buffers XLA allocated always match, whatever the device or environment then says."""
         return choose()
 
+    def check_writes(self, what: str) -> None:
+        """``what`` (``"out= is"``, ...) names arguments the call writes in place: a TypeError
+        before any launch where this call's framework has no mutable arrays (JAX, NumPy)."""
+        if self.framework in (JAX, NUMPY):
+            raise TypeError(f"{what} written in place, which {self.framework} arrays cannot be")
+
     def stage(self, *arrays: DeviceArray | None) -> None:
         """Uploads host (NumPy) arguments; device arguments are already in place."""
         import cupy

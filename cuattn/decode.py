@@ -40,9 +40,9 @@ def attention_with_kvcache(
     cache_seqlens : ``(batch,)`` int32: the keys of sequence ``b`` are its first
         ``cache_seqlens[b]`` positions (0 allowed), plus the appended rows.
     k_new, v_new : optional ``(batch, seqlen_new, heads_kv, head_dim)``: written into the cache
-        in place at positions ``cache_seqlens[b] + t`` first (as :func:`append_kv`; the caches,
-        ``k_new`` and ``v_new`` must not share memory, which is not checked), then
-        attended to. ``cache_seqlens`` itself is not changed: add ``seqlen_new`` to it for the
+        in place at positions ``cache_seqlens[b] + t`` first (as :func:`append_kv`; ``k_cache``
+        and ``v_cache`` must then share no memory with each other or with any other argument,
+        a ValueError otherwise; interleaved in one buffer is fine), then attended to. ``cache_seqlens`` itself is not changed: add ``seqlen_new`` to it for the
         next step.
     block_table : optional ``(batch, max_pages)`` int32: page ``i`` of sequence ``b`` is
         ``k_cache[block_table[b, i]]``. A NumPy table is checked on the host whole: every
@@ -78,7 +78,7 @@ def attention_with_kvcache(
         ),
         (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, cache_batch_idx, sink, out),
         (causal, window, scale, softcap, num_splits, return_lse),
-        written=((9, 0),) if out is not None else (),
+        written=((() if k_new is None else ((1, None), (2, None))) + (((9, 0),) if out is not None else ())),
     )
     if result is not replay.MISS:
         return result
@@ -88,8 +88,8 @@ def attention_with_kvcache(
         q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens, k_new=k_new, v_new=v_new, block_table=block_table,
         cache_batch_idx=cache_batch_idx, sink=sink, out=out,
     )
-    if out is not None and ctx.framework in (boundary.JAX, boundary.NUMPY):
-        raise TypeError(f"out= is written in place, which {ctx.framework} arrays cannot be")
+    if out is not None:
+        ctx.check_writes("out= is")
     _check_q(a)
     batch, seqlen_q, heads_q, head_dim = a["q"].shape
     cache = _check_cache(a, batch, head_dim)
@@ -192,7 +192,8 @@ def append_kv(k_new, v_new, k_cache, v_cache, *, cache_seqlens, block_table=None
     """Writes ``k_new`` / ``v_new`` ``(batch, seqlen_new, heads_kv, head_dim)`` into the KV cache
     in place, row ``t`` of sequence ``b`` at position ``cache_seqlens[b] + t`` (crossing pages as
     needed); the cache, ``block_table`` and ``cache_batch_idx`` as in
-    :func:`attention_with_kvcache`. ``cache_seqlens`` is not changed. Rows whose position passes
+    :func:`attention_with_kvcache`, ``k_cache`` and ``v_cache`` sharing no memory with each other
+    or with any other argument (ValueError). ``cache_seqlens`` is not changed. Rows whose position passes
     the capacity, rows of pages outside the cache and sequences whose ``cache_batch_idx`` lies
     outside it are skipped, never written."""
     require_arrays({"k_new": k_new, "v_new": v_new, "k_cache": k_cache, "v_cache": v_cache, "cache_seqlens": cache_seqlens})
@@ -320,8 +321,7 @@ def _check_new(ctx, a: dict, cache: dict) -> None:
         raise TypeError("k_new and v_new go together: pass both or neither")
     if k_new is None:
         return
-    if ctx.framework in (boundary.JAX, boundary.NUMPY):
-        raise TypeError(f"appending writes the cache in place, which {ctx.framework} arrays cannot be")
+    ctx.check_writes("k_cache and v_cache are")
     k = a["k_cache"]
     batch = a["cache_seqlens"].shape[0]  # k_new / v_new were ranked by _check_cache
     validation.check_same_dtype("k_new", k_new, "k_cache", k)
@@ -331,6 +331,8 @@ def _check_new(ctx, a: dict, cache: dict) -> None:
     validation.check_shape("v_new", v_new, k_new.shape, "(the shape of k_new)")
     if k_new.shape[1] > cache["capacity"]:
         raise ValueError(f"k_new has {k_new.shape[1]} new rows per sequence but the cache holds at most {cache['capacity']} positions per sequence")
+    for name in ("k_cache", "v_cache"):  # written: apart from each other and from everything the call reads
+        validation.check_writable_output(name, a[name], {n: x for n, x in a.items() if n != name and n != "out"})
     cache["seqlen_new"] = k_new.shape[1]
 
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from cuattn import boundary
+from cuattn import boundary, validation
 
 MISS = object()  # run() found no fast path: the caller runs its full path
 MAX_PLANS = 4096  # signatures kept per process (the cache is emptied when full)
@@ -577,11 +577,6 @@ def _written_results(spec, arrays, written: tuple):
 def _overlap_checks(arrays: list, written: tuple) -> tuple:
     """Plan.checks of ``arrays`` (DeviceArrays, None where absent) for ``written``: byte ranges
     relative to each address, which the signature (shapes, strides, dtypes) fixes."""
-    def extent(a):
-        low = sum(min(0, (n - 1) * s) for n, s in zip(a.shape, a.strides))
-        high = sum(max(0, (n - 1) * s) for n, s in zip(a.shape, a.strides)) + 1
-        return low * a.dtype.itemsize, high * a.dtype.itemsize
-
     present = [(i, a) for i, a in enumerate(arrays) if a is not None and a.size]
     checks = []
     for index, alias in written:
@@ -589,11 +584,11 @@ def _overlap_checks(arrays: list, written: tuple) -> tuple:
         w = arrays[index]
         if w is None or not w.size:
             continue
-        low, high = extent(w)
+        low, high = validation.byte_extent(w)
         others = []
         for i, a in present:
             if i != index:
-                other_low, other_high = extent(a)
+                other_low, other_high = validation.byte_extent(a)
                 # [at + low, at + high) and [there + other_low, there + other_high) meet where
                 # low - other_high < there - at < high - other_low.
                 same = i == alias and (a.shape, a.strides, a.dtype) == (w.shape, w.strides, w.dtype)

@@ -73,8 +73,23 @@ class _AddressView:
         }
 
 
+def byte_extent(a) -> tuple[int, int]:
+    """The bytes ``[ptr + low, ptr + high)`` a non-empty array's elements span, as ``(low, high)``."""
+    low = high = 0
+    for n, s in zip(a.shape, a.strides):
+        if s < 0:
+            low += (n - 1) * s
+        else:
+            high += (n - 1) * s
+    item = a.dtype.itemsize
+    return low * item, (high + 1) * item
+
+
 def _may_overlap(a, b) -> bool:
     if not (a.size and b.size) or a.ptr is None or b.ptr is None:
+        return False
+    (a_low, a_high), (b_low, b_high) = byte_extent(a), byte_extent(b)
+    if a.ptr + a_high <= b.ptr + b_low or b.ptr + b_high <= a.ptr + a_low:  # apart: no solve needed
         return False
     try:
         return bool(np.shares_memory(np.asarray(_AddressView(a)), np.asarray(_AddressView(b)), max_work=10**6))

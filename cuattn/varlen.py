@@ -10,7 +10,7 @@ import numpy as np
 
 from cuattn import boundary, dropout as dropout_, replay, validation
 from cuattn.attention import NO_LSE, attn_params, check_qkv, check_sink, launch_forward, require_arrays
-from cuattn.backward import backward_params, check_dout, check_given_grads, launch_backward, plan_backward, zero_grads
+from cuattn.backward import backward_params, check_dout, check_given_grads, launch_backward, plan_backward, returned_grads, zero_grads
 from cuattn.kernels.backward import BackwardGrid
 from cuattn.options import AttnOptions, check_max_seqlen
 from cuattn.packed import (
@@ -82,8 +82,8 @@ def attention_varlen(
     ctx, a = boundary.import_arrays(
         q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, sink=sink, dropout_seed=seed_array, out=out,
     )
-    if out is not None and ctx.framework in (boundary.JAX, boundary.NUMPY):
-        raise TypeError(f"out= is written in place, which {ctx.framework} arrays cannot be")
+    if out is not None:
+        ctx.check_writes("out= is")
     call = _PackedCall(a, max_seqlen_q, max_seqlen_k, causal, window, align, scale, softcap, dropout_p, dropout_seed)
     if out is not None:  # out=q is safe: each CTA reads its query rows before it writes them
         validation.check_writable_output("out", a["out"], {n: x for n, x in a.items() if n != "out"}, same_as_ok="q")
@@ -157,8 +157,8 @@ def attention_varlen_backward(
         dout=dout, q=q, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, dlse=dlse, sink=sink,
         dropout_seed=seed_array, dq=dq, dk=dk, dv=dv,
     )
-    if given and ctx.framework in (boundary.JAX, boundary.NUMPY):
-        raise TypeError(f"dq= / dk= / dv= are written in place, which {ctx.framework} arrays cannot be")
+    if given:
+        ctx.check_writes("dq= / dk= / dv= are")
     call = _PackedCall(a, max_seqlen_q, max_seqlen_k, causal, window, align, scale, softcap, dropout_p, dropout_seed)
     check_dout(a["dout"], a["q"], call.c_type, PACKED)
     for name in ("lse", "dlse"):
@@ -193,10 +193,7 @@ def attention_varlen_backward(
         launch_backward(ctx, call.c_type, p, grid, deterministic, fused=fused)
     elif any(g.size for g in grads):  # no query head (K and V had no influence), or no rows at all
         zero_grads(ctx, [g for g in grads if g.size])
-    returned = tuple(ctx.export(g) for g in grads)
-    if given:  # the caller's own arrays, as given
-        returned = tuple(x if x is not None else r for x, r in zip((dq, dk, dv), returned)) + returned[3:]
-    return returned
+    return returned_grads(ctx, grads, (dq, dk, dv))
 
 
 _REQUIRED = {

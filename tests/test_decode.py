@@ -477,7 +477,7 @@ def _paged(a):
     (lambda a: {**a, "k_new": np.ones((2, 1, 2, 64), np.float16), "v_new": np.ones((), np.float16)}, ValueError,
      r"v_new must have 4 dimensions"),  # ranked before its strides are read (was an IndexError)
     (lambda a: {**a, "k_new": np.ones((2, 1, 2, 64), np.float16), "v_new": np.ones((2, 1, 2, 64), np.float16)}, TypeError,
-     r"appending writes the cache in place, which numpy arrays cannot be"),
+     r"k_cache and v_cache are written in place, which numpy arrays cannot be"),
 ])
 def test_kvcache_rejects_bad_arguments(change, error, match):
     args = change(_host_args())
@@ -782,3 +782,45 @@ def test_a_cache_of_2_to_the_31_pages_is_a_value_error():
         boundary.trace(cuattn.append_kv, q, q, too_many, too_many, cache_seqlens=lengths, block_table=table)
     most = spec((2**31 - 1, 1, 1, 8), np.float16)
     boundary.trace(cuattn.attention_with_kvcache, q, most, most, cache_seqlens=lengths, block_table=table)
+
+
+@gpu
+def test_appends_refuse_caches_that_overlap_and_take_interleaved_ones():
+    """The cache is written: k_cache and v_cache apart from each other and from every array
+    the call reads (ValueError before any launch, the cache untouched); K and V interleaved in
+    one buffer (no shared element) append and attend as separate arrays do."""
+    import cupy
+
+    rng = np.random.default_rng(21)
+    k, v, _ = _cache(rng, [40, 9], 2, 64, "float16", capacity=48)
+    q = cupy.asarray(randn(rng, (2, 1, 8, 64), "float16"))
+    k_new, v_new = (cupy.asarray(randn(rng, (2, 1, 2, 64), "float16")) for _ in range(2))
+    lengths = cupy.asarray(np.array([40, 9], np.int32))
+    kd, vd = cupy.asarray(k), cupy.asarray(v)
+    expected = cuattn.attention_with_kvcache(q, kd, vd, cache_seqlens=lengths, k_new=k_new, v_new=v_new).get()
+    kv = cupy.stack([cupy.asarray(k), cupy.asarray(v)], axis=2)  # (batch, capacity, k / v, heads_kv, head_dim)
+    for _ in range(2):  # recorded, then replayed
+        kv[:, :, 0], kv[:, :, 1] = cupy.asarray(k), cupy.asarray(v)
+        got = cuattn.attention_with_kvcache(q, kv[:, :, 0], kv[:, :, 1], cache_seqlens=lengths, k_new=k_new, v_new=v_new).get()
+        np.testing.assert_array_equal(got.view(np.uint16), expected.view(np.uint16))
+        np.testing.assert_array_equal(kv[:, :, 0].get(), kd.get())
+        np.testing.assert_array_equal(kv[:, :, 1].get(), vd.get())
+    before = kd.get()
+    for _ in range(2):  # the second after good calls of these shapes were cached
+        for kwargs, match in [
+            (dict(k_cache=kd, v_cache=kd), "k_cache overlaps v_cache"),
+            (dict(k_cache=kd, v_cache=vd, k_new=kd[:, :1]), "k_cache overlaps k_new"),
+            (dict(k_cache=kd, v_cache=vd, v_new=vd[:, 5:6]), "v_cache overlaps v_new"),
+        ]:
+            args = {"k_new": k_new, "v_new": v_new, **kwargs}
+            with pytest.raises(ValueError, match=match):
+                cuattn.attention_with_kvcache(q, args["k_cache"], args["v_cache"], cache_seqlens=lengths, k_new=args["k_new"], v_new=args["v_new"])
+            with pytest.raises(ValueError, match=match):
+                cuattn.append_kv(args["k_new"], args["v_new"], args["k_cache"], args["v_cache"], cache_seqlens=lengths)
+        cuattn.attention_with_kvcache(q, kd, vd, cache_seqlens=lengths, k_new=k_new, v_new=v_new)
+        before = kd.get()
+    q_in_cache = vd[:, 44:48].reshape(2, 1, 8, 64)  # whole arrays are compared, not the rows an append reaches
+    assert q_in_cache.data.ptr == vd[:, 44:].data.ptr
+    with pytest.raises(ValueError, match="v_cache overlaps q"):
+        cuattn.attention_with_kvcache(q_in_cache, kd, vd, cache_seqlens=lengths, k_new=k_new, v_new=v_new)
+    np.testing.assert_array_equal(kd.get(), before)

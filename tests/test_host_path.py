@@ -23,6 +23,7 @@ from cuattn.options import AttnOptions
 
 attention_module = importlib.import_module("cuattn.attention")  # the package exports the function
 backward_module = importlib.import_module("cuattn.backward")
+decode_module = importlib.import_module("cuattn.decode")
 
 ALIGN = 256
 # Python calls of cuattn's code per repeated attention call: 36 on CPython 3.11 and 3.12 for the
@@ -524,6 +525,37 @@ def test_a_written_array_overlapping_another_misses_the_plan(fake):
     touching = [FakeArray(k.shape, k.dtype, pair.ptr + i * 2 * int(np.prod(k.shape))) for i in range(2)]
     cuattn.attention_backward(dout, q, k, v, out, lse, dq=dq, dk=touching[0], dv=touching[1])
     assert replay.counters.replays == replays + 1
+
+
+def test_an_append_whose_cache_overlaps_another_array_misses_the_plan(fake, monkeypatch):
+    """attention_with_kvcache with k_new / v_new writes k_cache and v_cache: a call whose cache
+    overlaps another argument (the other cache, the new rows, q, the lengths) takes the full
+    path, which refuses it (the fake type it does not know), after the same shapes replayed;
+    caches interleaved in one buffer (no shared element) replay."""
+    monkeypatch.setattr(decode_module, "device_smem_limit", lambda device_id: 232448)
+    monkeypatch.setattr(decode_module, "device_sm_count", lambda device_id: 132)
+    monkeypatch.setattr(decode_module, "resident_ctas", lambda variant, device_id: 2)
+    monkeypatch.setenv("CUATTN_PDL", "0")
+    q, k_cache, v_cache, k_new, v_new = _arrays(fake, (2, 1, 8, 64), (2, 64, 2, 64), (2, 64, 2, 64), (2, 1, 2, 64), (2, 1, 2, 64))
+    (lengths,) = _arrays(fake, (2,), dtype="int32")
+    call = dict(cache_seqlens=lengths, k_new=k_new, v_new=v_new)
+    cuattn.attention_with_kvcache(q, k_cache, v_cache, **call)
+    replays = replay.counters.replays
+    cuattn.attention_with_kvcache(q, k_cache, v_cache, **call)
+    assert replay.counters.replays == replays + 1
+    inside = lambda x, like: FakeArray(like.shape, like.dtype, x.ptr + 1024)  # noqa: E731 - within x
+    for bad in (dict(v_cache=k_cache), dict(k_new=inside(k_cache, k_new)), dict(v_new=inside(v_cache, v_new)),
+                dict(q=inside(v_cache, q)), dict(cache_seqlens=FakeArray((2,), "int32", k_cache.ptr + 4096))):
+        args = {"q": q, "k_cache": k_cache, "v_cache": v_cache, **call, **bad}
+        with pytest.raises(TypeError, match="must be a CuPy"):
+            cuattn.attention_with_kvcache(args.pop("q"), args.pop("k_cache"), args.pop("v_cache"), **args)
+    assert replay.counters.replays == replays + 1
+    (kv,) = _arrays(fake, (2, 64, 2, 2, 64))  # (batch, capacity, k / v, heads_kv, head_dim): interleaved, apart
+    strides = (64 * 256, 256, 64, 1)
+    k_view, v_view = (FakeArray(k_cache.shape, "float16", kv.ptr + i * 128 * 2, strides=strides) for i in range(2))
+    for _ in range(2):
+        cuattn.attention_with_kvcache(q, k_view, v_view, **call)
+    assert replay.counters.replays == replays + 3  # both served by plans (ranges that meet, no shared element)
 
 
 def test_given_gradients_with_rows_apart_are_summed_into_by_their_row_stride(fake, monkeypatch):
