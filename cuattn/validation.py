@@ -86,7 +86,7 @@ def byte_extent(a) -> tuple[int, int]:
 
 
 def _may_overlap(a, b) -> bool:
-    if not (a.size and b.size) or a.ptr is None or b.ptr is None:
+    if not (a.size and b.size and a.ptr and b.ptr):  # None: host memory; 0: no memory (arrays known by shape alone, as traced)
         return False
     (a_low, a_high), (b_low, b_high) = byte_extent(a), byte_extent(b)
     if a.ptr + a_high <= b.ptr + b_low or b.ptr + b_high <= a.ptr + a_low:  # apart: no solve needed

@@ -824,3 +824,18 @@ def test_appends_refuse_caches_that_overlap_and_take_interleaved_ones():
     with pytest.raises(ValueError, match="v_cache overlaps q"):
         cuattn.attention_with_kvcache(q_in_cache, kd, vd, cache_seqlens=lengths, k_new=k_new, v_new=v_new)
     np.testing.assert_array_equal(kd.get(), before)
+
+
+def test_appends_validate_on_shapes_alone():
+    """JAX traces an op on shapes and dtypes (no addresses, cuattn.boundary.trace): the caches'
+    overlap check must pass such arrays, not take them all for one buffer at address 0."""
+    from types import SimpleNamespace
+
+    from cuattn import boundary
+
+    spec = lambda shape, dtype: SimpleNamespace(shape=shape, dtype=np.dtype(dtype))  # noqa: E731
+    cache, new = spec((2, 32, 2, 64), "float16"), spec((2, 1, 2, 64), "float16")
+    q, lengths = spec((2, 1, 4, 64), "float16"), spec((2,), "int32")
+    assert boundary.trace(cuattn.append_kv, new, new, cache, cache, cache_seqlens=lengths).allocations == []
+    traced = boundary.trace(cuattn.attention_with_kvcache, q, cache, cache, cache_seqlens=lengths, k_new=new, v_new=new)
+    assert traced.allocations == [((2, 1, 4, 64), np.dtype(np.float16))]
