@@ -47,7 +47,7 @@ def transport(rank: int, world: int) -> None:
         sub = dist.new_group([0, 2], backend="gloo")  # every rank takes part in making it
         if rank in (0, 2):
             exchange = ProcessGroupExchange(sub)
-            assert (exchange.rank, exchange.world, exchange.next, exchange.prev) == (rank // 2, 2, 2 - rank, 2 - rank)
+            assert (exchange.rank, exchange.world, exchange.next, exchange.prev) == (rank // 2, 2, 1 - rank // 2, 1 - rank // 2)
             exchange.drive(None, toy_steps(rank // 2, 2))
 
 

@@ -352,11 +352,13 @@ def test_forward_schedule_folds_every_piece_and_rounds_each_row_once(lay, world,
         seen_any = np.isfinite(total)
         keep = np.where(np.isfinite(old), np.exp(old - np.where(seen_any, total, 0)), 0)[:, None]
         take = np.where(np.isfinite(piece_lse), np.exp(piece_lse - np.where(seen_any, total, 0)), 0)[:, None]
-        acc[...] = (0 if p["accum_fresh"] else acc * keep) + piece * take
+        folded = (0 if p["accum_fresh"] else acc * keep) + piece * take
         lse[...] = total
-        if int(p["out"]):
-            rows(int(p["out"]), tuple(p["out_strides"]), m)[...] = acc
+        if int(p["out"]):  # the last piece: out alone, as the kernels (acc is left as it was)
+            rows(int(p["out"]), tuple(p["out_strides"]), m)[...] = folded
             writes[int(p["out"])] = writes.get(int(p["out"]), 0) + m
+        else:
+            acc[...] = folded
 
     def sum_rows(ctx_, piece, total, out=None):
         assert piece is None and out is not None

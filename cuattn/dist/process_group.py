@@ -52,15 +52,28 @@ class ProcessGroupExchange:
     """This process's rank of the ring ``group``: its neighbours and how data reaches them."""
 
     def __init__(self, group):
+        import torch
         import torch.distributed as dist
 
         self._dist = dist
         self.group = group
-        self.world = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
-        self.next = dist.get_global_rank(group, (self.rank + 1) % self.world)
-        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.world)
+        self.world = group.size()  # group-local, as ProcessGroup.send / recv take their peers
+        self.rank = group.rank()
+        self.next = (self.rank + 1) % self.world
+        self.prev = (self.rank - 1) % self.world
         self.staged = not nccl_moves_cuda(dist.get_backend_config(group))
+        # torch's batch_isend_irecv coalesces (one NCCL group) where it does: exactly a
+        # ProcessGroup whose backend for the device moved supports coalescing.
+        self._device = torch.device("cpu" if self.staged else "cuda")
+        coalescing = None
+        if type(group) is dist.ProcessGroup and all(hasattr(group, m) for m in ("_start_coalescing", "_end_coalescing", "_get_backend")):
+            try:
+                coalescing = bool(group._get_backend(self._device).supports_coalescing)
+            except (RuntimeError, AttributeError):  # no backend for the device: torch's own path reports it
+                coalescing = None
+        self._coalescing = coalescing  # None: post through batch_isend_irecv
+        if coalescing is None:  # torch's P2POp takes global ranks (group_peer= only from torch 2.6)
+            self._peers = (dist.get_global_rank(group, self.next), dist.get_global_rank(group, self.prev))
 
     def drive(self, ctx, generator) -> None:
         """Runs ``generator`` with torch's current stream set to the call's (``ctx.stream``):
@@ -105,9 +118,24 @@ class ProcessGroupExchange:
         return self._exchange(sent, into, tag), (), (), (sent, into)
 
     def _exchange(self, sent: list, into: list, tag: int) -> list:
-        dist = self._dist
-        ops = [dist.P2POp(dist.isend, t, self.next, self.group, tag) for t in sent]
-        ops += [dist.P2POp(dist.irecv, t, self.prev, self.group, tag) for t in into]
+        """Posts the sends of ``sent`` to the next rank and the receives into ``into`` from the
+        previous one, as torch.distributed.batch_isend_irecv does (one NCCL group where the
+        backend coalesces), through the ProcessGroup's own methods; the requests to wait on."""
+        group, coalescing = self.group, self._coalescing
+        if coalescing:
+            device = self._device
+            group._start_coalescing(device)
+            for t in sent:
+                group.send([t], self.next, tag)  # inside the group: no request of its own (None)
+            for t in into:
+                group.recv([t], self.prev, tag)
+            work = group._end_coalescing(device)  # the group's one request
+            return [] if work is None else [work]
+        if coalescing is False:  # gloo: a request per transfer
+            return [group.send([t], self.next, tag) for t in sent] + [group.recv([t], self.prev, tag) for t in into]
+        dist = self._dist  # a ProcessGroup subclass or a torch without these methods: torch's own call
+        ops = [dist.P2POp(dist.isend, t, self._peers[0], group, tag) for t in sent]
+        ops += [dist.P2POp(dist.irecv, t, self._peers[1], group, tag) for t in into]
         return dist.batch_isend_irecv(ops)
 
     @staticmethod

@@ -94,8 +94,9 @@ struct AttnParams {
   // Partial results folded into an fp32 accumulator (forward kernels, dense layout; schedules
   // that visit a row's keys in pieces: cuattn/chunked.py). Null: out and lse are written as
   // usual. Set: the kernel merges its partial (out, lse) into (accum, lse) by the exact LSE rule
-  // (forward/accumulate.cuh), reading lse unless accum_fresh; it also writes the merged result
-  // to out in its dtype when out is not null (the last piece), so that it is rounded once.
+  // (forward/accumulate.cuh), reading lse unless accum_fresh. When out is not null (the last
+  // piece) it writes the merged result there in its dtype instead of into accum (lse still),
+  // so that it is rounded once.
   float* accum;                             // (batch, seqlen_q, heads_q, head_dim) fp32
   i64 accum_strides[3];                     // batch, row, head
   int accum_fresh;                          // 1: the accumulator holds nothing yet

@@ -191,7 +191,7 @@ __device__ __forceinline__ void forward_block(const AttnParams& p, int seq, int 
             const int col = dt * 8 + 2 * t;
             if (in_range && col < p.head_dim) {
               o = make_float2(fmaf(fold.keep, old[dt - d0].x, o.x), fmaf(fold.keep, old[dt - d0].y, o.y));
-              *reinterpret_cast<float2*>(acc_row + col) = o;
+              if (p.out == nullptr) *reinterpret_cast<float2*>(acc_row + col) = o;  // the last piece: out alone
             }
             *reinterpret_cast<u32*>(sOut + r * Tr::kRowStride + col) = pack2<T>(o.x, o.y);
           }

@@ -118,7 +118,7 @@ __device__ __forceinline__ void forward_fp32_block(const AttnParams& p, int seq,
       if (folds) {
         float* slot = accum + row * p.accum_strides[1] + col;
         if (fold.keep > 0.f) o = fmaf(fold.keep, *slot, o);
-        *slot = o;
+        if (p.out == nullptr) *slot = o;  // the last piece writes out alone
       }
       if (p.out != nullptr) out[row * p.out_strides[1] + col] = o;
     }

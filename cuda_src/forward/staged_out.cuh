@@ -28,14 +28,16 @@ __device__ __forceinline__ void stage_out_row(unsigned char* tile, const float (
 
 // The same row half, times `scale`, folded into the fp32 accumulator's row `row` (and its lse)
 // by the rule of forward/accumulate.cuh, and the folded row staged (the launch of a row's last
-// piece stores it as out). The quad's first lane reads and writes the lse; rows past the
-// sequence (!in_range) touch neither.
+// piece stores it as out, and leaves the accumulator's values unwritten: nothing reads them
+// after it). The quad's first lane reads and writes the lse; rows past the sequence
+// (!in_range) touch neither.
 template <typename T, int BLOCK_M, int D_TILES>
 __device__ __forceinline__ void fold_out_row(unsigned char* tile, const float (&acc)[D_TILES][4], int h, int r, float scale, float piece_lse,
                                              const AttnParams& p, float* lse, float* accum, int row, bool in_range) {
   const int lane = threadIdx.x % 32, t = lane % 4;
   const Fold fold = fold_weights(__shfl_sync(0xffffffff, accumulated_lse(p, lse + row, in_range && t == 0), lane & ~3), piece_lse);
   float* acc_row = accum + row * p.accum_strides[1];
+  const bool last_piece = p.out != nullptr;
 #pragma unroll
   for (int d0 = 0; d0 < D_TILES; d0 += kFoldLoads) {
     float2 old[kFoldLoads];
@@ -47,7 +49,7 @@ __device__ __forceinline__ void fold_out_row(unsigned char* tile, const float (&
       float2 o = make_float2(acc[dt][2 * h] * w, acc[dt][2 * h + 1] * w);
       if (in_range && col < p.head_dim) {
         o = make_float2(fmaf(fold.keep, old[dt - d0].x, o.x), fmaf(fold.keep, old[dt - d0].y, o.y));
-        *reinterpret_cast<float2*>(acc_row + col) = o;
+        if (!last_piece) *reinterpret_cast<float2*>(acc_row + col) = o;
       }
       *reinterpret_cast<u32*>(staged_at<BLOCK_M>(tile, r, col)) = pack2<T>(o.x, o.y);
     }
