@@ -49,7 +49,10 @@ def attention_with_kvcache(
         entry a page of the cache, those past a sequence's length included.
     cache_batch_idx : optional ``(batch,)`` int32, contiguous caches only.
     causal, window, scale, softcap, sink : as :func:`cuattn.attention` (``causal`` defaults to
-        True: a new token sees the cache and the new tokens before it).
+        True: a new token sees the cache and the new tokens before it). A window's hidden keys
+        below ``cache_seqlens`` may still be read with the visible keys of their key block
+        (64 or 128 keys) and weighed 0, as in FlashAttention: pages a serving pool frees
+        outside the window must stay mapped to finite values (0 x NaN is NaN).
     num_splits : optional int >= 1: CTAs over each sequence's keys. None chooses from the
         shapes and the SM count only, so a CUDA graph of the call serves any lengths and page
         tables. Calls with at least 64 new tokens per sequence (chunked prefill) take the tiled
