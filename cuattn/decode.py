@@ -42,8 +42,8 @@ def attention_with_kvcache(
     k_new, v_new : optional ``(batch, seqlen_new, heads_kv, head_dim)``: written into the cache
         in place at positions ``cache_seqlens[b] + t`` first (as :func:`append_kv`; ``k_cache``
         and ``v_cache`` must then share no memory with each other or with any other argument,
-        a ValueError otherwise; interleaved in one buffer is fine), then attended to. ``cache_seqlens`` itself is not changed: add ``seqlen_new`` to it for the
-        next step.
+        a ValueError otherwise; interleaved in one buffer is fine), then attended to.
+        ``cache_seqlens`` itself is not changed: add ``seqlen_new`` to it for the next step.
     block_table : optional ``(batch, max_pages)`` int32: page ``i`` of sequence ``b`` is
         ``k_cache[block_table[b, i]]``. A NumPy table is checked on the host whole: every
         entry a page of the cache, those past a sequence's length included.
@@ -72,6 +72,7 @@ def attention_with_kvcache(
 
     Returns ``out`` (or ``(out, lse)``) as the caller's array type.
     """
+    written = ((1, None), (2, None)) if k_new is not None else ()  # the append writes k_cache and v_cache
     result = replay.run(
         "attention_with_kvcache",
         lambda: attention_with_kvcache(
@@ -81,7 +82,7 @@ def attention_with_kvcache(
         ),
         (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, cache_batch_idx, sink, out),
         (causal, window, scale, softcap, num_splits, return_lse),
-        written=((() if k_new is None else ((1, None), (2, None))) + (((9, 0),) if out is not None else ())),
+        written=written + (((9, 0),) if out is not None else ()),
     )
     if result is not replay.MISS:
         return result
@@ -196,9 +197,9 @@ def append_kv(k_new, v_new, k_cache, v_cache, *, cache_seqlens, block_table=None
     in place, row ``t`` of sequence ``b`` at position ``cache_seqlens[b] + t`` (crossing pages as
     needed); the cache, ``block_table`` and ``cache_batch_idx`` as in
     :func:`attention_with_kvcache`, ``k_cache`` and ``v_cache`` sharing no memory with each other
-    or with any other argument (ValueError). ``cache_seqlens`` is not changed. Rows whose position passes
-    the capacity, rows of pages outside the cache and sequences whose ``cache_batch_idx`` lies
-    outside it are skipped, never written."""
+    or with any other argument (ValueError). ``cache_seqlens`` is not changed. Rows whose
+    position passes the capacity, rows of pages outside the cache and sequences whose
+    ``cache_batch_idx`` lies outside it are skipped, never written."""
     require_arrays({"k_new": k_new, "v_new": v_new, "k_cache": k_cache, "v_cache": v_cache, "cache_seqlens": cache_seqlens})
     ctx, a = boundary.import_arrays(
         k_new=k_new, v_new=v_new, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens, block_table=block_table,
