@@ -46,8 +46,9 @@ class BlockMask:
     ``B`` is the call's batch or 1, ``H`` its ``heads_q`` or 1 (a GQA group's query heads may
     keep different blocks). Build one with :func:`from_dense`, :func:`from_callable` or a
     pattern builder; :meth:`check` verifies a hand-made one on the host. The kernels clamp
-    counts and indices into the existing blocks, so a malformed mask on the device gives wrong
-    results but never an access outside the tensors.
+    counts to the blocks of a row and visit no block past the tensors (an index past them
+    reads zeros, masked), so a malformed mask on the device gives wrong results but never an
+    access outside the tensors.
     """
 
     kv_counts: object
@@ -270,9 +271,14 @@ def _count(name: str, n, minimum: int = 0) -> int:
 def check_shapes(mask: BlockMask, batch: int | None = None, heads_q: int | None = None) -> None:
     """ValueError unless the mask's arrays have the shapes of its lengths (and of a call's
     ``batch`` / ``heads_q``, given those)."""
+    for name in ARRAY_FIELDS:
+        if getattr(mask, name) is None:
+            raise TypeError(f"block_mask.{name} is required (a BlockMask holds {', '.join(ARRAY_FIELDS)}), got None")
+    if (mask.seqlen_q is None) != (mask.seqlen_k is None):
+        raise ValueError(f"block_mask: seqlen_q and seqlen_k go together (both, or neither for the call's own), got {mask.seqlen_q} and {mask.seqlen_k}")
     lead = tuple(mask.kv_counts.shape[:2]) if getattr(mask.kv_counts, "ndim", 0) == 3 else None
     if lead is None:
-        raise ValueError(f"block_mask.kv_counts must be (B, H, q_blocks), got shape {tuple(mask.kv_counts.shape)}")
+        raise ValueError(f"block_mask.kv_counts must be (B, H, q_blocks), got shape {tuple(getattr(mask.kv_counts, 'shape', ()))}")
     if mask.seqlen_q is None:  # an adapter's mask of the call's lengths (cuattn/ops.py): the arrays' own block counts
         nq, nk = mask.kv_counts.shape[2], getattr(mask.q_counts, "shape", (0, 0, 0))[-1]
     else:

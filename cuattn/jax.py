@@ -20,7 +20,7 @@ import numpy as np
 from cuattn import boundary, ops, replay, requirements
 from cuattn.block_mask import ARRAY_FIELDS, BlockMask, check_lengths
 from cuattn.decode import check_num_splits
-from cuattn.dropout import check_dropout_p
+from cuattn.dropout import check_dropout_p, dropout_threshold
 from cuattn.options import WINDOW_SCHEMA, AttnOptions, flat_seqlen_bounds
 from cuattn.validation import check_bool
 
@@ -50,8 +50,10 @@ def attention(
     user = AttnOptions.from_user(causal, window, align, scale, softcap, head_dim=_head_dim(q), sink_tokens=sink_tokens)
     options = tuple(user.flat().items())
     if block_mask is not None:
-        if sink is not None or check_dropout_p(dropout_p):
-            raise NotImplementedError("cuattn.jax.attention takes block_mask without sink or dropout")
+        if dropout_threshold(check_dropout_p(dropout_p)):  # as the core call and the torch adapter: a p that drops nothing passes
+            raise ValueError("block_mask is not supported with dropout")
+        if sink is not None:
+            raise NotImplementedError("cuattn.jax.attention takes block_mask without sink")
         if not isinstance(block_mask, BlockMask):
             raise TypeError(f"block_mask must be a cuattn.block_mask.BlockMask, got {type(block_mask).__name__}")
         check_lengths(block_mask, q.shape[1], k.shape[1])  # the op sees the arrays alone

@@ -149,6 +149,17 @@ def test_bad_block_masks_are_refused_before_any_launch():
     _call_both(good, ValueError, "sink_tokens", window=(8, 0), sink_tokens=4)
 
 
+def test_incomplete_masks_are_named():
+    """A mask missing an array is a TypeError naming it, one length without the other a
+    ValueError (each was an AttributeError / a TypeError from the block arithmetic)."""
+    good = bm.from_dense(np.ones((3, 3), bool), 300, 260)
+    with pytest.raises(TypeError, match="block_mask.kv_counts is required"):
+        cuattn.attention(np.ones((2, 300, 4, 64), np.float16), *[np.ones((2, 260, 2, 64), np.float16)] * 2,
+                         block_mask=bm.BlockMask(None, None, None, None, 300, 260))
+    with pytest.raises(ValueError, match="seqlen_q and seqlen_k go together"):
+        bm.BlockMask(*good.arrays, 300, None).check()
+
+
 def _edited(mask, name, edit):
     """A copy of ``mask`` with ``edit`` applied to the host array ``name``."""
     m = mask.to(np.copy)
@@ -190,6 +201,23 @@ def test_jax_adapter_checks_the_mask_lengths():
     mask = _MASK_256.to(jax.numpy.asarray)
     with pytest.raises(ValueError, match="built for seqlen_q 256, seqlen_k 256; the call has 200 and 200"):
         jax.eval_shape(lambda x: cuattn.jax.attention(x, x, x, block_mask=mask), shape)
+
+
+def test_jax_adapter_refuses_dropout_with_a_mask_as_the_core_call_does():
+    """The same ValueError as cuattn.attention and the torch adapter (a NotImplementedError
+    before), and a dropout_p that drops nothing (threshold 0) passes that check as there."""
+    jax = pytest.importorskip("jax")
+    import cuattn.jax
+
+    shape = jax.ShapeDtypeStruct((1, 128, 2, 64), jax.numpy.float16)
+    mask = bm.local_global(128, 128, window_blocks=1).to(jax.numpy.asarray)
+    rng = jax.random.PRNGKey(0)
+    with pytest.raises(ValueError, match="block_mask is not supported with dropout"):
+        jax.eval_shape(lambda x: cuattn.jax.attention(x, x, x, block_mask=mask, dropout_p=0.1, dropout_rng=rng), shape)
+    try:
+        jax.eval_shape(lambda x: cuattn.jax.attention(x, x, x, block_mask=mask, dropout_p=0.001, dropout_rng=rng), shape)
+    except ValueError as e:  # on a machine without a GPU JAX: the adapter's next check
+        assert "no CUDA GPU" in str(e)
 
 
 def test_from_callable_takes_functions_that_index_by_python_ints():
