@@ -136,7 +136,8 @@ def attention_backward(
         set_mask(attn, pieces[0].fields)
         p = backward_params(a, grads, delta, attn)
         sparse = block_mask is not None
-        fused = False if small else plan_backward(ctx, c_type, p, grid, deterministic, sparse=sparse)
+        held = []  # the dQ accumulator, until the launches are queued (the pool would hand its memory to the sums below)
+        fused = False if small else plan_backward(ctx, c_type, p, grid, deterministic, sparse=sparse, keep=held)
         sums = _split_key_blocks(ctx, c_type, p, grid, grads, sparse) if fused else None
         launch_backward(ctx, c_type, p, grid, deterministic, fused=fused, small=small, sparse=sparse)
         for total, dst in zip(sums or (), grads[1:3]):
@@ -203,7 +204,7 @@ def _backward_pieces(ctx, c_type, a, grads, delta, options, pieces, deterministi
     batch, seqlen_q, heads_q, head_dim = q.shape
     heads_kv = a["k"].shape[2]
     dq_sum = ctx.empty(q.shape, np.float32)
-    jobs = []  # everything allocated before the first fill or launch (plan_backward)
+    jobs, held = [], []  # everything allocated before the first fill or launch (plan_backward), held until then
     for i, piece in enumerate(pieces):
         keys = piece.stop - piece.start
         k, v, dk, dv = (x.span(1, piece.start, piece.stop) for x in (a["k"], a["v"], grads[1], grads[2]))
@@ -222,7 +223,7 @@ def _backward_pieces(ctx, c_type, a, grads, delta, options, pieces, deterministi
             dk_parts, dv_parts = (partials.span(0, first, first + batch) for first in (0, splits * batch))
             p = backward_params(a, [dq_sum, dk_parts, dv_parts, *sink_grad], delta, attn)
             p["sum_grads"], p["query_splits"], p["split_stride"] = SUM_DQ | SUM_DKDV, splits, batch * partials.strides[0]
-        jobs.append((p, grid, splits, plan_backward(ctx, c_type, p, grid, deterministic, splits), partials, dk, dv))
+        jobs.append((p, grid, splits, plan_backward(ctx, c_type, p, grid, deterministic, splits, keep=held), partials, dk, dv))
     ctx.zero(dq_sum, *(job[4] for job in jobs if job[4] is not None))
     for p, grid, splits, fused, partials, dk, dv in jobs:
         launch_backward(ctx, c_type, p, grid, deterministic, splits, fused)
@@ -323,8 +324,9 @@ def plan_backward(
     schedule of several backward calls plans them all before its first fill or launch (a
     traced JAX call records allocations up to there). ``query_splits`` > 1 (p's query_splits
     and split_stride set, dK / dV summed into fp32 partials) takes the unfused kernels.
-    ``keep``: a list that holds the accumulator for a caller whose launches come later (the
-    memory is the pool's again once the accumulator is dropped). ``sparse``: p has a block mask."""
+    ``keep``: a list that holds the accumulator until the caller's launches are queued: once
+    it is dropped, the pool may hand its memory to the next allocation, which would then share
+    it with the kernels (every caller passes one). ``sparse``: p has a block mask."""
     bucket, softcap, layout = head_dim_bucket(g.head_dim), bool(p["attn"]["softcap"] > 0), g.layout
     # Whether dQ goes through an fp32 accumulator is decided once: a traced JAX call replays
     # the decision that sized its buffers, whatever CUATTN_WGMMA says by then; a device that
@@ -370,8 +372,9 @@ def launch_backward(
     if small and (stage != "all" or fused):
         raise ValueError("backward_small is one launch: stage 'all', not fused")
     sparse = bool(p["attn"]["kv_block_counts"]) if sparse is None else sparse
+    held = []  # an accumulator planned here, until the launches are queued
     if fused is None:
-        fused = False if small else plan_backward(ctx, c_type, p, g, deterministic, query_splits, sparse=sparse)
+        fused = False if small else plan_backward(ctx, c_type, p, g, deterministic, query_splits, sparse=sparse, keep=held)
     softcap, arch = bool(p["attn"]["softcap"] > 0), ctx.arch()
     sink = bool(p["attn"]["sink"])
     dropout = bool(p["attn"]["dropout_threshold"])

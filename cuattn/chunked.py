@@ -481,8 +481,10 @@ def attention_chunked(
 
     streams = _Streams(ctx, downloads=False)
     launched, slot, done = 0, 0, []
+    total, reported, end = source.total, 0, 0  # total: None for an iterable of unknown length, also once it is read
     try:
         for chunk in source:
+            end = chunk.start + chunk.length
             if not _seen(chunk, seqlen_q * heads_q, first_key, last_key):
                 continue
             k, v = streams.upload(slot, chunk) if chunk.on_host else (chunk.k, chunk.v)
@@ -494,7 +496,7 @@ def attention_chunked(
             streams.computed(slot)
             done.append((streams.free[slot], chunk.start + chunk.length))
             streams.consumed(slot, chunk, source.pair)
-            _report(progress, done, source.total, wait_before=len(done) - 2)
+            reported = _report(progress, done, total, len(done) - 2, reported)
             slot ^= 1
     finally:
         streams.finish()
@@ -503,21 +505,31 @@ def attention_chunked(
     else:  # no chunk, or no key any row sees: out = 0, lse = -inf
         ctx.zero(out)
         _fill(ctx, lse, -np.inf)
-    if progress is not None:
-        _report(progress, done, source.total, wait_before=len(done))
+    _report_last(progress, done, total, reported, end)
     result = ctx.export(out)
     return (result, ctx.export(lse)) if return_lse else result
 
 
-def _report(progress, done: list, total, wait_before: int) -> None:
+def _report(progress, done: list, total, wait_before: int, reported: int) -> int:
     """Waits for the chunks before index ``wait_before`` (at most two chunks in flight) and
-    reports them to ``progress``."""
+    reports them to ``progress``; returns the keys reported last (``reported`` if none now)."""
     while done and wait_before > 0:
         event, keys = done.pop(0)
         wait_before -= 1
         event.synchronize()
         if progress is not None:
             progress(keys, total)
+        reported = keys
+    return reported
+
+
+def _report_last(progress, done: list, total, reported: int, end: int) -> None:
+    """The last reports: the chunks still in flight, then ``end`` (the keys of every chunk)
+    where the chunks after the last one computed were skipped (no row sees them)."""
+    if progress is None:  # nothing to wait for: the caller's stream orders what comes after
+        return
+    if _report(progress, done, total, len(done), reported) < end:
+        progress(end, total)
 
 
 def attention_chunked_backward(
@@ -570,8 +582,10 @@ def attention_chunked_backward(
 
     streams = _Streams(ctx, downloads=True)
     launched, slot, done = 0, 0, []
+    total, reported, end = source.total, 0, 0  # as in attention_chunked
     try:
         for chunk in source:
+            end = chunk.start + chunk.length
             if not _seen(chunk, seqlen_q * heads_q, first_key, last_key):
                 results[chunk.index] = _zero_grads(ctx, chunk, host_grads)
                 continue
@@ -597,13 +611,12 @@ def attention_chunked_backward(
                 results[chunk.index] = (ctx.export(dk), ctx.export(dv))
             done.append((streams.free[slot], chunk.start + chunk.length))
             streams.consumed(slot, chunk, source.pair)
-            _report(progress, done, source.total, wait_before=len(done) - 2)
+            reported = _report(progress, done, total, len(done) - 2, reported)
             slot ^= 1
     finally:
         streams.finish()
     sum_rows(ctx, None, dq_sum, dq)  # every chunk's share, rounded once (zeros when none ran)
-    if progress is not None:
-        _report(progress, done, source.total, wait_before=len(done))
+    _report_last(progress, done, total, reported, end)
     if host_grads is not None:
         return ctx.export(dq), host_grads[0].native, host_grads[1].native
     ordered = [results[i] for i in range(len(results))]

@@ -72,16 +72,20 @@ def merge_(out, lse, out_b, lse_b):
     """In-place two-way merge: ``(out, lse) <- merge([out, out_b], [lse, lse_b])``.
 
     For loops that accumulate partial results (KV chunks, ring steps). Shapes and dtypes as in
-    :func:`merge`; ``out`` and ``lse`` are overwritten and returned. Not for JAX or NumPy
-    arrays, which cannot be updated in place.
+    :func:`merge`; ``out`` and ``lse`` are overwritten and returned, and must share no memory
+    with each other or with ``out_b`` / ``lse_b`` (ValueError). Not for JAX or NumPy arrays,
+    which cannot be updated in place.
     """
-    result = replay.run("merge_", lambda: merge_(out, lse, out_b, lse_b), (out, lse, out_b, lse_b), ())
+    result = replay.run("merge_", lambda: merge_(out, lse, out_b, lse_b), (out, lse, out_b, lse_b), (), written=((0, None), (1, None)))
     if result is not replay.MISS:
         return result
+    require_arrays({"out": out, "lse": lse, "out_b": out_b, "lse_b": lse_b})
     ctx, a = boundary.import_arrays(out=out, lse=lse, out_b=out_b, lse_b=lse_b)
     if ctx.framework in (boundary.JAX, boundary.NUMPY):
         raise TypeError(f"merge_ updates out and lse in place, which {ctx.framework} arrays cannot be; use merge")
     _check_partials(["out", "out_b"], [a["out"], a["out_b"]], ["lse", "lse_b"], [a["lse"], a["lse_b"]])
+    for name in ("out", "lse"):  # rows are read by other warps than write them: no view may shift onto another
+        validation.check_writable_output(name, a[name], {n: x for n, x in a.items() if n != name})
     if a["out"].size or a["lse"].size:
         _launch(ctx, [a["out"], a["out_b"]], [a["lse"], a["lse_b"]], a["out"], a["lse"])
     return out, lse

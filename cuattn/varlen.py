@@ -186,7 +186,8 @@ def attention_varlen_backward(
             "packed", seqs.batch, seqs.max_seqlen_q, seqs.max_seqlen_k, call.heads_q, a["k"].shape[1], call.head_dim,
             seqs.total_q, seqs.total_k,
         )
-        fused = plan_backward(ctx, call.c_type, p, grid, deterministic)
+        held = []  # the dQ accumulator, until the launch is queued (plan_backward)
+        fused = plan_backward(ctx, call.c_type, p, grid, deterministic, keep=held)
     if call.offsets_on_device:
         launch_offset_check(ctx, a["cu_seqlens_q"], a["cu_seqlens_k"], seqs.batch, call.totals, (seqs.max_seqlen_q, seqs.max_seqlen_k))
     if launched:

@@ -257,6 +257,19 @@ def test_grouped_query_backward_split_over_ctas_matches_reference(monkeypatch, d
         assert chosen and max(chosen) > 1, chosen
 
 
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_without_a_plan_holds_its_accumulator_until_the_launch(monkeypatch, d, causal):
+    """The path without a replayed plan (NumPy or other DLPack inputs, replay off): the dQ
+    accumulator, planned first, stays allocated until the launches are queued. It was dropped
+    at once, and CuPy's pool handed its memory to the fp32 dK / dV sums of the TMA backward's
+    split key blocks allocated next, which the same kernel then added into."""
+    from cuattn import replay
+
+    monkeypatch.setattr(replay, "enabled", False)
+    _run(np.random.default_rng(2 * d + causal), 2, 1024, 1000, 8, 1, d, "bfloat16", with_dlse=True, causal=causal)
+
+
 def _serves_small(batch, sq, sk, hq, hk, d, dtype) -> bool:
     import cupy
 

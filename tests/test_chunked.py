@@ -448,3 +448,29 @@ def test_without_a_mask_any_number_of_keys_streams():
     set_mask(fields, chunked._at_chunk(unmasked, 2**31))
     causal = chunked._mask_fields(AttnOptions.from_user(causal=True, head_dim=8), 16, 4096)
     assert chunked._at_chunk(causal, 1024)["diagonal_offset"] == causal["diagonal_offset"] - 1024
+
+
+@gpu
+def test_progress_reaches_every_key_and_gives_no_total_where_none_is_known():
+    """A chunk past every row's keys is skipped, but its keys count as done: the last report
+    is (seqlen_k, seqlen_k), forward and backward (it stopped at the last chunk computed). An
+    iterable of unknown length reports a total of None to the end (the last report had the
+    count once the iterable was read)."""
+    import cupy
+
+    rng = np.random.default_rng(9)
+    q, k, v, dout, _ = _inputs(rng, "float16", 1, 200, 600, 2, 2, 64)
+    qd = cupy.asarray(q)
+    kw = {"causal": True, "align": "top_left"}  # keys 256.. lie past row 199's: the last two chunks are skipped
+    seen = []
+    out, lse = cuattn.attention_chunked(qd, (_pinned(k), _pinned(v)), chunk_tokens=128, return_lse=True,
+                                        progress=lambda d, t: seen.append((d, t)), **kw)
+    assert seen[-1] == (600, 600) and [d for d, _ in seen] == sorted(d for d, _ in seen)
+    seen.clear()
+    cuattn.attention_chunked_backward(cupy.asarray(dout), qd, (_pinned(k), _pinned(v)), out, lse, chunk_tokens=128,
+                                      progress=lambda d, t: seen.append((d, t)), **kw)
+    assert seen[-1] == (600, 600)
+    seen.clear()
+    chunks = [(_pinned(k[:, a:a + 150]), _pinned(v[:, a:a + 150])) for a in range(0, 600, 150)]
+    cuattn.attention_chunked(qd, (c for c in chunks), progress=lambda d, t: seen.append((d, t)))
+    assert [d for d, _ in seen] == [150, 300, 450, 600] and all(t is None for _, t in seen)

@@ -180,3 +180,24 @@ def test_empty_inputs_give_empty_outputs():
 
     out, lse = cuattn.merge(cupy.ones((2, 1, 0, 3, 8), np.float16), cupy.ones((2, 1, 3, 0), np.float32))
     assert out.shape == (1, 0, 3, 8) and lse.shape == (1, 3, 0)
+
+
+def test_merge_in_place_refuses_views_that_overlap():
+    """merge_ writes out and lse while other warps read rows of out_b: a view of out_b shifted
+    onto out (or lse onto lse_b) is a ValueError before any launch, also after a good call of
+    the same shapes was cached, and out is left as it was."""
+    import cupy
+
+    rng = np.random.default_rng(3)
+    rows = cupy.asarray(randn(rng, (1, 65, 1, 64), "float16"))
+    lses = cupy.asarray(rng.standard_normal((1, 1, 65)).astype(np.float32))
+    out, lse = rows[:, 1:], lses[..., 1:]
+    out_b, lse_b = rows[:, :-1], lses[..., :-1]
+    before = rows.get()
+    for _ in range(2):
+        cuattn.merge_(out.copy(), lse.copy(), out_b.copy(), lse_b.copy())  # the same shapes and strides, apart
+        with pytest.raises(ValueError, match="out overlaps out_b"):
+            cuattn.merge_(out, lse.copy(), out_b, lse_b.copy())
+        with pytest.raises(ValueError, match="lse overlaps lse_b"):
+            cuattn.merge_(out.copy(), lse, out_b.copy(), lse_b)
+    np.testing.assert_array_equal(rows.get(), before)

@@ -445,3 +445,20 @@ def test_op_table_options_keep_their_checks():
         ops.OPS["attention"].call(q, k, v, **{**options, "window_left": -7})
     assert flat_mask_options(window=(10**20, None), head_dim=64)["window_left"] == 2**62
 
+
+
+@pytest.mark.parametrize("missing", range(4))
+def test_merge_in_place_names_a_missing_array(missing):
+    """merge_ checks its arguments as merge does: None is a TypeError naming it (it was an
+    AttributeError from the shape checks)."""
+    from types import SimpleNamespace
+
+    from cuattn import boundary
+    from cuattn.merge import merge_
+
+    out = SimpleNamespace(shape=(1, 4, 2, 8), dtype=np.dtype(np.float16))
+    lse = SimpleNamespace(shape=(1, 2, 4), dtype=np.dtype(np.float32))
+    args = [out, lse, out, lse]
+    args[missing] = None
+    with pytest.raises(TypeError, match=f"{('out', 'lse', 'out_b', 'lse_b')[missing]} is required"):
+        boundary.trace(merge_, *args)
