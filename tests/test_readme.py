@@ -223,6 +223,20 @@ def _overlapping_out(which):
     return cuattn.attention(q, k, v, out=out)
 
 
+def _overlapping_merge():
+    import cupy
+
+    rows, lses = cupy.ones((1, 9, 2, 64), np.float16), cupy.zeros((1, 2, 9), np.float32)
+    return cuattn.merge_(rows[:, 1:], lses[..., 1:].copy(), rows[:, :-1], lses[..., :-1])
+
+
+def _overlapping_caches():
+    import cupy
+
+    cache, new = cupy.ones((1, 16, 2, 64), np.float16), cupy.ones((1, 1, 2, 64), np.float16)
+    return cuattn.append_kv(new, new.copy(), cache, cache, cache_seqlens=cupy.zeros(1, np.int32))
+
+
 def _bad_device_offsets():
     import cupy
 
@@ -237,6 +251,8 @@ GPU_TRIGGERS = [
     (ValueError, "overlaps `k`, `v`", "out overlaps k", lambda: _overlapping_out("k")),
     (ValueError, "or itself", "out has overlapping elements", lambda: _overlapping_out("itself")),
     (ValueError, "checked on the GPU", "cu_seqlens_q decreases at entry 2", _bad_device_offsets),
+    (ValueError, "`merge_`'s `out` / `lse` overlapping", "out overlaps out_b", _overlapping_merge),
+    (ValueError, "`k_cache` / `v_cache` overlap", "k_cache overlaps v_cache", _overlapping_caches),
 ]
 
 ALLOWED = [(ValueError, "`out=q`, the very same array, is allowed")]
