@@ -99,6 +99,20 @@ def _from_torch(x) -> DeviceArray:
     return DeviceArray(int(x.data_ptr()), tuple(x.shape), tuple(x.stride()), _numpy_dtype_of_torch(x.dtype), x)
 
 
+# CuPy's memory pool knows nothing of graph capture: memory allocated while a stream is being
+# captured and freed after the call would go to the next allocation, while the graph writes it
+# on every replay. What cuattn allocates for itself during a capture is held here instead, for
+# the life of the process (a graph may be replayed at any time). PyTorch keeps a captured
+# graph's memory in a private pool; JAX allocates through XLA.
+_HELD_FOR_GRAPHS: list = []
+
+
+def hold_if_captured(stream, memory) -> None:
+    """Keeps ``memory`` (a CuPy array or allocation) for good when ``stream`` is being captured."""
+    if stream.is_capturing():
+        _HELD_FOR_GRAPHS.append(memory)
+
+
 class CallContext:
     """The framework, device and stream shared by all array arguments of one call.
 
@@ -179,7 +193,9 @@ class CallContext:
         import cupy
 
         with self.device, self.stream:
-            return _from_cupy(cupy.empty(shape, dtype=dtype))
+            a = cupy.empty(shape, dtype=dtype)
+        hold_if_captured(self.stream, a)
+        return _from_cupy(a)
 
     def launch(self, variant, grid, block, p) -> None:
         """Launches ``variant`` with the parameter struct ``p`` (inside ``with self.device,

@@ -407,6 +407,7 @@ def _cupy_framework() -> None:
 
     def scratch(nbytes, device):
         memory = cupy.cuda.alloc(nbytes)
+        boundary.hold_if_captured(get_stream(), memory)  # a captured graph keeps writing it
         return memory, memory.ptr
 
     get_stream = cupy.cuda.get_current_stream

@@ -281,6 +281,32 @@ def test_one_captured_graph_serves_new_lengths_and_page_tables(seqlen_q):
         np.testing.assert_allclose(captured.get().astype(np.float64), ref, atol=2e-2)
 
 
+@gpu
+def test_a_captured_graph_keeps_its_scratch_from_later_allocations():
+    """The split decode's partials are scratch: allocated during a CuPy stream capture, they
+    stay cuattn's (CuPy's pool would hand them to the next allocation, which every replay of
+    the graph then overwrote); arrays allocated on that stream after the capture keep their
+    values through replays, and the graph's result equals the eager call's."""
+    import cupy
+
+    rng = np.random.default_rng(12)
+    k, v, _ = _cache(rng, [3000, 3000], 2, 128, "bfloat16", capacity=4096)
+    q = cupy.asarray(randn(rng, (2, 1, 8, 128), "bfloat16"))
+    kd, vd, lengths = cupy.asarray(k), cupy.asarray(v), cupy.asarray(np.array([3000, 2000], np.int32))
+    eager = cuattn.attention_with_kvcache(q, kd, vd, cache_seqlens=lengths, num_splits=16)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        captured = cuattn.attention_with_kvcache(q, kd, vd, cache_seqlens=lengths, num_splits=16)
+        graph = stream.end_capture()
+        later = [cupy.full(1 << bits, 0x5A, cupy.uint8) for bits in range(10, 25)]  # would take the freed scratch
+    for _ in range(3):
+        graph.launch(stream)
+    stream.synchronize()
+    assert all(bool((x == 0x5A).all()) for x in later)
+    np.testing.assert_array_equal(captured.get().view(np.uint16), eager.get().view(np.uint16))
+
+
 def _expected_append(k, table, lengths, k_new, rows=None):
     """The host cache after appending: row t of sequence b at position lengths[b] + t of its
     cache row (``rows[b]``, else b) or pages, skipping positions past the capacity, pages and
