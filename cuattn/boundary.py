@@ -148,7 +148,7 @@ class CallContext:
             device = self.device
             self._stream = (
                 cupy.cuda.get_current_stream(device.id) if self._external is None
-                else _external_stream(self._external)
+                else _external_stream(self._external, device.id)
             )
         return self._stream
 
@@ -232,16 +232,19 @@ class CallContext:
             return jax.dlpack.from_dlpack(array.native)
 
 
-_external_streams: dict[int, Any] = {}
+_external_streams: dict[tuple[int, int], Any] = {}
 
 
-def _external_stream(stream):
-    """CuPy's view of a foreign stream (CUDA stream protocol), cached by handle."""
-    key = int(stream.cuda_stream)
+def _external_stream(stream, device_id: int):
+    """CuPy's view of a foreign stream (CUDA stream protocol) on ``device_id``, made there (CuPy
+    records the current device as the stream's) and cached by device and handle (a default
+    stream's handle is 0 on every device)."""
+    key = (device_id, int(stream.cuda_stream))
     if key not in _external_streams:
         import cupy
 
-        _external_streams[key] = cupy.cuda.Stream.from_external(stream)
+        with cupy.cuda.Device(device_id):
+            _external_streams[key] = cupy.cuda.Stream.from_external(stream)
     return _external_streams[key]
 
 

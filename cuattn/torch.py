@@ -85,7 +85,9 @@ def _device_seed(seed, q):
     if isinstance(seed, torch.Tensor):
         return seed
     seed = check_seed_int(seed)
-    return torch.tensor([seed - 2**64 if seed >= 2**63 else seed], dtype=torch.int64, device=q.device)  # the same 8 bytes
+    # The same 8 bytes, written by a fill kernel: a copy from host memory would wait for the stream
+    # (and cannot be captured in a CUDA graph).
+    return torch.full((1,), seed - 2**64 if seed >= 2**63 else seed, dtype=torch.int64, device=q.device)
 
 
 def _attention_dropout(q, k, v, sink, dropout_p, seed, options, return_lse):
@@ -227,6 +229,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if attn_mask is not None:
         raise NotImplementedError("cuattn's scaled_dot_product_attention takes no attn_mask; use is_causal (or cuattn.torch.attention's window)")
     for name, x in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() != 4:
             raise ValueError(f"{name} must be (batch, heads, seqlen, head_dim), got shape {tuple(x.shape)}")
     if not enable_gqa and key.shape[1] != query.shape[1]:
@@ -244,6 +248,34 @@ def ring_attention(q, k, v, *, comm, layout="zigzag", causal=True, window=None, 
     return _RingAttention.apply(q, k, v, comm, (layout, causal, window, scale, softcap))
 
 
+def _once_differentiable(backward):
+    """A backward whose results raise when differentiated: where a graph of the backward is
+    being built (create_graph=True: grad mode on in the backward), it runs under no_grad and
+    each gradient it returns is handed out through torch's ``DelayedError`` node, so a second
+    differentiation through it raises instead of treating it as a constant. (torch's
+    ``once_differentiable`` does that only when an incoming gradient requires grad, which the
+    ones ``create_graph=True`` starts from do not: a gradient penalty then came out without this
+    term, silently.) Otherwise the engine runs the backward under no_grad already, and it is
+    called as it is."""
+
+    @functools.wraps(backward)
+    def dispatch(ctx, *grads):
+        if not torch.is_grad_enabled():
+            return backward(ctx, *grads)
+        with torch.no_grad():
+            results = backward(ctx, *grads)
+        single = not isinstance(results, tuple)
+        results = (results,) if single else results
+        delayed = torch._C._functions.DelayedError(b"trying to differentiate twice cuattn's backward, which is not differentiable", len(results))
+        detached = [r.detach().requires_grad_() if isinstance(r, torch.Tensor) and r.is_floating_point() else r for r in results]
+        wrapped = delayed(*detached)
+        wrapped = wrapped if isinstance(wrapped, tuple) else (wrapped,)
+        results = tuple(w if isinstance(r, torch.Tensor) and r.is_floating_point() else r for w, r in zip(wrapped, results))
+        return results[0] if single else results
+
+    return dispatch
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, comm, options):
@@ -257,7 +289,7 @@ class _RingAttention(torch.autograd.Function):
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @_once_differentiable
     def backward(ctx, dout):
         from cuattn.dist import ring_attention_backward
 
@@ -279,10 +311,13 @@ def _flat_mask_options(causal, window, align, scale, softcap, head_dim, sink_tok
     try:
         key = replay.option_key((causal, window, align, scale, softcap, head_dim, sink_tokens, len(schema)))
         return _FLAT_OPTIONS[key]
-    except (KeyError, TypeError):
-        user = AttnOptions.from_user(causal, window, align, scale, softcap, head_dim=head_dim, sink_tokens=sink_tokens)
-        options = tuple(user.flat(schema).values())
-    if len(_FLAT_OPTIONS) < replay.MAX_PLANS:
+    except KeyError:
+        pass
+    except TypeError:  # an unhashable value (a symbolic head_dim under torch.compile): checked each time
+        key = None
+    user = AttnOptions.from_user(causal, window, align, scale, softcap, head_dim=head_dim, sink_tokens=sink_tokens)
+    options = tuple(user.flat(schema).values())
+    if key is not None and len(_FLAT_OPTIONS) < replay.MAX_PLANS:
         _FLAT_OPTIONS[key] = options
     return options
 
@@ -332,34 +367,6 @@ def _check_cuda(**tensors) -> None:
     for name, t in tensors.items():
         if t is not None and t.device.type not in ("cuda", "meta"):  # meta: shapes only, the ops' fake kernels
             raise ValueError(f"{name} is on device '{t.device}'; cuattn computes on CUDA devices (move it with .cuda())")
-
-
-def _once_differentiable(backward):
-    """A backward whose results raise when differentiated: where a graph of the backward is
-    being built (create_graph=True: grad mode on in the backward), it runs under no_grad and
-    each gradient it returns is handed out through torch's ``DelayedError`` node, so a second
-    differentiation through it raises instead of treating it as a constant. (torch's
-    ``once_differentiable`` does that only when an incoming gradient requires grad, which the
-    ones ``create_graph=True`` starts from do not: a gradient penalty then came out without this
-    term, silently.) Otherwise the engine runs the backward under no_grad already, and it is
-    called as it is."""
-
-    @functools.wraps(backward)
-    def dispatch(ctx, *grads):
-        if not torch.is_grad_enabled():
-            return backward(ctx, *grads)
-        with torch.no_grad():
-            results = backward(ctx, *grads)
-        single = not isinstance(results, tuple)
-        results = (results,) if single else results
-        delayed = torch._C._functions.DelayedError(b"trying to differentiate twice cuattn's backward, which is not differentiable", len(results))
-        detached = [r.detach().requires_grad_() if isinstance(r, torch.Tensor) and r.is_floating_point() else r for r in results]
-        wrapped = delayed(*detached)
-        wrapped = wrapped if isinstance(wrapped, tuple) else (wrapped,)
-        results = tuple(w if isinstance(r, torch.Tensor) and r.is_floating_point() else r for w, r in zip(wrapped, results))
-        return results[0] if single else results
-
-    return dispatch
 
 
 class _EagerAttention(torch.autograd.Function):

@@ -140,3 +140,64 @@ def test_meta_tensors_take_the_ops_fake_kernels():
     with pytest.raises(ValueError, match=r"q must have 4 dimensions \(batch, seqlen, heads, head_dim\), got shape \(128, 2, 64\)"):
         with FlopCounterMode(display=False):
             cuattn.torch.attention(q[0], k, v)
+
+
+def test_the_ops_trace_with_symbolic_shapes():
+    """torch.compile with dynamic shapes hands the adapters a symbolic head_dim: its options
+    are checked each call (they were remembered in a dict, whose store raised "unhashable type:
+    non-nested SymInt")."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    q = torch.empty(1, 64, 2, 64, device="meta", dtype=torch.bfloat16)
+    graph = make_fx(lambda q, k, v: cuattn.torch.attention(q, k, v, causal=True), tracing_mode="symbolic")(q, q, q)
+    assert any("cuattn.attention" in str(n.target) for n in graph.graph.nodes)
+    t = q.transpose(1, 2)
+    make_fx(lambda q, k, v: cuattn.torch.scaled_dot_product_attention(q, k, v, is_causal=True), tracing_mode="symbolic")(t, t, t)
+
+
+def test_every_backward_raises_when_differentiated_again():
+    """Each autograd.Function of the adapter wraps its backward in _once_differentiable (the
+    ring's had torch's, which lets a create_graph=True gradient through as a constant)."""
+    functions = [x for x in vars(cuattn.torch).values() if isinstance(x, type) and issubclass(x, torch.autograd.Function)]
+    wrapper = cuattn.torch._once_differentiable(lambda ctx, *grads: None).__code__  # every wrapper runs this code
+    assert len(functions) >= 2
+    for fn in functions:
+        assert fn.backward.__code__ is wrapper, fn.__name__
+
+
+def test_sdpa_drop_in_names_an_argument_that_is_not_a_tensor():
+    k = torch.ones(1, 2, 8, 64, dtype=torch.float16)
+    for args, name in (((None, k, k), "query"), ((k, np.ones((1, 2, 8, 64)), k), "key")):
+        with pytest.raises(TypeError, match=f"{name} must be a torch.Tensor"):
+            cuattn.torch.scaled_dot_product_attention(*args)
+
+
+def test_foreign_streams_are_kept_per_device(monkeypatch):
+    """CuPy's view of a torch stream is made on the call's device and cached per device: a
+    default stream's handle is 0 on every device, and the view made for device 0 refused
+    calls on device 1."""
+    from types import SimpleNamespace
+
+    import cupy
+
+    from cuattn import boundary
+
+    current = [0]
+
+    class Device:
+        def __init__(self, index):
+            self.index = index
+
+        def __enter__(self):
+            current.append(self.index)
+
+        def __exit__(self, *exc):
+            current.pop()
+
+    monkeypatch.setattr(cupy.cuda, "Device", Device)
+    monkeypatch.setattr(cupy.cuda.Stream, "from_external", staticmethod(lambda stream: (current[-1], stream.cuda_stream)))
+    monkeypatch.setattr(boundary, "_external_streams", {})
+    default = SimpleNamespace(cuda_stream=0)
+    assert boundary._external_stream(default, 1) == (1, 0)
+    assert boundary._external_stream(default, 0) == (0, 0)
+    assert boundary._external_stream(default, 1) == (1, 0)

@@ -239,3 +239,20 @@ def test_sdpa_drop_in_rejects_what_it_does_not_cover():
         ct.scaled_dot_product_attention(q, q, q, dropout_p=1.5)
     with pytest.raises(ValueError, match="enable_gqa"):
         ct.scaled_dot_product_attention(q, k, k)
+
+
+def test_an_int_dropout_seed_needs_no_host_synchronization():
+    """An int seed becomes a device tensor by a fill kernel: the copy from host memory it was
+    made by waited for the stream (torch's sync debug mode reports that) and could not be
+    captured in a CUDA graph. The same seed gives the same result."""
+    q = torch.randn(1, 128, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    first = ct.attention(q, q, q, dropout_p=0.1, dropout_seed=2**63 + 5)  # kernels compiled, plans recorded
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        again = ct.attention(q, q, q, dropout_p=0.1, dropout_seed=2**63 + 5)
+        with torch.no_grad():
+            eager = ct.attention(q, q, q, dropout_p=0.1, dropout_seed=2**63 + 5)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.testing.assert_close(again, first, rtol=0, atol=0)
+    torch.testing.assert_close(eager, first, rtol=0, atol=0)
