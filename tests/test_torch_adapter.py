@@ -256,3 +256,21 @@ def test_an_int_dropout_seed_needs_no_host_synchronization():
         torch.cuda.set_sync_debug_mode(0)
     torch.testing.assert_close(again, first, rtol=0, atol=0)
     torch.testing.assert_close(eager, first, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("replayed", [True, False])
+def test_calls_on_two_devices_in_one_process(monkeypatch, replayed):
+    """Tensors on cuda:0, then cuda:1, then cuda:0 again, replayed or on the full path (whose
+    CuPy view of torch's default stream, handle 0 on every device, was made for the first
+    device and refused calls on the second)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    from cuattn import replay
+
+    monkeypatch.setattr(replay, "enabled", replayed)
+    for device in ("cuda:0", "cuda:1", "cuda:0"):
+        q, k, v = (torch.randn(1, 64, 4, 64, device=device, dtype=torch.bfloat16) for _ in range(3))
+        out = ct.attention(q, k, v, causal=True)
+        ref = torch.nn.functional.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)), is_causal=True).transpose(1, 2)
+        assert out.device == q.device
+        torch.testing.assert_close(out, ref, rtol=0, atol=2e-2)
