@@ -174,8 +174,8 @@ def test_sdpa_drop_in_names_an_argument_that_is_not_a_tensor():
 
 def test_foreign_streams_are_kept_per_device(monkeypatch):
     """CuPy's view of a torch stream is made on the call's device and cached per device: a
-    default stream's handle is 0 on every device, and the view made for device 0 refused
-    calls on device 1."""
+    default stream's handle is 0 on every device, and CuPy records the device current when a
+    view is made (a review's reading; two H200s in one process ran either way)."""
     from types import SimpleNamespace
 
     import cupy

@@ -260,9 +260,8 @@ def test_an_int_dropout_seed_needs_no_host_synchronization():
 
 @pytest.mark.parametrize("replayed", [True, False])
 def test_calls_on_two_devices_in_one_process(monkeypatch, replayed):
-    """Tensors on cuda:0, then cuda:1, then cuda:0 again, replayed or on the full path (whose
-    CuPy view of torch's default stream, handle 0 on every device, was made for the first
-    device and refused calls on the second)."""
+    """Tensors on cuda:0, then cuda:1, then cuda:0 again, replayed or on the full path (which
+    wraps torch's default stream, handle 0 on every device, for CuPy once per device)."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
     from cuattn import replay
