@@ -271,9 +271,10 @@ def test_one_captured_graph_serves_new_lengths_and_page_tables(seqlen_q):
         captured = cuattn.attention_with_kvcache(q, kd, vd, cache_seqlens=seqlens, block_table=table_d)
         graph = stream.end_capture()
     for lengths in ([5, 1000, 2048], [2048, 0, 17], [333, 1, 1024]):
-        seqlens[...] = cupy.asarray(np.array(lengths, np.int32))
-        table_d[...] = cupy.asarray(rng.permutation(k.shape[0])[: table.size].reshape(table.shape).astype(np.int32))
-        graph.launch(stream)
+        with stream:  # the rewrites ordered before the replay (a non-blocking stream skips the default stream's work)
+            seqlens[...] = cupy.asarray(np.array(lengths, np.int32))
+            table_d[...] = cupy.asarray(rng.permutation(k.shape[0])[: table.size].reshape(table.shape).astype(np.int32))
+            graph.launch(stream)
         stream.synchronize()
         eager = cuattn.attention_with_kvcache(q, kd, vd, cache_seqlens=seqlens, block_table=table_d)
         np.testing.assert_array_equal(captured.get(), eager.get())

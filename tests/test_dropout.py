@@ -260,8 +260,9 @@ def test_seeds_repeat_and_differ_and_arrays_serve_graph_replays():
         captured = cuattn.attention(q, k, v, dropout_p=0.2, dropout_seed=seed)
         graph = stream.end_capture()
     for value in (SEED, 12345, SEED ^ 0xFF00):
-        seed[...] = cupy.asarray(np.array([value & 0xFFFFFFFF, value >> 32], np.uint32))
-        graph.launch(stream)
+        with stream:  # the new seed written before the replay reads it (the stream is non-blocking)
+            seed[...] = cupy.asarray(np.array([value & 0xFFFFFFFF, value >> 32], np.uint32))
+            graph.launch(stream)
         stream.synchronize()
         assert cupy.array_equal(captured, cuattn.attention(q, k, v, dropout_p=0.2, dropout_seed=value))
 
