@@ -317,7 +317,7 @@ def backward_params(a, grads, delta, attn: np.void) -> np.void:
 
 
 def plan_backward(
-    ctx, c_type: str, p: np.void, g: BackwardGrid, deterministic: bool, query_splits: int = 1, keep: list | None = None,
+    ctx, c_type: str, p: np.void, g: BackwardGrid, deterministic: bool, query_splits: int = 1, *, keep: list,
     sparse: bool = False,
 ) -> bool:
     """Whether the fused kernel runs; allocates its dQ accumulator and points ``p`` at it. A
@@ -326,7 +326,7 @@ def plan_backward(
     and split_stride set, dK / dV summed into fp32 partials) takes the unfused kernels.
     ``keep``: a list that holds the accumulator until the caller's launches are queued: once
     it is dropped, the pool may hand its memory to the next allocation, which would then share
-    it with the kernels (every caller passes one). ``sparse``: p has a block mask."""
+    it with the kernels. ``sparse``: p has a block mask."""
     bucket, softcap, layout = head_dim_bucket(g.head_dim), bool(p["attn"]["softcap"] > 0), g.layout
     # Whether dQ goes through an fp32 accumulator is decided once: a traced JAX call replays
     # the decision that sized its buffers, whatever CUATTN_WGMMA says by then; a device that
@@ -342,8 +342,7 @@ def plan_backward(
         columns = backward.hopper_bucket(bucket)  # the fused kernel's tile
         shape, tile_strides = g.dq_accumulator(columns)
         accum = ctx.empty(shape, np.float32)
-        if keep is not None:
-            keep.append(accum)
+        keep.append(accum)
         if fused:
             p["dq_accum"], p["dq_accum_tile_strides"], p["dq_accum_cols"] = accum.ptr, tile_strides, columns
     return fused

@@ -57,6 +57,7 @@ __global__ void __launch_bounds__(kF32BwdWarps * 32, 1) backward_fp32_dq_kernel(
   const float sc = a.exp2_scale;
   const DropoutDraws draws(a, batch, head);  // used with DROPOUT only
 
+  static_assert(kSparseBlock % kF32BwdBlock == 0, "query tiles nest in mask blocks");
   const auto tiles = ascending_tiles<SPARSE, kF32BwdTile>([&] { return kept_key_blocks(a, batch, head, m0 / kSparseBlock); },
                                                          key_first / kF32BwdTile,
                                                          key_last < key_first ? key_first / kF32BwdTile - 1 : key_last / kF32BwdTile);

@@ -52,7 +52,7 @@ __global__ void __launch_bounds__(WARPGROUPS * 128, CTAS_PER_SM) backward_wgmma_
   const int key_first = band.first_key(m0), key_last = band.last_key(m_last);
   const int n_first = key_first / BLOCK_N;
   const int n_last = key_last < key_first ? n_first - 1 : key_last / BLOCK_N;
-  const KeyTiles<SPARSE, BLOCK_N> tiles(a, batch, head, m0, n_first, n_last);
+  const KeyTiles<SPARSE, BLOCK_N, BM> tiles(a, batch, head, m0, n_first, n_last);
 
   const int wg_first_row = m0 + wg * 64;
   const int wg_last_row = min(wg_first_row + 64, span.seqlen_q) - 1;

@@ -54,7 +54,7 @@ __device__ __forceinline__ void backward_dq_block(const BackwardParams& p, int b
   const int key_first = band.first_key(m0), key_last = band.last_key(m_last);
   const int n_first = key_first / BN;
   const int n_last = key_last < key_first ? n_first - 1 : key_last / BN;
-  const KeyTiles<SPARSE, BN> tiles(a, batch, head, m0, n_first, n_last);
+  const KeyTiles<SPARSE, BN, BM> tiles(a, batch, head, m0, n_first, n_last);
 
   const int warp_first_row = m0 + warp * 16;
   const int warp_last_row = min(warp_first_row + 16, span.seqlen_q) - 1;

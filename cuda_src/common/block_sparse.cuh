@@ -72,11 +72,12 @@ struct ListTiles {
 // more(i, n), then next(i, n). Dense: every tile of [n_first, n_last] (the cursor is the tile
 // itself: the dense loops compile as a plain countdown). SPARSE: the tiles of the kept key
 // blocks of the rows' query block (rows m0 .. within one block) that lie in [n_first, n_last].
-template <bool SPARSE, int TILE>
+// ROWS: the caller's query tile, whose rows must lie in one mask block.
+template <bool SPARSE, int TILE, int ROWS>
 struct KeyTiles;
 
-template <int TILE>
-struct KeyTiles<false, TILE> {
+template <int TILE, int ROWS>
+struct KeyTiles<false, TILE, ROWS> {
   int first, last;
   __device__ __forceinline__ KeyTiles(const AttnParams&, int, int, int, int n_first, int n_last) : first(n_first), last(n_last) {}
   __device__ __forceinline__ bool any() const { return last >= first; }
@@ -86,8 +87,9 @@ struct KeyTiles<false, TILE> {
   __device__ __forceinline__ int next(int, int n) const { return n - 1; }
 };
 
-template <int TILE>
-struct KeyTiles<true, TILE> : ListTiles<TILE> {
+template <int TILE, int ROWS>
+struct KeyTiles<true, TILE, ROWS> : ListTiles<TILE> {
+  static_assert(kSparseBlock % ROWS == 0, "query tiles nest in mask blocks");
   using ListTiles<TILE>::count;
   using ListTiles<TILE>::tile;
   __device__ __forceinline__ KeyTiles(const AttnParams& p, int batch, int head, int m0, int n_first, int n_last)

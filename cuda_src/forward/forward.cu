@@ -37,7 +37,7 @@ __device__ __forceinline__ void forward_block(const AttnParams& p, int seq, int 
   const int key_first = band.first_key(m0), key_last = band.last_key(m_last);
   const int n_first = key_first / BLOCK_N;
   const int n_last = key_last < key_first ? n_first - 1 : key_last / BLOCK_N;
-  const KeyTiles<SPARSE, BLOCK_N> tiles(p, seq, head, m0, n_first, n_last);
+  const KeyTiles<SPARSE, BLOCK_N, BLOCK_M> tiles(p, seq, head, m0, n_first, n_last);
 
   float acc[Tr::kMTiles][Tr::kDTiles][4];
   float row_max[Tr::kMTiles][2], row_sum[Tr::kMTiles][2];

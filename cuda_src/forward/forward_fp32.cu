@@ -33,6 +33,7 @@ __device__ __forceinline__ void forward_fp32_block(const AttnParams& p, int seq,
 
   const KeyBand band(p, span);
   const int key_first = band.first_key(m0), key_last = band.last_key(m_last);
+  static_assert(kSparseBlock % kF32BlockM == 0, "query tiles nest in mask blocks");
   const auto tiles = ascending_tiles<SPARSE, kF32BlockN>([&] { return kept_key_blocks(p, seq, head, m0 / kSparseBlock); },
                                                         key_first / kF32BlockN,
                                                         key_last < key_first ? key_first / kF32BlockN - 1 : key_last / kF32BlockN);

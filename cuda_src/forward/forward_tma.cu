@@ -230,7 +230,7 @@ __device__ __forceinline__ void forward_tma_tile(const TmaAttnParams& tp, int se
   const int n_last = key_last < key_first ? n_first - 1 : key_last / BLOCK_N;
   // The key blocks visited, block_at(0) .. block_at(blocks - 1): n_last, n_last - 1, ... (the
   // diagonal first), or the mask's kept ones among them, likewise last first.
-  const KeyTiles<SPARSE, BLOCK_N> tiles(p, seq, head, m0, n_first, n_last);
+  const KeyTiles<SPARSE, BLOCK_N, Tr::kBlockM> tiles(p, seq, head, m0, n_first, n_last);
   int blocks;
   if constexpr (SPARSE) {
     blocks = tiles.count;
