@@ -44,6 +44,7 @@ def attention(
     :class:`cuattn.block_mask.BlockMask` of CUDA int32 tensors (``mask.to(lambda a:
     torch.as_tensor(a, device="cuda"))``); traced, ``torch.ops.cuattn.attention_block_sparse``."""
     return_lse, dropout = _checked_arguments(q, k, v, return_lse, dropout_p, dropout_seed)
+    _refuse_forward_ad("attention", q, k, v, sink)
     if block_mask is not None:
         if dropout_threshold(dropout):
             raise ValueError("block_mask is not supported with dropout")
@@ -150,6 +151,7 @@ def attention_varlen(
     when known: derived, they are the totals (device offsets are never read on the host).
     Dropout as :func:`attention` (the seed drawn on the device unless given)."""
     return_lse, dropout = _checked_arguments(q, k, v, return_lse, dropout_p, dropout_seed)
+    _refuse_forward_ad("attention_varlen", q, k, v)
     seed = _device_seed(dropout_seed, q) if dropout else None
     if _eager(q, k, v) and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
         return core_attention_varlen(
@@ -177,6 +179,7 @@ def attention_with_kvcache(
     ``torch.compile(fullgraph=True)`` and capture in CUDA graphs."""
     _check_tensors(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens)
     return_lse = check_bool("return_lse", return_lse)
+    _refuse_forward_ad("attention_with_kvcache", q, k_cache, v_cache, k_new, v_new, sink)
     tensors = [x for x in (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, cache_batch_idx, sink) if x is not None]
     if _eager(*tensors):
         return core_attention_with_kvcache(
@@ -202,6 +205,7 @@ def attention_with_kvcache(
 
 def append_kv(k_new, v_new, k_cache, v_cache, *, cache_seqlens, block_table=None, cache_batch_idx=None):
     """:func:`cuattn.append_kv` on torch tensors (``torch.ops.cuattn.append_kv`` when traced)."""
+    _refuse_forward_ad("append_kv", k_new, v_new, k_cache, v_cache)
     if _eager(*(x for x in (k_new, v_new, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx) if x is not None)):
         return core_append_kv(k_new, v_new, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, cache_batch_idx=cache_batch_idx)
     _check_tensors(k_new=k_new, v_new=v_new, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens)
@@ -214,6 +218,7 @@ def append_kv(k_new, v_new, k_cache, v_cache, *, cache_seqlens, block_table=None
 def merge(outs, lses):
     """:func:`cuattn.merge` of lists of partial ``(out, lse)`` tensors, differentiable in both."""
     outs, lses = list(outs), list(lses)
+    _refuse_forward_ad("merge", *outs, *lses)
     if _eager(*outs, *lses) and not (torch.is_grad_enabled() and any(t.requires_grad for t in outs + lses)):
         return core_merge(outs, lses)
     _check_cuda(**{f"outs[{i}]": t for i, t in enumerate(outs)}, **{f"lses[{i}]": t for i, t in enumerate(lses)})
@@ -245,6 +250,7 @@ def ring_attention(q, k, v, *, comm, layout="zigzag", causal=True, window=None, 
     """:func:`cuattn.dist.ring_attention` (this rank's shards, ``comm`` a process group),
     differentiable in ``q``, ``k``, ``v``. The backward is a ring exchange too: every rank of
     ``comm`` runs it, in the same order (as any collective). Eager only."""
+    _refuse_forward_ad("ring_attention", q, k, v)
     return _RingAttention.apply(q, k, v, comm, (layout, causal, window, scale, softcap))
 
 
@@ -432,6 +438,25 @@ def _raw_apply(function):
 _apply_eager_attention = _raw_apply(_EagerAttention)
 
 
+def _refuse_forward_ad(name: str, *tensors) -> None:
+    """NotImplementedError where forward-mode AD would lose a tangent: the ops have no jvp rule,
+    and torch would give a dual tensor's result no tangent and ``torch.func.jvp`` / ``jacfwd``
+    zeros."""
+    if _compiling():  # not checked while torch.compile traces
+        return
+    if _forward_ad._current_level >= 0 and any(t is not None and _forward_ad.unpack_dual(t).tangent is not None for t in tensors):
+        raise NotImplementedError(f"cuattn.torch.{name} has no forward-mode derivative (an input is a dual tensor); use reverse mode")
+    if _functorch_active() and _jvp_transform_active():
+        raise NotImplementedError(f"cuattn.torch.{name} has no forward-mode derivative (torch.func.jvp / jacfwd); use reverse mode")
+
+
+def _jvp_transform_active() -> bool:
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    jvp = torch._C._functorch.TransformType.Jvp
+    return any(i.key() == jvp for i in retrieve_all_functorch_interpreters())
+
+
 def _in_dispatch_mode() -> bool:
     return _python_dispatch._is_in_torch_dispatch_mode or _dispatch_stack() > 0
 
@@ -440,6 +465,7 @@ _compiling = torch.compiler.is_compiling
 _tracing = torch._C._get_tracing_state
 _functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: True)  # unknown: always dispatch
 _dispatch_stack = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 1)  # unknown: always dispatch
+from torch.autograd import forward_ad as _forward_ad  # noqa: E402
 from torch.utils import _python_dispatch  # noqa: E402
 
 

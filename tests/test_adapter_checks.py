@@ -201,3 +201,30 @@ def test_foreign_streams_are_kept_per_device(monkeypatch):
     assert boundary._external_stream(default, 1) == (1, 0)
     assert boundary._external_stream(default, 0) == (0, 0)
     assert boundary._external_stream(default, 1) == (1, 0)
+
+
+def test_forward_mode_ad_is_refused_not_dropped():
+    """The ops have no jvp rule: a dual tensor's result had no tangent and torch.func.jvp
+    returned zeros (torch gives a custom op without one no error); both raise, before anything
+    runs, on every entry point that takes floating tensors."""
+    import torch.autograd.forward_ad as fwad
+
+    q, k, v = _qkv()
+    cache_lengths = torch.zeros(1, dtype=torch.int32)
+    calls = {
+        "attention": lambda q: cuattn.torch.attention(q, k, v),
+        "attention_varlen": lambda q: cuattn.torch.attention_varlen(q[0], k[0], v[0], *(torch.tensor([0, 128], dtype=torch.int32),) * 2),
+        "attention_with_kvcache": lambda q: cuattn.torch.attention_with_kvcache(q, k, v, cache_seqlens=cache_lengths),
+        "append_kv": lambda q: cuattn.torch.append_kv(q, q, k, v, cache_seqlens=cache_lengths),
+        "merge": lambda q: cuattn.torch.merge([q, q], [torch.zeros(1, 2, 128), torch.zeros(1, 2, 128)]),
+        "scaled_dot_product_attention": lambda q: cuattn.torch.scaled_dot_product_attention(q, k, v),
+    }
+    for name, call in calls.items():
+        with fwad.dual_level():
+            with pytest.raises(NotImplementedError, match="forward-mode"):
+                call(fwad.make_dual(q, torch.ones_like(q)))
+        with pytest.raises(NotImplementedError, match="forward-mode"):
+            torch.func.jvp(call, (q,), (torch.ones_like(q),))
+    with fwad.dual_level():  # a dual level alone, no tangent on the inputs: the call goes on (to the device check here)
+        with pytest.raises(ValueError, match="CUDA"):
+            cuattn.torch.attention(q, k, v)
