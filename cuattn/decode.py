@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from cuattn import boundary, launch, params, replay, validation
-from cuattn.attention import NO_LSE, attn_params, check_sink, launch_forward, require_arrays
+from cuattn.attention import NO_LSE, attn_params, check_sink, launch_forward, require_arrays, set_mask
 from cuattn.kernels import decode as plan
 from cuattn.kernels import forward
 from cuattn.kernels.variant import head_dim_bucket
@@ -185,7 +185,10 @@ def _forward_params(a: dict, dst, lse, options: AttnOptions, cache: dict) -> np.
     """AttnParams of the tiled forward over the cache layouts (chunked prefill)."""
     p = attn_params(a["q"], a["k_cache"], a["v_cache"], dst, lse, options, sink=a["sink"])
     fields = options.kernel_fields(a["q"].shape[1], cache["capacity"])
-    p["seqlen_k"], p["diagonal_offset"] = cache["capacity"], fields["diagonal_offset"]  # bounds only: the kernels read each length
+    # The bounds the capacity gives (a paged cache's shape[1] is the page size, which attn_params
+    # saw): the kernels read each sequence's length.
+    p["seqlen_k"] = cache["capacity"]
+    set_mask(p, fields)
     p["cache_seqlens"], p["block_table"], p["cache_batch_idx"] = a["cache_seqlens"].ptr, _ptr(a["block_table"]), _ptr(a["cache_batch_idx"])
     p["block_table_stride"] = 0 if a["block_table"] is None else a["block_table"].strides[0]
     p["capacity"], p["cache_rows"], p["page_size"], p["seqlen_new"] = cache["capacity"], a["k_cache"].shape[0], cache["page_size"], cache["seqlen_new"]

@@ -211,13 +211,21 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
     return (out, lse) if return_lse else out
 
 
-def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=None, cache_batch_idx=None, causal=True,
-                           window=None, scale=None, softcap=None, sink=None, return_lse=False, **_):
-    """Reference of :func:`cuattn.attention_with_kvcache`: each sequence's cached keys gathered
-    (rows of a contiguous cache, or pages through the block table), then :func:`attention`
-    bottom-right aligned. Returns float64 ``out`` (and ``lse``)."""
+def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=None, cache_batch_idx=None, k_new=None, v_new=None,
+                           causal=True, window=None, scale=None, softcap=None, sink=None, num_splits=None, return_lse=False, out=None):
+    """Reference of :func:`cuattn.attention_with_kvcache`: ``k_new`` / ``v_new`` appended to
+    copies of the caches (:func:`append_kv`; the arguments are not changed), each sequence's
+    cached keys gathered (rows of a contiguous cache, or pages through the block table), then
+    :func:`attention` bottom-right aligned. ``num_splits`` and ``out`` change nothing here.
+    Returns float64 ``out`` (and ``lse``)."""
     q = _f64(q)
     lengths = np.asarray(cache_seqlens, dtype=np.int64)
+    if (k_new is None) != (v_new is None):
+        raise ValueError("k_new and v_new are given together")
+    if k_new is not None:
+        k_cache, v_cache = np.array(k_cache), np.array(v_cache)
+        append_kv(k_new, v_new, k_cache, v_cache, cache_seqlens=lengths, block_table=block_table, cache_batch_idx=cache_batch_idx)
+        lengths = lengths + np.asarray(k_new).shape[1]
     out = np.zeros(q.shape)
     lse = np.full((q.shape[0], q.shape[2], q.shape[1]), -np.inf)
     for b in range(q.shape[0]):
@@ -232,6 +240,24 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=No
                          return_lse=True)
         out[b], lse[b] = o[0], l[0]
     return (out, lse) if return_lse else out
+
+
+def append_kv(k_new, v_new, k_cache, v_cache, *, cache_seqlens, block_table=None, cache_batch_idx=None) -> None:
+    """Reference of :func:`cuattn.append_kv`, on NumPy caches in place: row ``t`` of sequence
+    ``b`` at position ``cache_seqlens[b] + t`` of its cache row or pages; positions past the
+    capacity, pages and rows outside the cache are skipped, as the kernel skips them."""
+    k_new, v_new = np.asarray(k_new), np.asarray(v_new)
+    rows, page_size = k_cache.shape[0], k_cache.shape[1]
+    for b in range(k_new.shape[0]):
+        for t in range(k_new.shape[1]):
+            pos = int(cache_seqlens[b]) + t
+            if block_table is None:
+                row = b if cache_batch_idx is None else int(cache_batch_idx[b])
+                if pos < page_size and 0 <= row < rows:
+                    k_cache[row, pos], v_cache[row, pos] = k_new[b, t], v_new[b, t]
+            elif pos < np.shape(block_table)[1] * page_size and 0 <= int(block_table[b][pos // page_size]) < rows:
+                page = int(block_table[b][pos // page_size])
+                k_cache[page, pos % page_size], v_cache[page, pos % page_size] = k_new[b, t], v_new[b, t]
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, align="bottom_right", scale=None, softcap=None, sink=None,

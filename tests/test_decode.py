@@ -115,9 +115,37 @@ def test_chunked_prefill_matches_reference(lengths, seqlen_q, heads_q, heads_kv,
 
 @gpu
 @pytest.mark.parametrize("page_size", [16, None])
-@pytest.mark.parametrize("kw", [dict(window=(100, 0)), dict(softcap=20.0), dict(causal=False), dict(window=(64, 3), causal=False, scale=0.05)])
+@pytest.mark.parametrize("kw", [
+    dict(window=(100, 0)), dict(softcap=20.0), dict(causal=False), dict(window=(64, 3), causal=False, scale=0.05),
+    dict(window=(300, 0)), dict(window=(250, 130), causal=False),  # bounds past 96 rows + one page
+])
 def test_chunked_prefill_masks_and_scores(kw, page_size):
     _run(np.random.default_rng(8), [400, 1100], 96, 8, 2, 128, "bfloat16", page_size, **kw)
+
+
+@pytest.mark.parametrize("page_size", [16, None])
+def test_chunked_prefill_masks_by_the_capacity_not_the_page(page_size):
+    """The tiled forward over a paged cache was handed window bounds computed against one page
+    (k_cache.shape[1]): a bound past seqlen_q + page_size became unbounded, and the window
+    was dropped. The kernel's mask fields are those of the capacity, paged or not."""
+    from cuattn import boundary, decode
+    from cuattn.attention import NO_LSE
+    from cuattn.options import AttnOptions
+
+    def array(shape, dtype=np.float16):
+        return boundary.DeviceArray(1 << 20, shape, boundary._contiguous_strides(shape), np.dtype(dtype), None)
+
+    capacity = 1024
+    k_shape = (1, capacity, 2, 128) if page_size is None else (capacity // page_size, page_size, 2, 128)
+    a = dict(q=array((1, 64, 8, 128)), k_cache=array(k_shape), v_cache=array(k_shape), cache_seqlens=array((1,), np.int32),
+             block_table=None if page_size is None else array((1, capacity // page_size), np.int32), cache_batch_idx=None, sink=None,
+             k_new=None, v_new=None)
+    for causal, window in ((True, (100, 0)), (False, (300, 200))):
+        options = AttnOptions.from_user(causal, window, "bottom_right", None, None, head_dim=128)
+        p = decode._forward_params(a, a["q"], NO_LSE, options, {"capacity": capacity, "page_size": page_size or 1, "seqlen_new": 0})
+        expected = options.kernel_fields(64, capacity)
+        assert (int(p["window_left"]), int(p["window_right"]), int(p["diagonal_offset"])) == (*window, capacity - 64)
+        assert all(int(p[f]) == expected[f] for f in ("window_left", "window_right", "diagonal_offset"))
 
 
 @gpu
@@ -323,6 +351,29 @@ def _expected_append(k, table, lengths, k_new, rows=None):
             elif pos < table.shape[1] * k.shape[1] and 0 <= table[b, pos // k.shape[1]] < k.shape[0]:
                 k[table[b, pos // k.shape[1]], pos % k.shape[1]] = k_new[b, t]
     return k
+
+
+@pytest.mark.parametrize("page_size", [None, 16, 7])
+def test_the_reference_appends_k_new_before_attending(page_size):
+    """reference.attention_with_kvcache took k_new / v_new into ``**_`` and attended to the cache
+    without them; it now appends them to copies (the caches it is given are unchanged), as
+    the test's own append does, and refuses a keyword it does not know."""
+    rng = np.random.default_rng(5)
+    lengths = np.array([0, 15, 40], np.int32)
+    k, v, table = _cache(rng, [int(x) + 4 for x in lengths], 2, 32, "float32", page_size)
+    q, k_new, v_new = (rng.standard_normal((3, 4, h, 32)).astype(np.float32) for h in (4, 2, 2))
+    before = k.copy(), v.copy()
+    got = reference.attention_with_kvcache(q, k, v, cache_seqlens=lengths, k_new=k_new, v_new=v_new, block_table=table)
+    np.testing.assert_array_equal(k, before[0])
+    np.testing.assert_array_equal(v, before[1])
+    expected = reference.attention_with_kvcache(
+        q, _expected_append(k, table, lengths, k_new), _expected_append(v, table, lengths, v_new), cache_seqlens=lengths + 4,
+        block_table=table,
+    )
+    np.testing.assert_array_equal(got, expected)
+    assert not np.allclose(got, reference.attention_with_kvcache(q, k, v, cache_seqlens=lengths + 4, block_table=table))
+    with pytest.raises(TypeError):
+        reference.attention_with_kvcache(q, k, v, cache_seqlens=lengths, windows=(3, 0))
 
 
 @gpu
