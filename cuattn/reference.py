@@ -154,9 +154,13 @@ def attention(q, k, v, *, causal=False, window=None, align="bottom_right", scale
                 z = _dropout_weights(heads_q, first_sequence + b, rows, cols, dropout_p, dropout_seed)
                 acc = acc * rescale[..., None] + np.einsum("hmn,nhd->hmd", p if z is None else p * z, vb[cols])
                 row_max = new_max
-            seen = denom > 0
-            result[b, rows] = np.where(seen[..., None], acc / np.where(seen, denom, 1.0)[..., None], 0.0).transpose(1, 0, 2)
-            lse[b, :, rows] = np.where(seen, row_max + np.log(np.where(seen, denom, 1.0)), -np.inf).T
+            # A NaN or +inf score makes denom NaN or +inf: that row's out and lse are NaN (as the kernels'
+            # and as merge's rule carries them).
+            seen, undefined = denom > 0, ~np.isfinite(denom)
+            seen &= ~undefined
+            empty = np.where(undefined, np.nan, 0.0)
+            result[b, rows] = np.where(seen[..., None], acc / np.where(seen, denom, 1.0)[..., None], empty[..., None]).transpose(1, 0, 2)
+            lse[b, :, rows] = np.where(seen, row_max + np.log(np.where(seen, denom, 1.0)), np.where(undefined, np.nan, -np.inf)).T
     if sink is not None:
         result, lse = with_sink(result, lse, sink)
     if out is not None:

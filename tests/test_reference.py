@@ -171,6 +171,27 @@ def test_fully_masked_rows_are_zero_with_neg_inf_lse():
     assert np.all(np.isfinite(lse[0, 0, 3:]))
 
 
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_a_nan_or_infinite_score_makes_its_row_nan(value, monkeypatch):
+    """A row that sees a NaN or +inf score has out and lse NaN (a NaN key gave out 0 and lse
+    -inf, which a merge by lse weighs 0: the NaN vanished), wherever the key falls among the
+    reference's key chunks; rows that do not see the key are unchanged."""
+    monkeypatch.setattr(reference, "KEY_CHUNK", 4)
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((1, n, 2, 8)) for n in (6, 10, 10))
+    q[..., 0] = np.abs(q[..., 0]) + 0.1  # a key component of +inf gives +inf scores
+    clean = reference.attention(q, k, v, causal=True, align="top_left", return_lse=True)
+    for key in (1, 6):  # the first key chunk, a later one
+        bad = k.copy()
+        bad[0, key, 1, 0] = value
+        out, lse = reference.attention(q, bad, v, causal=True, align="top_left", return_lse=True)
+        seeing = np.arange(6) >= key
+        assert np.isnan(out[0, seeing, 1]).all() and np.isnan(lse[0, 1, seeing]).all()
+        np.testing.assert_array_equal(out[0, ~seeing], clean[0][0, ~seeing])
+        np.testing.assert_array_equal(out[0, :, 0], clean[0][0, :, 0])
+        assert np.isnan(reference.merge([out, clean[0]], [lse, clean[1]])[1][0, 1, seeing]).all()
+
+
 @settings(max_examples=30, deadline=None)
 @given(st.integers(1, 5), st.integers(1, 3), st.integers(1, 9), st.integers(1, 3), st.integers(1, 6), st.integers(0, 2**32 - 1))
 def test_merge_equals_attention_over_the_union(n, batch, seqlen, heads, head_dim, seed):

@@ -17,9 +17,10 @@ __device__ __forceinline__ float exp2_minus_shift(double score, float exp2_scale
   return exp2f(float(fma(score, double(exp2_scale), -shift)));
 }
 
-// Natural-log lse from a row's base-2 shift and probability sum; -inf for a row that saw no key.
+// Natural-log lse from a row's base-2 shift and probability sum; -inf for a row that saw no key,
+// NaN for one whose sum is NaN (a NaN or +inf score, as common/sink.cuh normalize_row).
 __device__ __forceinline__ float lse_from_shift(float shift, float row_sum) {
-  return row_sum > 0.f ? float((double(shift) + double(log2f(row_sum))) * 0.6931471805599453) : neg_inf();
+  return row_sum > 0.f ? float((double(shift) + double(log2f(row_sum))) * 0.6931471805599453) : isnan(row_sum) ? row_sum : neg_inf();
 }
 
 // common/sink.cuh normalize_row in fp64, from a base-2 shift, the row's fp64 probability sum
@@ -29,6 +30,7 @@ struct RowTotalF64 {
   float lse;
 };
 __device__ __forceinline__ RowTotalF64 normalize_row_f64(float shift, double row_sum, float sink) {
+  if (isnan(row_sum)) return {row_sum, float(row_sum)};
   if (sink == neg_inf()) return {row_sum > 0.0 ? 1.0 / row_sum : 0.0, lse_from_shift(shift, float(row_sum))};
   const double sink2 = double(sink) * 1.4426950408889634;
   const double top = row_sum > 0.0 ? fmax(double(shift), sink2) : sink2;

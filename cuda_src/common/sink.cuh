@@ -16,11 +16,14 @@ __device__ __forceinline__ float sink_of(const float* sink, int head) { return s
 
 // The factor that normalizes a row's accumulated output (0 for a row that saw nothing), and its
 // lse in natural log (-inf for a row that saw nothing and has no sink; the sink alone otherwise).
+// A NaN or +inf score makes l NaN: then both are NaN, so that a merge by lse (a fold of
+// streamed chunks, a split decode) carries the NaN on instead of weighing the row's part 0.
 struct RowTotal {
   float inv;
   float lse;
 };
 __device__ __forceinline__ RowTotal normalize_row(float shift, float l, float sink) {
+  if (isnan(l)) return {l, l};
   const float sink2 = sink * kLog2eF;
   if (sink2 == neg_inf()) return {l > 0.f ? 1.f / l : 0.f, l > 0.f ? (shift + log2f(l)) * kLn2F : neg_inf()};
   const float top = l > 0.f ? fmaxf(shift, sink2) : sink2;

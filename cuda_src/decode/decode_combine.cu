@@ -61,7 +61,8 @@ __global__ void __launch_bounds__(kCombineWarps * 32) decode_combine_kernel(cons
   __syncthreads();
   const float sink = sink_of(p.sink, head);
   shift = fmaxf(fmaxf(fmaxf(s_reduce[0], s_reduce[1]), fmaxf(s_reduce[2], s_reduce[3])), sink);
-  const float weight = shift == neg_inf() || lse == neg_inf() ? 0.f : expf(lse - shift);
+  // A NaN lse (a split that met a NaN or +inf score; fmaxf passed over it) weighs NaN: out and lse NaN.
+  const float weight = isnan(lse) ? lse : shift == neg_inf() || lse == neg_inf() ? 0.f : expf(lse - shift);
   float l = weight;
 #pragma unroll
   for (int d = 16; d > 0; d /= 2) l += __shfl_xor_sync(0xffffffff, l, d);
@@ -95,7 +96,7 @@ __global__ void __launch_bounds__(kCombineWarps * 32) decode_combine_kernel(cons
   T* out = static_cast<T*>(p.out) + seq * p.out_strides[0] + token * p.out_strides[1] + head * p.out_strides[2];
   for (int c = threadIdx.x; c < p.head_dim; c += kCombineWarps * 32)
     out[c] = from_float<T>((s_out[0][c] + s_out[1][c] + s_out[2][c] + s_out[3][c]) * inv);
-  if (threadIdx.x == 0 && p.lse != nullptr) p.lse[seq * p.lse_strides[0] + head * p.lse_strides[1] + token] = l > 0.f ? shift + logf(l) : neg_inf();
+  if (threadIdx.x == 0 && p.lse != nullptr) p.lse[seq * p.lse_strides[0] + head * p.lse_strides[1] + token] = l > 0.f ? shift + logf(l) : l == 0.f ? neg_inf() : l;
 }
 
 }  // namespace cuattn

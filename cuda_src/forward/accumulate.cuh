@@ -4,7 +4,8 @@
 //   lse = log(exp(lse_acc) + exp(lse_piece)),
 //   acc = acc * exp(lse_acc - lse) + out_piece * exp(lse_piece - lse),
 // and round to the output dtype once, in the launch of the last piece. A side whose lse is
-// -inf (it saw no key, or the accumulator is fresh) weighs 0 and its values are not read.
+// -inf (it saw no key, or the accumulator is fresh) weighs 0 and its values are not read; a
+// NaN lse on either side (a NaN or +inf score) makes the row's weights, out and lse NaN.
 #pragma once
 #include "../common/dtypes.cuh"
 #include "../common/params.cuh"
@@ -18,6 +19,10 @@ struct Fold {
 };
 
 __device__ __forceinline__ Fold fold_weights(float acc_lse, float piece_lse) {
+  if (isnan(acc_lse) || isnan(piece_lse)) {
+    const float nan = acc_lse + piece_lse;
+    return {nan, nan, nan};
+  }
   const float top = fmaxf(acc_lse, piece_lse);
   if (top == neg_inf()) return {0.f, 0.f, neg_inf()};
   const float keep = acc_lse == neg_inf() ? 0.f : expf(acc_lse - top);  // one of the two is 1
