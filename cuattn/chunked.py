@@ -123,7 +123,7 @@ class _Source:
             self._check_kv("kv_chunks[1]", v)
             self.k, self.v = k, v
             total = k.shape[1]
-            if seqlen_k is not None and seqlen_k != total:
+            if seqlen_k is not None and _positive_int("seqlen_k", seqlen_k, allow_zero=True) != total:
                 raise ValueError(f"seqlen_k ({seqlen_k}) differs from the keys' length ({total})")
             if chunk_tokens is None:
                 chunk_tokens = default_chunk_tokens(k.shape[0], k.shape[2], k.shape[3], k.dtype.itemsize)
@@ -469,6 +469,7 @@ def attention_chunked(
     then be reused); the computation finishes in order on the caller's stream.
     """
     return_lse = check_bool("return_lse", return_lse)
+    _check_progress(progress)
     ctx, a, c_type, options, source = _prepare(q, kv_chunks, causal, window, align, scale, softcap, chunk_tokens, seqlen_k, {})
     qa = a["q"]
     batch, seqlen_q, heads_q, head_dim = qa.shape
@@ -494,12 +495,13 @@ def attention_chunked(
             launch_forward(ctx, c_type, p, seqlen_q, heads_q, batch)
             launched += 1
             streams.computed(slot)
-            done.append((streams.free[slot], chunk.start + chunk.length))
+            done.append((streams.free[slot], chunk.start + chunk.length, chunk))
             streams.consumed(slot, chunk, source.pair)
             reported = _report(progress, done, total, len(done) - 2, reported)
             slot ^= 1
     finally:
         streams.finish()
+    _release_device_chunks(ctx, done)
     if launched:
         sum_rows(ctx, None, acc, out)  # the sum of every chunk, rounded once
     else:  # no chunk, or no key any row sees: out = 0, lse = -inf
@@ -510,11 +512,38 @@ def attention_chunked(
     return (result, ctx.export(lse)) if return_lse else result
 
 
+def _check_progress(progress) -> None:
+    if progress is not None and not callable(progress):
+        raise TypeError(f"progress must be a callable progress(keys_done, keys_total) or None, got {type(progress).__name__}")
+
+
+def _any_finite(ctx, x: boundary.DeviceArray) -> bool:
+    """Whether a float32 device array holds a finite value (waits for the call's stream)."""
+    import cupy
+
+    if x.size == 0:
+        return False
+    nbytes = (sum((n - 1) * st for n, st in zip(x.shape, x.strides)) + 1) * 4
+    memory = cupy.cuda.UnownedMemory(x.ptr, nbytes, x.native, ctx.device_id)
+    with ctx.device, ctx.stream:
+        view = cupy.ndarray(x.shape, np.float32, cupy.cuda.MemoryPointer(memory, 0), strides=tuple(st * 4 for st in x.strides))
+        return bool(cupy.isfinite(view).any())
+
+
+def _release_device_chunks(ctx, done: list) -> None:
+    """``done`` holds the chunks still in flight (their arrays with them). CuPy's and torch's
+    pools hand memory out again in the caller's stream order; other frameworks (JAX) may reuse
+    a chunk's memory once it is dropped, so the host waits for the kernels that read it."""
+    if done and ctx.framework not in (boundary.CUPY, boundary.TORCH) and not all(chunk.on_host for _, _, chunk in done):
+        done[-1][0].synchronize()
+
+
 def _report(progress, done: list, total, wait_before: int, reported: int) -> int:
     """Waits for the chunks before index ``wait_before`` (at most two chunks in flight) and
-    reports them to ``progress``; returns the keys reported last (``reported`` if none now)."""
+    reports them to ``progress``; returns the keys reported last (``reported`` if none now).
+    Each entry of ``done`` (event, keys, chunk) holds its chunk until then."""
     while done and wait_before > 0:
-        event, keys = done.pop(0)
+        event, keys, _ = done.pop(0)
         wait_before -= 1
         event.synchronize()
         if progress is not None:
@@ -560,6 +589,7 @@ def attention_chunked_backward(
     Chunks no query row sees get zero gradients.
     """
     deterministic = check_bool("deterministic", deterministic)
+    _check_progress(progress)
     require_arrays({"dout": dout, "out": out, "lse": lse})
     ctx, a, c_type, options, source = _prepare(
         q, kv_chunks, causal, window, align, scale, softcap, chunk_tokens, seqlen_k, dict(dout=dout, out=out, lse=lse, dlse=dlse),
@@ -609,12 +639,16 @@ def attention_chunked_backward(
                     results[chunk.index] = tuple(h.native for h in hosts)
             else:
                 results[chunk.index] = (ctx.export(dk), ctx.export(dv))
-            done.append((streams.free[slot], chunk.start + chunk.length))
+            done.append((streams.free[slot], chunk.start + chunk.length, chunk))
             streams.consumed(slot, chunk, source.pair)
             reported = _report(progress, done, total, len(done) - 2, reported)
             slot ^= 1
     finally:
         streams.finish()
+    _release_device_chunks(ctx, done)
+    if not source.pair and not results and _any_finite(ctx, a["lse"]):
+        raise ValueError("kv_chunks yielded no chunk, but lse has rows that saw keys: an iterable must yield the forward's chunks "
+                         "again (an iterator the forward consumed yields nothing)")
     sum_rows(ctx, None, dq_sum, dq)  # every chunk's share, rounded once (zeros when none ran)
     _report_last(progress, done, total, reported, end)
     if host_grads is not None:

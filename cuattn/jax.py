@@ -47,6 +47,8 @@ def attention(
     :func:`dropout_seed` gives the seed that :func:`cuattn.reference.dropout_keep` takes.
     ``block_mask``: a :class:`cuattn.block_mask.BlockMask` of int32 JAX arrays
     (``mask.to(jax.numpy.asarray)``; traced under jit like any argument)."""
+    return_lse = check_bool("return_lse", return_lse)
+    _check_rng(dropout_rng)
     user = AttnOptions.from_user(causal, window, align, scale, softcap, head_dim=_head_dim(q), sink_tokens=sink_tokens)
     options = tuple(user.flat().items())
     if block_mask is not None:
@@ -56,7 +58,7 @@ def attention(
             raise NotImplementedError("cuattn.jax.attention takes block_mask without sink")
         if not isinstance(block_mask, BlockMask):
             raise TypeError(f"block_mask must be a cuattn.block_mask.BlockMask, got {type(block_mask).__name__}")
-        check_lengths(block_mask, q.shape[1], k.shape[1])  # the op sees the arrays alone
+        check_lengths(block_mask, q.shape[1], _dims("k", k, 4)[1])  # the op sees the arrays alone
         out, lse = _differentiable("attention_block_sparse")(options, q, k, v, *block_mask.arrays)
     elif check_dropout_p(dropout_p):
         if sink is not None:
@@ -66,13 +68,20 @@ def attention(
         out, lse = _differentiable("attention")(options, q, k, v)
     else:
         out, lse = _differentiable("attention_sink")(options, q, k, v, sink)
-    return (out, lse) if check_bool("return_lse", return_lse) else out
+    return (out, lse) if return_lse else out
 
 
 def dropout_seed(dropout_rng) -> int:
     """The 64-bit seed that :func:`attention` draws from ``dropout_rng`` (a concrete key)."""
     low, high = (int(w) for w in np.asarray(_seed_words(dropout_rng)))
     return low | high << 32
+
+
+def _check_rng(dropout_rng) -> None:
+    """TypeError for a ``dropout_rng`` that is neither None nor a JAX array (a PRNG key),
+    whatever dropout_p (as the torch adapter checks its seed)."""
+    if dropout_rng is not None and not isinstance(dropout_rng, jax.Array):
+        raise TypeError(f"dropout_rng must be a JAX PRNG key (jax.random.key), got {type(dropout_rng).__name__}")
 
 
 def _seed_words(dropout_rng):
@@ -89,7 +98,11 @@ def attention_varlen(
     """:func:`cuattn.attention_varlen` on JAX arrays (``cu_seqlens_*`` int32), differentiable
     in ``q``, ``k``, ``v`` (and through ``lse``). Under ``jax.jit`` the offsets are traced:
     pass ``max_seqlen_*`` as Python ints when known, else the grids are sized by the totals.
-    Dropout as :func:`attention`."""
+    Bad device offsets found by the GPU's check are raised by :func:`cuattn.check_varlen_offsets`
+    alone under jit (a compiled step runs no host code that could raise them): call it after
+    a step whose offsets may be malformed. Dropout as :func:`attention`."""
+    return_lse = check_bool("return_lse", return_lse)
+    _check_rng(dropout_rng)
     options = {**AttnOptions.from_user(causal, window, align, scale, softcap, head_dim=_head_dim(q, 3)).flat(WINDOW_SCHEMA),
                **flat_seqlen_bounds(max_seqlen_q, max_seqlen_k)}
     if check_dropout_p(dropout_p):
@@ -98,7 +111,7 @@ def attention_varlen(
         )
     else:
         out, lse = _differentiable("attention_varlen")(tuple(options.items()), q, k, v, cu_seqlens_q, cu_seqlens_k)
-    return (out, lse) if check_bool("return_lse", return_lse) else out
+    return (out, lse) if return_lse else out
 
 
 def merge(outs, lses):
@@ -109,11 +122,16 @@ def merge(outs, lses):
 def _head_dim(q, rank: int = 4) -> int:
     """q's head_dim, read before the op's checks: an argument that is no array of ``rank``
     dimensions gets the core's error naming q here."""
-    if not hasattr(q, "shape"):
-        raise TypeError(f"q must be an array, got {type(q).__name__}")
-    if len(q.shape) != rank:
-        raise ValueError(f"q must have {rank} dimensions, got shape {tuple(q.shape)}")
-    return q.shape[-1]
+    return _dims("q", q, rank)[-1]
+
+
+def _dims(name: str, x, rank: int) -> tuple:
+    """``x``'s shape, read before the op's checks (TypeError / ValueError naming ``name``)."""
+    if not hasattr(x, "shape"):
+        raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+    if len(x.shape) != rank:
+        raise ValueError(f"{name} must have {rank} dimensions, got shape {tuple(x.shape)}")
+    return tuple(x.shape)
 
 
 def call(name: str, *arrays, **options):
@@ -203,13 +221,14 @@ def attention_with_kvcache(
     v_cache)`` (``(out, lse, k_cache, v_cache)`` with ``return_lse``), the caches with the new
     rows written; donate the caches (``jax.jit(..., donate_argnums=...)``) and they are updated
     in place, else XLA copies them first."""
+    return_lse = check_bool("return_lse", return_lse)
     options = AttnOptions.from_user(causal, window, "bottom_right", scale, softcap, head_dim=_head_dim(q)).flat(WINDOW_SCHEMA)
     del options["align"]
     options["num_splits"] = -1 if num_splits is None else check_num_splits(num_splits)
     out, lse, *caches = call(
         "attention_with_kvcache", q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, cache_batch_idx, sink, **options,
     )
-    result = (out, lse) if check_bool("return_lse", return_lse) else (out,)
+    result = (out, lse) if return_lse else (out,)
     return (*result, *caches) if caches or len(result) > 1 else out
 
 

@@ -119,6 +119,30 @@ def test_jax_merge_gradient_of_an_empty_partial_is_zero_whatever_its_out():
     np.testing.assert_allclose(np.asarray(dlses[0]), np.asarray(dlse), rtol=1e-5, atol=1e-6)
 
 
+def test_jax_arguments_are_checked_before_the_op():
+    """return_lse was checked after the op ran, a block mask with k=None raised AttributeError,
+    and a dropout_rng that is no key passed unchecked at dropout_p 0."""
+    jnp = pytest.importorskip("jax.numpy")
+    import cuattn.jax as cj
+
+    q = jnp.ones((1, 128, 2, 64), jnp.float16)
+    packed = jnp.ones((128, 2, 64), jnp.float16)
+    cu = jnp.asarray([0, 128], jnp.int32)
+    with pytest.raises(TypeError, match="return_lse"):
+        cj.attention(q, q, q, return_lse=1)
+    with pytest.raises(TypeError, match="return_lse"):
+        cj.attention_varlen(packed, packed, packed, cu, cu, return_lse="yes")
+    with pytest.raises(TypeError, match="return_lse"):
+        cj.attention_with_kvcache(q, q, q, cache_seqlens=jnp.zeros(1, jnp.int32), return_lse=None)
+    mask = bm.local_global(128, 128, window_blocks=1).to(jnp.asarray)
+    with pytest.raises(TypeError, match="k must be an array, got NoneType"):
+        cj.attention(q, None, q, block_mask=mask)
+    for call in (lambda: cj.attention(q, q, q, dropout_rng="junk"),
+                 lambda: cj.attention_varlen(packed, packed, packed, cu, cu, dropout_rng=3)):
+        with pytest.raises(TypeError, match="dropout_rng must be a JAX PRNG key"):
+            call()
+
+
 def test_a_sparse_tensor_is_named_in_a_type_error():
     """A sparse tensor has no strides: the plan cache's read of it raised torch's RuntimeError."""
     q, k, v = _qkv()

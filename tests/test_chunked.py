@@ -66,6 +66,8 @@ def _q(shape=(2, 5, 4, 64), dtype=np.float16):
         ((np.ones((2, 9, 2, 64), np.float16),) * 2, {"chunk_tokens": 0}, ValueError, "chunk_tokens must be positive"),
         ((np.ones((2, 9, 2, 64), np.float16),) * 2, {"chunk_tokens": 2.0}, TypeError, "chunk_tokens must be an int"),
         ((np.ones((2, 9, 2, 64), np.float16),) * 2, {"seqlen_k": 8}, ValueError, "seqlen_k \\(8\\) differs"),
+        ((np.ones((2, 9, 2, 64), np.float16),) * 2, {"seqlen_k": 9.0}, TypeError, "seqlen_k must be an int"),
+        ((np.ones((2, 9, 2, 64), np.float16),) * 2, {"seqlen_k": "9"}, TypeError, "seqlen_k must be an int"),
         ((np.ones((2, 9, 2, 64), np.float16), [1]), {}, TypeError, "must be a host array"),
         ((np.ones((2, 9, 2, 64), np.float16), np.ones((2, 2, 9, 64), np.float16).transpose(0, 2, 1, 3)), {}, ValueError,
          r"kv_chunks\[1\] has strides .* must be contiguous"),
@@ -104,6 +106,16 @@ def test_host_q_is_refused():
     k = np.ones((1, 9, 2, 64), np.float16)
     with pytest.raises(TypeError, match="q must be a device array"):
         cuattn.attention_chunked(np.ones((1, 3, 2, 64), np.float16), (k, k))
+
+
+def test_a_progress_that_is_not_callable_is_named_first():
+    """It failed at its first call, after kernels had run, with a TypeError naming nothing."""
+    k = np.ones((1, 9, 2, 64), np.float16)
+    q = np.ones((1, 3, 2, 64), np.float16)  # would be refused next: the check comes first
+    with pytest.raises(TypeError, match="progress must be a callable"):
+        cuattn.attention_chunked(q, (k, k), progress=5)
+    with pytest.raises(TypeError, match="progress must be a callable"):
+        cuattn.attention_chunked_backward(q, q, (k, k), q, q, progress="x")
 
 
 def _pinned(x):
@@ -370,6 +382,41 @@ def test_torch_tensors_cross_in_and_out():
     dq, dk, dv = cuattn.attention_chunked_backward(doutt, qt, (kt, vt), out, lse, chunk_tokens=128, causal=True)
     assert isinstance(dk, torch.Tensor) and dk.device.type == "cpu" and dk.is_pinned()
     _check_grads((dq.cpu().numpy(), dk.numpy(), dv.numpy()), dout, q, k, v, ref_out, ref_lse, "float16", None, {"causal": True})
+
+
+@gpu
+def test_a_consumed_iterator_in_the_backward_is_an_error():
+    """The forward's iterator, handed to the backward again, yields nothing: the gradients were
+    dq = 0 and no dk / dv, silently."""
+    import cupy
+
+    rng = np.random.default_rng(12)
+    q, k, v, dout, _ = _inputs(rng, "bfloat16", 1, 40, 96, 2, 2, 64)
+    chunks = iter([(k[:, :48], v[:, :48]), (k[:, 48:], v[:, 48:])])
+    qd = cupy.asarray(q)
+    out, lse = cuattn.attention_chunked(qd, chunks, return_lse=True)
+    with pytest.raises(ValueError, match="yielded no chunk, but lse has rows that saw keys"):
+        cuattn.attention_chunked_backward(cupy.asarray(dout), qd, chunks, out, lse)
+    empty_lse = cupy.full(lse.shape, -np.inf, np.float32)  # a forward over no key: zero gradients, no error
+    dq, dks, dvs = cuattn.attention_chunked_backward(cupy.asarray(dout), qd, iter([]), out, empty_lse)
+    assert not bool(dq.any()) and dks == [] and dvs == []
+
+
+@gpu
+def test_jax_device_chunks_made_and_dropped_by_a_generator():
+    """Device chunks that only the generator references (JAX frees a buffer once its DLPack
+    view is dropped): each is held until the kernels that read it have run, and the result
+    equals the reference's."""
+    jax = pytest.importorskip("jax")
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("JAX has no GPU")
+    rng = np.random.default_rng(13)
+    q, k, v, _, _ = _inputs(rng, "float16", 1, 64, 1000, 4, 2, 64)
+    generated = ((jax.device_put(k[:, s:s + 100]), jax.device_put(v[:, s:s + 100])) for s in range(0, 1000, 100))
+    out = cuattn.attention_chunked(jax.device_put(q), generated, causal=True, seqlen_k=1000)
+    scratch = [jax.device_put(np.full(k[:, :100].shape, np.nan, np.float16)) for _ in range(8)]  # would take freed chunks
+    assert_attention_accuracy(np.asarray(out), reference.attention(q, k, v, causal=True), naive_attention(q, k, v, "float16", causal=True))
+    del scratch
 
 
 def test_host_staging_copies_every_byte_of_strided_runs():
