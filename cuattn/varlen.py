@@ -49,9 +49,9 @@ def attention_varlen(
         grid exit at once, so pass it when you know it). A bound below a NumPy offsets'
         longest sequence is a ValueError; with device offsets the GPU check reports it, and
         the rows past the bound are set to NaN (out and lse), never read or written outside
-        the arrays. Each distinct value is a new replay signature (its first call records the
-        plan, at about three times the host work of a replayed call): where the longest
-        sequence changes every step, pass a bound rounded up (to a multiple of 128, say).
+        the arrays. Each distinct value is a new replay signature (its first call runs the op's
+        host code twice more, to record the plan): where the longest sequence changes every
+        step, pass a bound rounded up (to a multiple of 128, say).
     max_seqlen_k : optional int, accepted for FlashAttention's signature (the forward does not
         need it; NumPy offsets are still checked against it, as ``max_seqlen_q``).
     causal, window, align, scale, softcap, sink, dropout_p, dropout_seed, out : as
