@@ -8,7 +8,7 @@ from cuattn import block_mask as block_mask_, boundary, dropout as dropout_, par
 from cuattn.kernels import forward
 from cuattn.kernels.variant import HEAD_DIM_BUCKETS, head_dim_bucket
 from cuattn.loader import device_arch, device_sm_count, device_smem_limit, tma_enabled, wgmma_enabled
-from cuattn.options import AttnOptions
+from cuattn.options import MAX_PACKED_ROWS, AttnOptions
 from cuattn.validation import check_bool
 
 _LAYOUT = "(batch, seqlen, heads, head_dim)"
@@ -51,7 +51,8 @@ def attention(
         A row that sees no key gets ``out = 0`` and ``lse = -inf`` (never NaN).
     scale : float, default ``1 / sqrt(head_dim)``; must be positive
     softcap : float or None
-        If given, scores become ``softcap * tanh(scale * q.k / softcap)`` before the softmax.
+        If given, scores become ``softcap * tanh(scale * q.k / softcap)`` before the softmax
+        (0, FlashAttention's default, is none).
     sink : optional ``(heads_q,)`` float32 array (the caller's framework, on q's device)
         Attention sinks: head ``h``'s logit ``sink[h]`` joins the denominator of every row's
         softmax as one more score (after scale and softcap) that has no value, so a row's
@@ -198,6 +199,11 @@ def check_qkv(q, k, v, out) -> str:
     if k.shape[0] != batch or k.shape[3] != head_dim:
         raise ValueError(f"k has shape {k.shape}; expected (batch={batch}, seqlen_k, heads_kv, head_dim={head_dim})")
     validation.check_shape("v", v, k.shape, "(the shape of k)")
+    for name, rows, what in (("q", seqlen_q, "seqlen_q"), ("k", k.shape[1], "seqlen_k")):
+        if rows > MAX_PACKED_ROWS:  # row and key indices are int32 in the kernels, a tile past the last
+            raise ValueError(f"{name} has {what} = {rows}; at most 2**31 - 256 rows per sequence are supported")
+    if batch >= 2**31:
+        raise ValueError(f"q has batch = {batch}; at most 2**31 - 1 sequences are supported")
     heads_kv = k.shape[2]
     if heads_kv == 0 or heads_q % heads_kv:
         raise ValueError(f"heads_q ({heads_q}, from q) must be a multiple of heads_kv ({heads_kv}, from k)")

@@ -12,7 +12,7 @@ from cuattn.kernels import decode as plan
 from cuattn.kernels import forward
 from cuattn.kernels.variant import head_dim_bucket
 from cuattn.loader import device_arch, device_sm_count, device_smem_limit, resident_ctas, wgmma_enabled
-from cuattn.options import AttnOptions
+from cuattn.options import MAX_PACKED_ROWS, AttnOptions
 from cuattn.validation import check_bool
 
 _Q = "(batch, seqlen_q, heads_q, head_dim)"
@@ -303,8 +303,8 @@ def _check_cache(a: dict, batch: int, head_dim: int, dtype_of: str = "q") -> dic
             _host_range("cache_batch_idx", idx, 0, rows - 1)
         elif rows != batch:
             raise ValueError(f"k_cache holds {rows} sequences but {dtype_of} {batch}; pass cache_batch_idx to pick rows of a larger cache")
-    if capacity >= 2**31:
-        raise ValueError(f"a cache of {capacity} positions per sequence is not supported (at most 2**31 - 1)")
+    if capacity > MAX_PACKED_ROWS:  # the chunked prefill's tiled forward takes it as seqlen_k
+        raise ValueError(f"a cache of {capacity} positions per sequence is not supported (at most 2**31 - 256)")
     _host_range("cache_seqlens", a["cache_seqlens"], 0, capacity)
     for name in ("k_new", "v_new"):  # ranked before their strides are read
         if a.get(name) is not None:

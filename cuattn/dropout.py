@@ -59,8 +59,14 @@ def seed_is_int(dropout_seed) -> bool:
 
 
 def seed_array_argument(dropout_seed):
-    """``dropout_seed`` when it is an array (imported with the op's arrays), else None."""
-    return None if dropout_seed is None or seed_is_int(dropout_seed) else dropout_seed
+    """``dropout_seed`` when it is an array (imported with the op's arrays), else None; a
+    TypeError for what is neither an int nor an array (a bool, a float, a string)."""
+    if dropout_seed is None or seed_is_int(dropout_seed):
+        return None
+    if not (hasattr(dropout_seed, "shape") or hasattr(dropout_seed, "__dlpack__")):
+        raise TypeError(f"dropout_seed must be an int in [0, 2**64) or an 8-byte array, got {type(dropout_seed).__name__} "
+                        f"{dropout_seed!r}")
+    return dropout_seed
 
 
 def replayable(dropout_p, dropout_seed, seed_array) -> bool:

@@ -154,13 +154,14 @@ def _window_bound(w, window) -> int:
 def score_factors(scale, softcap, head_dim: int) -> tuple[float, float]:
     """(scale, softcap) as the kernels take them (float32; softcap 0 means none), checked in
     that precision: each, and the factors the kernels form from them, must be a normal
-    positive float32 (the kernels flush denormals to zero)."""
+    positive float32 (the kernels flush denormals to zero). A softcap of None or 0 is none
+    (FlashAttention's default is 0)."""
     scale = 1.0 / math.sqrt(head_dim) if scale is None else _real("scale", scale)
     _check_float32("scale", scale, scale)
     _check_float32("scale", scale * LOG2E, scale)
-    if softcap is None:
+    softcap = None if softcap is None else _real("softcap", softcap)
+    if softcap is None or softcap == 0:
         return float(np.float32(scale)), 0.0
-    softcap = _real("softcap", softcap)
     _check_float32("softcap", softcap, softcap)
     _check_float32("scale / softcap", scale / softcap, (scale, softcap))
     return float(np.float32(scale)), float(np.float32(softcap))

@@ -314,7 +314,9 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, al
         dv[b] = dvb.reshape(seqlen_k, heads_kv, group, v.shape[3]).sum(axis=2)
     if sink is None:
         return dq, dk, dv
-    p_sink = np.exp(_f64(sink)[None, :, None] - lse)
+    # A row that sees no key has lse = sink: its p_sink is 1, also in the limit of a sink of -inf
+    # (whose lse is -inf too: exp(-inf - -inf) would be NaN).
+    p_sink = np.where(np.isneginf(lse), 1.0, np.exp(_f64(sink)[None, :, None] - lse))
     return dq, dk, dv, (p_sink * (dlse - delta)).sum(axis=(0, 2))
 
 

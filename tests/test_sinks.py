@@ -51,6 +51,21 @@ def test_reference_sink_is_a_partial_over_no_key():
     np.testing.assert_allclose(out[:, 2:], (plain * np.nan_to_num(weight))[:, 2:])
 
 
+def test_a_sink_of_minus_infinity_has_a_finite_gradient():
+    """A row that sees no key has lse = sink, so its p_sink is 1; with a sink of -inf both are
+    -inf and exp(sink - lse) was NaN, making dsink NaN. The gradient is the limit of a very
+    negative sink's."""
+    rng = np.random.default_rng(2)
+    q, k, v = rng.standard_normal((1, 3, 2, 8)), rng.standard_normal((1, 2, 2, 8)), rng.standard_normal((1, 2, 2, 8))
+    dout, dlse = rng.standard_normal((1, 3, 2, 8)), rng.standard_normal((1, 2, 3))
+    grads = []
+    for sink in (np.array([-np.inf, 0.5]), np.array([-1e4, 0.5])):  # bottom-right causal: row 0 sees no key
+        out, lse = reference.attention(q, k, v, causal=True, sink=sink, return_lse=True)
+        grads.append(reference.attention_backward(dout, q, k, v, out, lse, causal=True, sink=sink, dlse=dlse)[3])
+    assert np.isfinite(grads[0]).all()
+    np.testing.assert_allclose(grads[0], grads[1], rtol=1e-12)
+
+
 @pytest.mark.parametrize(
     "sink, exc, match",
     [
@@ -112,6 +127,26 @@ def test_forward_and_backward_match_the_reference(path, dtype, sq, sk, hq, hk, d
                 assert g.shape == r.shape and not np.isnan(g.astype(np.float32)).any(), name
                 bound = 3.0 * max_err(n, r) + 1e-5 * max(1.0, float(np.abs(r).max()))
                 assert max_err(g, r) <= bound, f"{name}: {max_err(g, r):.3e} > {bound:.3e}"
+
+
+@gpu
+def test_dsink_of_a_sink_of_minus_infinity_is_finite():
+    """The kernel's dsink where a head's sink is -inf and some rows see no key (bottom-right
+    causal, more queries than keys) equals the reference's finite value (it was NaN)."""
+    import cupy
+
+    rng = np.random.default_rng(6)
+    q, k, v, dout = (randn(rng, s, "bfloat16") for s in ((1, 200, 4, 64), (1, 120, 2, 64), (1, 120, 2, 64), (1, 200, 4, 64)))
+    dlse = rng.standard_normal((1, 4, 200)).astype(np.float32)
+    sink = np.array([-np.inf, 0.5, -np.inf, -2.0], np.float32)
+    qd, kd, vd = cupy.asarray(q), cupy.asarray(k), cupy.asarray(v)
+    out, lse = cuattn.attention(qd, kd, vd, causal=True, sink=cupy.asarray(sink), return_lse=True)
+    dsink = cuattn.attention_backward(cupy.asarray(dout), qd, kd, vd, out, lse, causal=True, sink=cupy.asarray(sink),
+                                      dlse=cupy.asarray(dlse))[3].get()
+    ref_out, ref_lse = reference.attention(q, k, v, causal=True, sink=sink, return_lse=True)
+    ref = reference.attention_backward(dout, q, k, v, ref_out, ref_lse, causal=True, sink=sink, dlse=dlse)[3]
+    assert np.isfinite(dsink).all()
+    np.testing.assert_allclose(dsink, ref, rtol=2e-2, atol=0.05 * np.abs(ref).max())
 
 
 @gpu

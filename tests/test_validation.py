@@ -375,6 +375,7 @@ def test_drawn_scales_are_accepted_only_where_float32_holds_them(value, which):
     largest = float(np.finfo(np.float32).max)
     fits = float(np.finfo(np.float32).tiny) <= float(value) <= largest
     fits = fits and (which != "scale" or float(value) * LOG2E <= largest)  # the kernels use scale * log2(e) too
+    fits = fits or (which == "softcap" and value == 0)  # no softcap
     try:
         scale, softcap = score_factors(kwargs["scale"], kwargs["softcap"], 64)
     except ValueError:
@@ -462,3 +463,32 @@ def test_merge_in_place_names_a_missing_array(missing):
     args[missing] = None
     with pytest.raises(TypeError, match=f"{('out', 'lse', 'out_b', 'lse_b')[missing]} is required"):
         boundary.trace(merge_, *args)
+
+
+def test_sequences_past_int32_rows_are_named_before_anything_runs():
+    """The kernels count rows and keys in int32: 2**31 rows raised NumPy's OverflowError while
+    packing (after the inputs were staged), and a few rows fewer wrapped inside the kernels."""
+    long = np.broadcast_to(np.ones((1, 1, 1, 8), np.float16), (1, 2**31 - 255, 1, 8))  # no memory: stride 0
+    one = np.ones((1, 1, 1, 8), np.float16)
+    with pytest.raises(ValueError, match="k has seqlen_k = 2147483393; at most 2\\*\\*31 - 256"):
+        cuattn.attention(one, long, long)
+    with pytest.raises(ValueError, match="q has seqlen_q = 2147483393"):
+        cuattn.attention(long, one, one)
+
+
+def test_softcap_zero_is_no_softcap_as_in_flash_attention():
+    """FlashAttention's default softcap is 0.0 (off); it was a ValueError here."""
+    assert score_factors(None, 0.0, 64) == score_factors(None, None, 64)
+    assert score_factors(0.5, 0, 64) == (0.5, 0.0)
+    assert AttnOptions.from_user(True, None, "bottom_right", None, 0.0, head_dim=64) == AttnOptions.from_user(
+        True, None, "bottom_right", None, None, head_dim=64)
+    with pytest.raises(ValueError, match="softcap must be positive"):
+        score_factors(None, -0.0001, 64)
+
+
+@pytest.mark.parametrize("seed", [True, 1.5, "x", 2.0])
+def test_a_seed_that_is_neither_int_nor_array_is_named(seed):
+    """It was refused as 'not a CuPy, NumPy, PyTorch or JAX array', not saying an int is allowed."""
+    one = np.ones((1, 1, 1, 8), np.float16)
+    with pytest.raises(TypeError, match=r"dropout_seed must be an int in \[0, 2\*\*64\) or an 8-byte array, got"):
+        cuattn.attention(one, one, one, dropout_p=0.1, dropout_seed=seed)

@@ -35,7 +35,11 @@ __global__ void __launch_bounds__(kSinkGradWarps * 32) sink_grad_kernel(const __
       delta[j] = valid ? p.delta[batch * p.delta_strides[0] + head * p.delta_strides[1] + row] : 0.f;
     }
 #pragma unroll
-    for (int j = 0; j < kSinkGradRowsInFlight; ++j) sum += double(expf(sink - lse[j])) * double(delta[j]);
+    for (int j = 0; j < kSinkGradRowsInFlight; ++j) {
+      // A row that saw no key has lse = sink, so p_sink 1; with a sink of -inf, lse is -inf too.
+      const float p_sink = lse[j] == neg_inf() ? 1.f : expf(sink - lse[j]);
+      sum += double(p_sink) * double(delta[j]);
+    }
   }
 #pragma unroll
   for (int d = 16; d > 0; d /= 2) sum += __shfl_xor_sync(0xffffffff, sum, d);
