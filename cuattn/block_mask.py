@@ -69,7 +69,10 @@ class BlockMask:
 
     def to(self, convert) -> BlockMask:
         """The mask with ``convert`` applied to each of its arrays (to move it to a device or a
-        framework); the converted arrays must stay int32."""
+        framework); the converted arrays must stay int32. A mask of NumPy arrays is checked
+        first (:meth:`check`): once on a device, its values are not read on the host again."""
+        if all(isinstance(getattr(self, name), np.ndarray) for name in ARRAY_FIELDS):
+            self.check()
         return dataclasses.replace(self, **{name: convert(getattr(self, name)) for name in ARRAY_FIELDS})
 
     def to_dense(self) -> np.ndarray:
@@ -84,10 +87,14 @@ class BlockMask:
 
     def check(self) -> None:
         """ValueError unless the mask is well formed: shapes agree with the lengths, counts
-        within the blocks, indices ascending and in range, and both lists the same mask."""
+        within the blocks, indices ascending and in range, and both lists the same mask
+        (TypeError for arrays that are not int32)."""
         check_shapes(self)
         for counts, indices, which in ((self.kv_counts, self.kv_indices, "kv"), (self.q_counts, self.q_indices, "q")):
             counts, indices = _host(counts), _host(indices)
+            for name, x in ((f"{which}_counts", counts), (f"{which}_indices", indices)):
+                if x.dtype != np.int32:
+                    raise TypeError(f"block_mask.{name} must be int32, got {x.dtype}")
             width = indices.shape[-1]
             if counts.size and (counts.min() < 0 or counts.max() > width):
                 raise ValueError(f"block_mask.{which}_counts must be in [0, {width}]")
@@ -166,8 +173,8 @@ def from_callable(fn, seqlen_q: int, seqlen_k: int, *, batch: int | None = None,
         vectorized = keep.dtype != object and keep.ndim and np.broadcast_shapes(keep.shape, (nb, nh, nq, nk)) == (nb, nh, nq, nk)
     except Exception:  # noqa: BLE001 - not elementwise on arrays (`if`, `and`, indexing by a Python int, ...): called per block below
         vectorized = False
-    if not vectorized:  # a function of Python ints (`if`, `and`): once per block
-        keep = np.vectorize(lambda *ix: bool(fn(*(int(i) for i in ix))), otypes=[bool])(*args)
+    if not vectorized:  # a function of scalars (`if`, `and`): once per block, on NumPy ints (`~` of a comparison stays a bool)
+        keep = np.vectorize(lambda *ix: bool(fn(*(np.intp(i) for i in ix))), otypes=[bool])(*args)
     keep = np.broadcast_to(np.asarray(keep).astype(bool), (nb, nh, nq, nk))
     return from_dense(keep, seqlen_q, seqlen_k)
 
@@ -242,7 +249,7 @@ def document(seq_ids_q, seq_ids_k=None, *, causal: bool = False, align: str = "b
         in_q = _block_membership(codes[b * seqlen_q:(b + 1) * seqlen_q], docs)
         start = ids_q.size + b * seqlen_k
         in_k = _block_membership(codes[start:start + seqlen_k], docs)
-        keep[b, 0] = (in_q.astype(np.int32) @ in_k.T.astype(np.int32)) > 0
+        keep[b, 0] = (in_q.astype(np.float32) @ in_k.T.astype(np.float32)) > 0  # float32: BLAS (counts stay exact below 2**24)
     if causal:
         _, last = _diagonal_blocks(seqlen_q, seqlen_k, align)
         keep &= (np.arange(blocks(seqlen_k))[None, :] <= last[:, None])[None, None]
@@ -280,7 +287,9 @@ def check_shapes(mask: BlockMask, batch: int | None = None, heads_q: int | None 
     if lead is None:
         raise ValueError(f"block_mask.kv_counts must be (B, H, q_blocks), got shape {tuple(getattr(mask.kv_counts, 'shape', ()))}")
     if mask.seqlen_q is None:  # an adapter's mask of the call's lengths (cuattn/ops.py): the arrays' own block counts
-        nq, nk = mask.kv_counts.shape[2], getattr(mask.q_counts, "shape", (0, 0, 0))[-1]
+        if getattr(mask.q_counts, "ndim", 0) != 3:
+            raise ValueError(f"block_mask.q_counts must be (B, H, k_blocks), got shape {tuple(getattr(mask.q_counts, 'shape', ()))}")
+        nq, nk = mask.kv_counts.shape[2], mask.q_counts.shape[2]
     else:
         nq, nk = blocks(mask.seqlen_q), blocks(mask.seqlen_k)
     expected = {

@@ -7,6 +7,7 @@ machines without a GPU. Inputs may be any array NumPy can read (host memory).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -132,7 +133,7 @@ def attention(q, k, v, *, causal=False, window=None, align="bottom_right", scale
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     offset = diagonal_offset(seqlen_q, seqlen_k, align)
     left, right = window_bounds(causal, window)
-    keep_blocks = _keep_blocks(block_mask)
+    keep_blocks = _keep_blocks(block_mask, batch, heads_q, seqlen_q, seqlen_k)
     result = np.zeros((batch, seqlen_q, heads_q, v.shape[3]))
     lse = np.full((batch, heads_q, seqlen_q), -np.inf)
     for b in range(batch):
@@ -168,13 +169,32 @@ def attention(q, k, v, *, causal=False, window=None, align="bottom_right", scale
     return (result, lse) if return_lse else result
 
 
-def _keep_blocks(block_mask):
-    """The dense bool (B, H, q_blocks, k_blocks) form of a block mask, or None."""
+def _keep_blocks(block_mask, batch: int, heads_q: int, seqlen_q: int, seqlen_k: int):
+    """The dense bool (B, H, q_blocks, k_blocks) form of a block mask, or None; a ValueError
+    for a mask that is malformed or not of the call's lengths, batch and heads (as the kernels'
+    callers raise: this oracle must not read a mask its kernels refuse)."""
     if block_mask is None:
         return None
-    from cuattn.block_mask import BlockMask
+    from cuattn import block_mask as bm
 
-    return block_mask.to_dense() if isinstance(block_mask, BlockMask) else np.asarray(block_mask, dtype=bool)
+    if isinstance(block_mask, bm.BlockMask):
+        bm.check_lengths(block_mask, seqlen_q, seqlen_k)
+        mask = dataclasses.replace(block_mask.to(_host_array), seqlen_q=seqlen_q, seqlen_k=seqlen_k)
+        bm.check_shapes(mask, batch, heads_q)
+        mask.check()
+        return mask.to_dense()
+    keep = np.asarray(block_mask, dtype=bool)
+    if keep.ndim != 4 or keep.shape[0] not in (1, batch) or keep.shape[1] not in (1, heads_q) or keep.shape[2:] != (
+            bm.blocks(seqlen_q), bm.blocks(seqlen_k)):
+        raise ValueError(f"block_mask has shape {keep.shape}; expected (1 or {batch}, 1 or {heads_q}, {bm.blocks(seqlen_q)}, "
+                         f"{bm.blocks(seqlen_k)})")
+    return keep
+
+
+def _host_array(x) -> np.ndarray:
+    from cuattn.block_mask import _host
+
+    return _host(x)
 
 
 def _kept(keep_blocks, b: int, rows: np.ndarray, cols: np.ndarray):
@@ -284,7 +304,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, al
     offset = diagonal_offset(seqlen_q, seqlen_k, align)
     left, right = window_bounds(causal, window)
     dlse = np.zeros_like(lse) if dlse is None else _f64(dlse)
-    keep_blocks = _keep_blocks(block_mask)
+    keep_blocks = _keep_blocks(block_mask, batch, heads_q, seqlen_q, seqlen_k)
     delta = np.einsum("bshd,bshd->bhs", dout, out)
     dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
     for b in range(batch):

@@ -2,6 +2,8 @@
 (no GPU needed); the kernels against float64 on both kernel paths and both backward modes,
 skipped blocks never read, and the adapters (GPU)."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -228,6 +230,40 @@ def test_from_callable_takes_functions_that_index_by_python_ints():
     np.testing.assert_array_equal(mask.to_dense()[0, 0], table)
     with pytest.raises(ValueError, match="batch must be an int >= 1"):
         bm.from_callable(lambda b, h, i, j: i >= j, 384, 384, batch=0)
+
+
+def test_a_scalar_function_sees_numpy_ints():
+    """Called per block, a function got Python ints, whose ``~`` of a comparison is -1 or -2
+    (both true): the same expression kept every block there and the lower triangle on arrays."""
+    vectorized = bm.from_callable(lambda i, j: ~(j > i), 384, 384)
+    per_block = bm.from_callable(lambda i, j: ~(j > i) if i >= 0 else False, 384, 384)
+    np.testing.assert_array_equal(per_block.to_dense()[0, 0], np.tril(np.ones((3, 3), bool)))
+    np.testing.assert_array_equal(per_block.to_dense(), vectorized.to_dense())
+
+
+def test_a_host_mask_is_checked_when_moved_and_by_the_reference():
+    """Once on a device a mask's values are not read on the host (malformed ones give wrong
+    results there): ``to`` checks a NumPy mask on its way, and the float64 reference refuses a
+    mask that is malformed or of other lengths (it read a repeated index once, wrapped -1 to the
+    last block and used a 384-row mask's first block for a 128-row call)."""
+    good = bm.from_dense(np.tril(np.ones((3, 3), bool)), 384, 384)
+    bad = good.to(np.copy)
+    bad.kv_indices[0, 0, 2, :2] = [1, 1]
+    with pytest.raises(ValueError, match="ascending"):
+        bad.to(np.copy)
+    with pytest.raises(TypeError, match="kv_counts must be int32"):
+        dataclasses.replace(good, kv_counts=good.kv_counts.astype(np.int64)).check()
+    with pytest.raises(ValueError, match="q_counts must be"):
+        dataclasses.replace(good, q_counts=np.int32(0), seqlen_q=None, seqlen_k=None).check()
+    q = np.ones((1, 384, 1, 8))
+    with pytest.raises(ValueError, match="ascending"):
+        reference.attention(q, q, q, block_mask=bad)
+    with pytest.raises(ValueError, match="built for seqlen_q 384"):
+        reference.attention(q[:, :128], q[:, :128], q[:, :128], block_mask=good)
+    with pytest.raises(ValueError, match="block_mask has shape"):
+        reference.attention(q[:, :128], q[:, :128], q[:, :128], block_mask=good.to_dense())
+    with pytest.raises(ValueError, match="block_mask has 2 entries for heads_q"):
+        reference.attention(q, q, q, block_mask=bm.from_dense(np.ones((1, 2, 3, 3), bool), 384, 384))
 
 
 def test_torch_adapter_refuses_a_mask_of_other_arrays():
