@@ -69,7 +69,8 @@ def test_zigzag_balances_causal_work():
     assert sum(work("stripe", r) for r in range(4)) == 64 * 65 // 2
 
 
-MASKS = [(-1, -1), (-1, 0), (5, 0), (7, 3), (-1, 4), (0, 0), (3, -1), (1, 1), (20, 0)]
+MASKS = [(-1, -1), (-1, 0), (5, 0), (7, 3), (-1, 4), (0, 0), (3, -1), (1, 1), (20, 0),
+         (2**40, 0), (2**31, 3), (3, 2**40), (47, 48)]  # bounds past the sequence: unbounded (fields past int32 raised mid-ring)
 
 
 @pytest.mark.parametrize("lay", layouts.LAYOUTS)
@@ -94,6 +95,7 @@ def test_pieces_cover_the_position_mask_once(lay, world, left, right):
                 want &= theirs[None, :] <= mine[:, None] + right
             got = np.zeros(want.shape, int)
             for qs, ks, f in pieces:
+                assert all(-1 <= f[name] < 2**31 for name in ("window_left", "window_right")) and abs(f["diagonal_offset"]) < 2**31
                 seen = reference.visible(np.arange(qs.length), np.arange(ks.length), f["diagonal_offset"], f["window_left"], f["window_right"])
                 got[qs.local_start:qs.local_start + qs.length, ks.local_start:ks.local_start + ks.length] += seen
                 for run in pieces_module.covered_runs(work.runs, qs):
@@ -131,6 +133,11 @@ def test_bad_rings_are_refused():
                                              [np.ones((1, 3, 2, 64), np.float16)] * 2)
     with pytest.raises(ValueError, match="layout must be one of"):
         cuattn.dist.ring_attention_simulated(q, q, q, layout="ring")
+    with pytest.raises(TypeError, match="layout must be a string"):
+        cuattn.dist.ring_attention_simulated(q, q, q, layout=None)
+    with pytest.raises(ValueError, match="k\\[0\\] must be contiguous"):
+        strided = [np.ones((1, 2, 8, 64), np.float16).transpose(0, 2, 1, 3)] * 2
+        cuattn.dist.ring_attention_simulated(q, strided, strided)
     with pytest.raises(ValueError, match="self-attention"):
         cuattn.dist.ring_attention_simulated(q, [np.ones((1, 4, 2, 64), np.float16)] * 2, [np.ones((1, 4, 2, 64), np.float16)] * 2)
 

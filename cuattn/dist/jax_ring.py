@@ -3,11 +3,14 @@
 Each device holds its shards of q, k and v (:func:`cuattn.dist.shard` under ``layout``). K/V
 shards travel around the ring with ``jax.lax.ppermute`` (device r receives from r - 1, so at
 step s it holds the shard of rank r - s); each step computes a partial ``(out, lse)`` with
-cuattn's forward kernels and folds it into an fp32 accumulator by its lse; the output is
-rounded once. The backward (a ``jax.custom_vjp``) passes K/V around the ring again with fp32
-dK / dV accumulators: each step runs cuattn's backward kernels on the shard in hand with the
-global ``out`` and ``lse`` (the saved-statistics rule) and adds its pieces in fp32; after W
-steps the accumulators are back with their owner. Only this device's shards and its out / lse
+cuattn's forward kernels and folds it into an fp32 accumulator by its lse. The backward (a
+``jax.custom_vjp``) passes K/V around the ring again with fp32 dK / dV accumulators: each
+step runs cuattn's backward kernels on the shard in hand with the global ``out`` and ``lse``
+(the saved-statistics rule) and adds its pieces in fp32; after W steps the accumulators are
+back with their owner. The kernels called through JAX return each step's partial ``out`` and
+gradients in the input dtype, so every step's part is rounded once before the fp32 sum: the
+error grows mildly with W, where :func:`cuattn.dist.ring_attention` (its kernels fold into
+fp32 in place) rounds each result once. Only this device's shards and its out / lse
 are kept for the backward.
 
 Which keys a step sees depends on the device's rank, a traced value under ``shard_map``: each

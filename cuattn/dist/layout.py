@@ -31,7 +31,9 @@ class Run:
 
 
 def check_layout(layout: str, seqlen: int, world: int) -> None:
-    if not isinstance(layout, str) or layout not in LAYOUTS:
+    if not isinstance(layout, str):
+        raise TypeError(f"layout must be a string, one of {', '.join(LAYOUTS)}, got {type(layout).__name__}")
+    if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     if isinstance(seqlen, (bool, np.bool_)) or not isinstance(seqlen, (int, np.integer)) or seqlen < 0:
         raise TypeError(f"seqlen must be a non-negative int, got {type(seqlen).__name__} {seqlen!r}")

@@ -39,7 +39,9 @@ class Plan:
 @functools.lru_cache(maxsize=256)
 def plan(seqlen: int, world: int, rank: int, layout: str, left: int, right: int) -> Plan:
     """Rank ``rank``'s pieces under the position window ``(left, right)`` (-1: unbounded;
-    causal is right = 0). Memoized: a training loop asks the same each step."""
+    causal is right = 0). Memoized: a training loop asks the same each step. A bound that
+    reaches past the sequence is unbounded, as on one device (its fields stay in int32)."""
+    left, right = (-1 if bound >= seqlen else bound for bound in (left, right))
     mine = layouts.runs(seqlen, world, rank, layout)
     started, steps = set(), []
     for s in range(world):

@@ -274,7 +274,8 @@ def _check_common(q, k, v, world: int, layout: str):
         for r, x in enumerate(xs):
             validation.check_shape(f"{name}[{r}]", x, xs[0].shape, f"(the shape of {name}[0])")
             validation.check_same_dtype(f"{name}[{r}]", x, "q[0]", q[0])
-            _check_contiguous(f"{name}[{r}]", x)
+            if name != "q":  # q stays where it is
+                _check_contiguous(f"{name}[{r}]", x)
     return _check_rank(q[0], k[0], v[0], world, layout)
 
 
@@ -371,8 +372,10 @@ def ring_attention(q, k, v, *, comm, layout="zigzag", causal=True, window=None, 
     whose rows are dealt to the ranks of ``comm`` (a ``torch.distributed`` process group).
 
     ``q``, ``k``, ``v``: this rank's shards ``(batch, seqlen / W, heads, head_dim)``
-    (:func:`cuattn.dist.shard` of the full sequence under ``layout``), contiguous; every rank
-    must pass shards of one shape, dtype and layout, and call in the same order. Masks as
+    (:func:`cuattn.dist.shard` of the full sequence under ``layout``), k and v contiguous;
+    every rank must pass shards of one shape and dtype, the same options, and call in the
+    same order (not checked across ranks: that would cost a collective and a host wait each
+    call; a mismatch hangs or gives wrong results, as with any collective). Masks as
     :func:`cuattn.attention` on token positions (:func:`cuattn.dist.positions`). Returns this
     rank's rows of single-device attention over the whole sequence (and their ``lse``,
     ``(batch, heads, seqlen / W)`` fp32). K/V travel on NCCL's stream while the previous
