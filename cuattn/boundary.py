@@ -176,6 +176,9 @@ class CallContext:
 
     def stage(self, *arrays: DeviceArray | None) -> None:
         """Uploads host (NumPy) arguments; device arguments are already in place."""
+        from cuattn import requirements
+
+        requirements.check_cupy()  # its message, not a bare ModuleNotFoundError, where CuPy is missing
         import cupy
 
         for a in arrays:

@@ -11,7 +11,7 @@ import re
 import sys
 
 import cuattn
-from cuattn import kernels, loader, offline
+from cuattn import kernels, loader, offline, requirements
 from cuattn.kernels.variant import Variant
 from cuattn.requirements import gpu_problem
 
@@ -176,6 +176,11 @@ def _compile_in_threads(chosen: list[Variant], jobs: int) -> list[float]:
 
 
 def cmd_compile(args) -> int:
+    try:
+        from cupy.cuda import nvrtc  # noqa: F401 - compiling needs NVRTC, through CuPy
+    except ImportError:
+        print(f"compile needs CuPy and NVRTC: {requirements.INSTALL_HINTS['cupy']}", file=sys.stderr)
+        return 2
     chosen = {arch: _select(args.names, True, arch) for arch in args.arch}
     if not any(chosen.values()):
         print(f"no variant matching {' '.join(args.names)} builds for {','.join(args.arch)}", file=sys.stderr)

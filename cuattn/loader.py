@@ -33,10 +33,11 @@ def source_dir() -> pathlib.Path:
 
 @functools.cache
 def source_hash() -> str:
-    """SHA-256 over every file of ``cuda_src/`` (paths and contents)."""
+    """SHA-256 over every file of ``cuda_src/`` (paths and contents): any of them may be
+    included through ``-I``, which CuPy's cache key does not see."""
     digest = hashlib.sha256()
     root = source_dir()
-    for path in sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in (".cu", ".cuh")):
+    for path in sorted(p for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
         digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()
 
@@ -133,7 +134,7 @@ def record_compile(variant: Variant, arch: str, seconds: float) -> None:
         tmp = _manifest_path().with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
         tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
         tmp.replace(_manifest_path())
-    except OSError:  # a read-only cache still works; only the listing is lost
+    except OSError:  # the listing is lost (CuPy itself needs a writable cache for kernels not in it yet)
         pass
 
 

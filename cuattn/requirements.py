@@ -24,9 +24,10 @@ FLOORS = {"cupy": "14", "torch": "2.10", "jax": "0.6.1"}
 
 # How to get each one: the extras of pyproject.toml.
 INSTALL_HINTS = {
-    "cupy": "pip install 'cuattn[cu12]' or 'cuattn[cu13]'",
-    "torch": "pip install 'cuattn[torch]'",
-    "jax": "pip install 'cuattn[jax]'",
+    "cupy": "pip install 'cupy-cuda13x>=14' 'nvidia-cuda-nvrtc>=13,<14', or 'cupy-cuda12x>=14' 'nvidia-cuda-nvrtc-cu12>=12.2,<13': "
+            "cuattn's cu13 / cu12 extras",
+    "torch": "pip install 'torch>=2.10'",
+    "jax": "pip install 'jax>=0.6.1', with JAX's CUDA plugin for the GPU ('jax[cuda13]')",
 }
 
 _CUDA_ERROR_INSUFFICIENT_DRIVER = 35

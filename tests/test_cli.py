@@ -109,3 +109,11 @@ def test_every_compile_option_has_help():
     text = _run("compile", "--help").stdout
     for option in ("--arch ARCH", "--jobs JOBS", "--json JSON"):
         assert re.search(re.escape(option) + r"\s+\w", text), f"{option} has no help text:\n{text}"
+
+
+def test_compile_without_cupy_says_what_to_install(monkeypatch, capsys):
+    """It died with a traceback from inside the offline compiler."""
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    monkeypatch.setitem(sys.modules, "cupy.cuda", None)
+    assert cli.main(["compile", "merge", "--arch", "sm_80"]) == 2
+    assert "compile needs CuPy and NVRTC: pip install 'cupy-cuda13x>=14'" in capsys.readouterr().err

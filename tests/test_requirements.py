@@ -49,7 +49,7 @@ def test_cupy_floor(monkeypatch, found, ok):
     if ok:
         requirements.require("cupy", by="cuattn")
     else:
-        with pytest.raises(ImportError, match=rf"^cuattn needs cupy >= 14, found {found} \(pip install 'cuattn\[cu12\]'"):
+        with pytest.raises(ImportError, match=rf"^cuattn needs cupy >= 14, found {found} \(pip install 'cupy-cuda13x>=14'"):
             requirements.require("cupy", by="cuattn")
 
 
@@ -66,10 +66,27 @@ def test_versions_at_or_above_the_floor_pass(monkeypatch):
         requirements.require(package, by="cuattn")
 
 
-def test_a_missing_package_is_named_with_its_extra(monkeypatch):
+def test_a_missing_package_is_named_with_what_to_install(monkeypatch):
+    """The hints name packages on PyPI (cuattn itself is installed from its source tree)."""
     monkeypatch.setattr(requirements, "installed_version", lambda package: None)
-    with pytest.raises(ImportError, match=r"cuattn.jax needs jax >= 0.6.1, which is not installed \(pip install 'cuattn\[jax\]'\)"):
+    with pytest.raises(ImportError, match=r"cuattn.jax needs jax >= 0.6.1, which is not installed \(pip install 'jax>=0.6.1'"):
         requirements.require("jax", by="cuattn.jax")
+    assert all("cuattn[" not in hint for hint in requirements.INSTALL_HINTS.values())
+
+
+def test_a_call_without_cupy_names_it(monkeypatch):
+    """NumPy inputs reach the upload before anything else imports CuPy: that import raised a
+    bare ModuleNotFoundError, not the message with the hint."""
+    import sys
+
+    import numpy as np
+
+    import cuattn
+
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    one = np.ones((1, 4, 1, 8), np.float16)
+    with pytest.raises(ImportError, match="cuattn needs cupy >= 14, which is not installed"):
+        cuattn.attention(one, one, one)
 
 
 def test_unknown_package_and_version_are_refused():
