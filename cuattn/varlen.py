@@ -117,8 +117,9 @@ def attention_varlen_backward(
         total_q)`` from ``return_lse=True``).
     max_seqlen_q, max_seqlen_k : optional ints, bounds on the lengths that size the dQ and the
         dK / dV grids; omitted, as in :func:`attention_varlen` (from NumPy offsets, else the
-        totals), checked as there. Gradient rows of a sequence longer than a bound (device
-        offsets: also reported by the GPU check) are set to NaN.
+        totals), checked as there. The gradients of a sequence longer than a bound are not
+        valid (device offsets: the GPU check reports it); the portable and deterministic
+        kernels set its rows to NaN, the Hopper fused kernel may compute its dQ in full.
     causal, window, align, scale, softcap, sink, dropout_p, dropout_seed : exactly as given to
         the forward.
     dlse : optional ``(heads_q, total_q)`` float32, the gradient that flowed into ``lse``.
