@@ -69,9 +69,10 @@ class BlockMask:
 
     def to(self, convert) -> BlockMask:
         """The mask with ``convert`` applied to each of its arrays (to move it to a device or a
-        framework); the converted arrays must stay int32. A mask of NumPy arrays is checked
-        first (:meth:`check`): once on a device, its values are not read on the host again."""
-        if all(isinstance(getattr(self, name), np.ndarray) for name in ARRAY_FIELDS):
+        framework); the converted arrays must stay int32. A mask of int32 NumPy arrays is
+        checked first (:meth:`check`): once on a device, its values are not read on the host
+        again (other dtypes are converted unchecked: the call checks the dtype it gets)."""
+        if all(isinstance(getattr(self, name), np.ndarray) and getattr(self, name).dtype == np.int32 for name in ARRAY_FIELDS):
             self.check()
         return dataclasses.replace(self, **{name: convert(getattr(self, name)) for name in ARRAY_FIELDS})
 
@@ -104,8 +105,7 @@ class BlockMask:
             ascending = np.diff(indices, axis=-1) > 0
             if not np.all(ascending | ~valid[..., 1:]):
                 raise ValueError(f"block_mask.{which}_indices must be strictly ascending within each row's count")
-        transposed = _from_keep(self.to_dense().transpose(0, 1, 3, 2))
-        if not np.array_equal(_dense(_host(self.q_counts), _host(self.q_indices)), _dense(transposed[0], transposed[1])):
+        if not np.array_equal(_dense(_host(self.q_counts), _host(self.q_indices)), self.to_dense().transpose(0, 1, 3, 2)):
             raise ValueError("block_mask.q_counts / q_indices must list the same mask as kv_counts / kv_indices, transposed")
 
 
@@ -173,10 +173,19 @@ def from_callable(fn, seqlen_q: int, seqlen_k: int, *, batch: int | None = None,
         vectorized = keep.dtype != object and keep.ndim and np.broadcast_shapes(keep.shape, (nb, nh, nq, nk)) == (nb, nh, nq, nk)
     except Exception:  # noqa: BLE001 - not elementwise on arrays (`if`, `and`, indexing by a Python int, ...): called per block below
         vectorized = False
-    if not vectorized:  # a function of scalars (`if`, `and`): once per block, on NumPy ints (`~` of a comparison stays a bool)
-        keep = np.vectorize(lambda *ix: bool(fn(*(np.intp(i) for i in ix))), otypes=[bool])(*args)
+    if not vectorized:  # a function of Python ints (`if`, `and`): once per block
+        keep = np.vectorize(lambda *ix: _truth(fn(*(int(i) for i in ix)), ix), otypes=[bool])(*args)
     keep = np.broadcast_to(np.asarray(keep).astype(bool), (nb, nh, nq, nk))
     return from_dense(keep, seqlen_q, seqlen_k)
+
+
+def _truth(value, block) -> bool:
+    """A per-block result as a bool; TypeError for an int other than 0 and 1 (``~`` of a
+    Python bool is -1 or -2, both true, where on arrays it negates)."""
+    if isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)) and value not in (0, 1):
+        raise TypeError(f"fn returned {value!r} for block {tuple(int(i) for i in block)}; expected a truth value "
+                        "(on Python ints, ~ of a comparison is -1 or -2: use `not`)")
+    return bool(value)
 
 
 def _diagonal_blocks(seqlen_q: int, seqlen_k: int, align: str) -> tuple[np.ndarray, np.ndarray]:

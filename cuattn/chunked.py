@@ -393,8 +393,9 @@ def _prepare(q, kv_chunks, causal, window, align, scale, softcap, chunk_tokens, 
     c_type = check_qkv(a["q"], no_keys, no_keys, None)  # q's dtype, head_dim, heads, alignment
     options = AttnOptions.from_user(causal, window, align, scale, softcap, head_dim=a["q"].shape[3])
     source = _Source(kv_chunks, a["q"], ctx, chunk_tokens, seqlen_k, _masked(options))
-    if source.pair:
-        check_qkv(a["q"], _shape_only(source.k), _shape_only(source.v), None)
+    if source.pair:  # as one kernel sees it: a chunk (the pair's length has no bound without a mask)
+        rows = min(source.total, source.chunk_tokens)
+        check_qkv(a["q"], _shape_only(source.k, rows), _shape_only(source.v, rows), None)
     return ctx, a, c_type, options, source
 
 
@@ -403,9 +404,10 @@ def _seen(chunk: Chunk, rows: int, first_key: int, last_key: int) -> bool:
     return bool(rows and chunk.length and chunk.start + chunk.length > first_key and chunk.start <= last_key)
 
 
-def _shape_only(h: HostArray) -> boundary.DeviceArray:
-    """A host array's shape and dtype for check_qkv (its strides are checked by _Source)."""
-    return boundary.DeviceArray(None, h.shape, (0, 0, 0, 1), h.dtype, None)
+def _shape_only(h: HostArray, rows: int) -> boundary.DeviceArray:
+    """The shape and dtype of ``rows`` keys of a host array, for check_qkv (its strides are
+    checked by _Source)."""
+    return boundary.DeviceArray(None, (h.shape[0], rows, *h.shape[2:]), (0, 0, 0, 1), h.dtype, None)
 
 
 def _masked(options: AttnOptions) -> bool:

@@ -78,9 +78,9 @@ def dropout_seed(dropout_rng) -> int:
 
 
 def _check_rng(dropout_rng) -> None:
-    """TypeError for a ``dropout_rng`` that is neither None nor a JAX array (a PRNG key),
-    whatever dropout_p (as the torch adapter checks its seed)."""
-    if dropout_rng is not None and not isinstance(dropout_rng, jax.Array):
+    """TypeError for a ``dropout_rng`` that is neither None nor an array (a JAX PRNG key, or
+    a raw uint32 key held in NumPy), whatever dropout_p (as the torch adapter checks its seed)."""
+    if dropout_rng is not None and not (isinstance(dropout_rng, jax.Array) or hasattr(dropout_rng, "shape") and hasattr(dropout_rng, "dtype")):
         raise TypeError(f"dropout_rng must be a JAX PRNG key (jax.random.key), got {type(dropout_rng).__name__}")
 
 

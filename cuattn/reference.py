@@ -179,7 +179,8 @@ def _keep_blocks(block_mask, batch: int, heads_q: int, seqlen_q: int, seqlen_k: 
 
     if isinstance(block_mask, bm.BlockMask):
         bm.check_lengths(block_mask, seqlen_q, seqlen_k)
-        mask = dataclasses.replace(block_mask.to(_host_array), seqlen_q=seqlen_q, seqlen_k=seqlen_k)
+        hosts = {name: _host_array(getattr(block_mask, name)) for name in bm.ARRAY_FIELDS}
+        mask = dataclasses.replace(block_mask, **hosts, seqlen_q=seqlen_q, seqlen_k=seqlen_k)
         bm.check_shapes(mask, batch, heads_q)
         mask.check()
         return mask.to_dense()

@@ -446,15 +446,24 @@ def _refuse_forward_ad(name: str, *tensors) -> None:
         return
     if _forward_ad._current_level >= 0 and any(t is not None and _forward_ad.unpack_dual(t).tangent is not None for t in tensors):
         raise NotImplementedError(f"cuattn.torch.{name} has no forward-mode derivative (an input is a dual tensor); use reverse mode")
-    if _functorch_active() and _jvp_transform_active():
+    if _functorch_active() and _carries_jvp_tangent(tensors):
         raise NotImplementedError(f"cuattn.torch.{name} has no forward-mode derivative (torch.func.jvp / jacfwd); use reverse mode")
 
 
-def _jvp_transform_active() -> bool:
+def _carries_jvp_tangent(tensors) -> bool:
+    """Whether an input is wrapped at the level of an active ``torch.func.jvp`` (it depends on
+    a primal there; a tensor the function did not derive from one is not wrapped at it)."""
     from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
-    jvp = torch._C._functorch.TransformType.Jvp
-    return any(i.key() == jvp for i in retrieve_all_functorch_interpreters())
+    functorch = torch._C._functorch
+    jvp = functorch.TransformType.Jvp
+    levels = {i.level() for i in retrieve_all_functorch_interpreters() if i.key() == jvp}
+    for t in tensors:
+        while levels and t is not None and functorch.is_functorch_wrapped_tensor(t):
+            if functorch.maybe_get_level(t) in levels:
+                return True
+            t = functorch.get_unwrapped(t)
+    return False
 
 
 def _in_dispatch_mode() -> bool:

@@ -137,6 +137,7 @@ def test_jax_arguments_are_checked_before_the_op():
     mask = bm.local_global(128, 128, window_blocks=1).to(jnp.asarray)
     with pytest.raises(TypeError, match="k must be an array, got NoneType"):
         cj.attention(q, None, q, block_mask=mask)
+    cj._check_rng(np.array([0, 42], np.uint32))  # a raw key restored from a checkpoint: accepted
     for call in (lambda: cj.attention(q, q, q, dropout_rng="junk"),
                  lambda: cj.attention_varlen(packed, packed, packed, cu, cu, dropout_rng=3)):
         with pytest.raises(TypeError, match="dropout_rng must be a JAX PRNG key"):
@@ -252,3 +253,7 @@ def test_forward_mode_ad_is_refused_not_dropped():
     with fwad.dual_level():  # a dual level alone, no tangent on the inputs: the call goes on (to the device check here)
         with pytest.raises(ValueError, match="CUDA"):
             cuattn.torch.attention(q, k, v)
+    with pytest.raises(ValueError, match="CUDA"):  # jvp whose tangent does not reach attention's inputs: goes on too
+        torch.func.jvp(lambda x: cuattn.torch.attention(q, k, v).float().sum() + x, (torch.ones(()),), (torch.ones(()),))
+    with pytest.raises(NotImplementedError, match="forward-mode"):  # under vmap too
+        torch.func.vmap(lambda x: torch.func.jvp(lambda y: cuattn.torch.attention(y, k, v), (x,), (torch.ones_like(x),))[1])(q[None])

@@ -384,6 +384,18 @@ def test_torch_tensors_cross_in_and_out():
     _check_grads((dq.cpu().numpy(), dk.numpy(), dv.numpy()), dout, q, k, v, ref_out, ref_lse, "float16", None, {"causal": True})
 
 
+def test_an_unmasked_pair_of_more_than_2_to_the_31_keys_streams():
+    """Without a mask any number of keys streams; the limit of 2**31 - 256 rows per sequence
+    is on what one kernel sees (a chunk): the pair's whole length was checked against it."""
+    base = np.zeros(16, np.float16)
+    keys = 2**31
+    k = np.lib.stride_tricks.as_strided(base, (1, keys, 1, 8), (keys * 16, 16, 16, 2))
+    q = SimpleNamespace(shape=(1, 16, 1, 8), dtype=np.dtype(np.float16))
+    boundary.trace(chunked.attention_chunked, q, (k, k))
+    with pytest.raises(ValueError, match="seqlen_k = 2147483648"):
+        boundary.trace(chunked.attention_chunked, q, (k, k), chunk_tokens=keys)
+
+
 @gpu
 def test_a_consumed_iterator_in_the_backward_is_an_error():
     """The forward's iterator, handed to the backward again, yields nothing: the gradients were
