@@ -22,7 +22,7 @@ import re
 #   ExecutionContext.stream).
 FLOORS = {"cupy": "14", "torch": "2.10", "jax": "0.6.1"}
 
-# How to get each one: the extras of pyproject.toml.
+# How to get each one from PyPI (the extras of pyproject.toml name the same packages).
 INSTALL_HINTS = {
     "cupy": "pip install 'cupy-cuda13x>=14' 'nvidia-cuda-nvrtc>=13,<14', or 'cupy-cuda12x>=14' 'nvidia-cuda-nvrtc-cu12>=12.2,<13': "
             "cuattn's cu13 / cu12 extras",
