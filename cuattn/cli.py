@@ -46,7 +46,7 @@ def cmd_info(args) -> int:
     cache = loader.cache_dir()
     files = list(cache.glob("*.cubin")) if cache.is_dir() else []
     print(f"cache       {cache}  ({len(files)} cubins, {sum(f.stat().st_size for f in files) / 1e6:.1f} MB)")
-    current = loader.source_hash()[:16]
+    current = loader.manifest_prefix()
     entries = sorted(k for k in loader.read_manifest() if k.startswith(current))
     print(f"cached cuattn variants of these sources: {len(entries)}")
     for key in entries:
@@ -171,8 +171,11 @@ def _compile_in_threads(chosen: list[Variant], jobs: int) -> list[float]:
     import cupy
 
     device_id = cupy.cuda.runtime.getDevice()
-    with concurrent.futures.ThreadPoolExecutor(min(jobs, len(chosen))) as pool:
-        return list(pool.map(_compile_one, chosen, [device_id] * len(chosen)))
+    if not chosen:
+        return []
+    first = _compile_one(chosen[0], device_id)  # alone, as offline.compile_all's first (NVRTC's lazy builtins)
+    with concurrent.futures.ThreadPoolExecutor(max(1, min(jobs, len(chosen) - 1))) as pool:
+        return [first] + list(pool.map(_compile_one, chosen[1:], [device_id] * (len(chosen) - 1)))
 
 
 def cmd_compile(args) -> int:

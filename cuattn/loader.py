@@ -118,6 +118,21 @@ def _manifest_path() -> pathlib.Path:
     return cache_dir() / "cuattn-manifest.json"
 
 
+@functools.cache
+def manifest_prefix() -> str:
+    """The manifest's key of this installation: what CuPy's cache key holds beyond a variant's
+    source and target (this install's ``-I`` path, CuPy's and NVRTC's versions), hashed with
+    the sources; kernels cached from another checkout or venv are not listed as this one's."""
+    try:
+        import cupy
+        from cupy.cuda import nvrtc
+
+        versions = f"{cupy.__version__}/{nvrtc.getVersion()}"
+    except Exception:  # noqa: BLE001 - no CuPy or NVRTC: nothing of this install is cached
+        versions = "none"
+    return hashlib.sha256(f"{source_hash()}\0{source_dir()}\0{versions}".encode()).hexdigest()[:16]
+
+
 def read_manifest() -> dict:
     try:
         return json.loads(_manifest_path().read_text())
@@ -128,7 +143,7 @@ def read_manifest() -> dict:
 def record_compile(variant: Variant, arch: str, seconds: float) -> None:
     """Lists a loaded variant and how long it took in the cache's manifest (``info`` shows it)."""
     manifest = read_manifest()
-    manifest[f"{source_hash()[:16]}/{arch}/{variant.uri}"] = {"seconds": round(seconds, 3), "time": time.time()}
+    manifest[f"{manifest_prefix()}/{arch}/{variant.uri}"] = {"seconds": round(seconds, 3), "time": time.time()}
     try:
         _manifest_path().parent.mkdir(parents=True, exist_ok=True)
         tmp = _manifest_path().with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")

@@ -117,3 +117,23 @@ def test_compile_without_cupy_says_what_to_install(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "cupy.cuda", None)
     assert cli.main(["compile", "merge", "--arch", "sm_80"]) == 2
     assert "compile needs CuPy and NVRTC: pip install 'cupy-cuda13x>=14'" in capsys.readouterr().err
+
+
+def test_the_manifest_is_keyed_by_the_installation(monkeypatch, tmp_path):
+    """CuPy's cache key holds the -I path (this install's cuda_src/) and the compiler's version:
+    kernels warmed from another checkout are recompiled here, and info listed them as cached."""
+    from cuattn import loader
+
+    here = loader.manifest_prefix()
+    copy = tmp_path / "cuda_src"
+    import shutil
+
+    shutil.copytree(loader.source_dir(), copy)
+    monkeypatch.setattr(loader, "source_dir", lambda: copy)
+    loader.manifest_prefix.cache_clear()
+    loader.source_hash.cache_clear()
+    try:
+        assert loader.source_hash() and loader.manifest_prefix() != here
+    finally:
+        loader.manifest_prefix.cache_clear()
+        loader.source_hash.cache_clear()
