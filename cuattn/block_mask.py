@@ -69,12 +69,17 @@ class BlockMask:
 
     def to(self, convert) -> BlockMask:
         """The mask with ``convert`` applied to each of its arrays (to move it to a device or a
-        framework); the converted arrays must stay int32. A mask of int32 NumPy arrays is
-        checked first (:meth:`check`): once on a device, its values are not read on the host
-        again (other dtypes are converted unchecked: the call checks the dtype it gets)."""
-        if all(isinstance(getattr(self, name), np.ndarray) and getattr(self, name).dtype == np.int32 for name in ARRAY_FIELDS):
-            self.check()
-        return dataclasses.replace(self, **{name: convert(getattr(self, name)) for name in ARRAY_FIELDS})
+        framework); the converted arrays must stay int32. A mask of NumPy integer arrays is
+        checked first (:meth:`check`, as int32): once on a device, its values are not read on
+        the host again."""
+        arrays = {name: getattr(self, name) for name in ARRAY_FIELDS}
+        if all(isinstance(a, np.ndarray) and np.issubdtype(a.dtype, np.integer) for a in arrays.values()):
+            narrow = {name: a.astype(np.int32) for name, a in arrays.items()}
+            for name, a in arrays.items():
+                if not np.array_equal(narrow[name], a):
+                    raise ValueError(f"block_mask.{name} holds values outside int32")
+            dataclasses.replace(self, **narrow).check()
+        return dataclasses.replace(self, **{name: convert(a) for name, a in arrays.items()})
 
     def to_dense(self) -> np.ndarray:
         """Host bool array ``(B, H, q_blocks, k_blocks)``: which blocks are kept."""
@@ -162,7 +167,8 @@ def from_callable(fn, seqlen_q: int, seqlen_k: int, *, batch: int | None = None,
     """The mask keeping block (i, j) where ``fn(i, j)`` is true, or ``fn(b, h, i, j)`` when
     ``batch`` or ``heads`` is given. ``fn`` is called once on broadcast NumPy index arrays
     (query block i, key block j; elementwise operators and ``np.where`` work); a function of
-    Python ints only is called per block."""
+    Python ints only is called per block (there ``~`` of a comparison is the int -1 or -2,
+    both true: write ``not``)."""
     nq, nk = blocks(_length("seqlen_q", seqlen_q)), blocks(_length("seqlen_k", seqlen_k))
     per_entry = batch is not None or heads is not None
     nb, nh = (1 if n is None else _count(name, n, 1) for name, n in (("batch", batch), ("heads", heads)))
@@ -174,18 +180,9 @@ def from_callable(fn, seqlen_q: int, seqlen_k: int, *, batch: int | None = None,
     except Exception:  # noqa: BLE001 - not elementwise on arrays (`if`, `and`, indexing by a Python int, ...): called per block below
         vectorized = False
     if not vectorized:  # a function of Python ints (`if`, `and`): once per block
-        keep = np.vectorize(lambda *ix: _truth(fn(*(int(i) for i in ix)), ix), otypes=[bool])(*args)
+        keep = np.vectorize(lambda *ix: bool(fn(*(int(i) for i in ix))), otypes=[bool])(*args)
     keep = np.broadcast_to(np.asarray(keep).astype(bool), (nb, nh, nq, nk))
     return from_dense(keep, seqlen_q, seqlen_k)
-
-
-def _truth(value, block) -> bool:
-    """A per-block result as a bool; TypeError for an int other than 0 and 1 (``~`` of a
-    Python bool is -1 or -2, both true, where on arrays it negates)."""
-    if isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)) and value not in (0, 1):
-        raise TypeError(f"fn returned {value!r} for block {tuple(int(i) for i in block)}; expected a truth value "
-                        "(on Python ints, ~ of a comparison is -1 or -2: use `not`)")
-    return bool(value)
 
 
 def _diagonal_blocks(seqlen_q: int, seqlen_k: int, align: str) -> tuple[np.ndarray, np.ndarray]:

@@ -80,7 +80,8 @@ def dropout_seed(dropout_rng) -> int:
 def _check_rng(dropout_rng) -> None:
     """TypeError for a ``dropout_rng`` that is neither None nor an array (a JAX PRNG key, or
     a raw uint32 key held in NumPy), whatever dropout_p (as the torch adapter checks its seed)."""
-    if dropout_rng is not None and not (isinstance(dropout_rng, jax.Array) or hasattr(dropout_rng, "shape") and hasattr(dropout_rng, "dtype")):
+    raw_key = isinstance(dropout_rng, np.ndarray) and dropout_rng.dtype == np.uint32 and dropout_rng.shape[-1:] == (2,)
+    if dropout_rng is not None and not (isinstance(dropout_rng, jax.Array) or raw_key):
         raise TypeError(f"dropout_rng must be a JAX PRNG key (jax.random.key), got {type(dropout_rng).__name__}")
 
 

@@ -444,15 +444,20 @@ def _refuse_forward_ad(name: str, *tensors) -> None:
     zeros."""
     if _compiling():  # not checked while torch.compile traces
         return
-    if _forward_ad._current_level >= 0 and any(t is not None and _forward_ad.unpack_dual(t).tangent is not None for t in tensors):
-        raise NotImplementedError(f"cuattn.torch.{name} has no forward-mode derivative (an input is a dual tensor); use reverse mode")
-    if _functorch_active() and _carries_jvp_tangent(tensors):
+    functorch = _functorch_active()
+    if functorch and _carries_jvp_tangent(tensors):
         raise NotImplementedError(f"cuattn.torch.{name} has no forward-mode derivative (torch.func.jvp / jacfwd); use reverse mode")
+    if _forward_ad._current_level >= 0 and any(
+        t is not None and not (functorch and torch._C._functorch.is_functorch_wrapped_tensor(t))  # unpack_dual has no batching rule
+        and _forward_ad.unpack_dual(t).tangent is not None for t in tensors
+    ):
+        raise NotImplementedError(f"cuattn.torch.{name} has no forward-mode derivative (an input is a dual tensor); use reverse mode")
 
 
 def _carries_jvp_tangent(tensors) -> bool:
-    """Whether an input is wrapped at the level of an active ``torch.func.jvp`` (it depends on
-    a primal there; a tensor the function did not derive from one is not wrapped at it)."""
+    """Whether an input is wrapped at the level of an active ``torch.func.jvp``: made inside
+    the transformed function (from a primal, or a new tensor there); a tensor from outside it
+    is not wrapped at that level."""
     from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
     functorch = torch._C._functorch

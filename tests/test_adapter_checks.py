@@ -138,6 +138,9 @@ def test_jax_arguments_are_checked_before_the_op():
     with pytest.raises(TypeError, match="k must be an array, got NoneType"):
         cj.attention(q, None, q, block_mask=mask)
     cj._check_rng(np.array([0, 42], np.uint32))  # a raw key restored from a checkpoint: accepted
+    for junk in (np.int64(3), np.array(1.5), np.array([1, 2], np.int64)):
+        with pytest.raises(TypeError, match="dropout_rng must be a JAX PRNG key"):
+            cj._check_rng(junk)
     for call in (lambda: cj.attention(q, q, q, dropout_rng="junk"),
                  lambda: cj.attention_varlen(packed, packed, packed, cu, cu, dropout_rng=3)):
         with pytest.raises(TypeError, match="dropout_rng must be a JAX PRNG key"):
@@ -257,3 +260,5 @@ def test_forward_mode_ad_is_refused_not_dropped():
         torch.func.jvp(lambda x: cuattn.torch.attention(q, k, v).float().sum() + x, (torch.ones(()),), (torch.ones(()),))
     with pytest.raises(NotImplementedError, match="forward-mode"):  # under vmap too
         torch.func.vmap(lambda x: torch.func.jvp(lambda y: cuattn.torch.attention(y, k, v), (x,), (torch.ones_like(x),))[1])(q[None])
+    with pytest.raises(NotImplementedError, match="forward-mode"):  # vmap inside jvp (unpack_dual has no batching rule)
+        torch.func.jvp(lambda x: torch.func.vmap(lambda y: cuattn.torch.attention(y, k, v))(x), (q[None],), (torch.ones_like(q[None]),))

@@ -233,16 +233,13 @@ def test_from_callable_takes_functions_that_index_by_python_ints():
         bm.from_callable(lambda b, h, i, j: i >= j, 384, 384, batch=0)
 
 
-def test_a_per_block_function_that_returns_no_truth_value_is_refused():
-    """Called per block, a function gets Python ints, whose ``~`` of a comparison is -1 or -2
-    (both true): the same expression kept every block there and the lower triangle on arrays.
-    Such a result is a TypeError; Python ints stay (``random.Random`` takes no NumPy int)."""
-    np.testing.assert_array_equal(bm.from_callable(lambda i, j: ~(j > i), 384, 384).to_dense()[0, 0], np.tril(np.ones((3, 3), bool)))
-    with pytest.raises(TypeError, match="use `not`"):
-        bm.from_callable(lambda i, j: ~(j > i) if i >= 0 else False, 384, 384)
-    assert bm.from_callable(lambda i, j: (not j > i) if i >= 0 else False, 384, 384).to_dense()[0, 0].tolist() == np.tril(
-        np.ones((3, 3), bool)).tolist()
+def test_a_per_block_function_gets_python_ints():
+    """Called per block, a function gets Python ints (``random.Random`` takes no NumPy int), and
+    its result's truth value counts as Python's: ``i - j`` keeps the blocks off the diagonal."""
     assert bm.from_callable(lambda i, j: random.Random(i * 1000 + j).random() < 2, 256, 256).to_dense().all()
+    off = bm.from_callable(lambda i, j: (i - j) if i >= 0 else 0, 384, 384).to_dense()[0, 0]
+    np.testing.assert_array_equal(off, ~np.eye(3, dtype=bool))
+    np.testing.assert_array_equal(off, bm.from_callable(lambda i, j: i - j, 384, 384).to_dense()[0, 0])
 
 
 def test_a_host_mask_is_checked_when_moved_and_by_the_reference():
@@ -257,8 +254,13 @@ def test_a_host_mask_is_checked_when_moved_and_by_the_reference():
         bad.to(np.copy)
     with pytest.raises(TypeError, match="kv_counts must be int32"):
         dataclasses.replace(good, kv_counts=good.kv_counts.astype(np.int64)).check()
-    wide = good.to(lambda a: a.astype(np.int64))  # other dtypes convert unchecked (a call checks the dtype it gets)
+    wide = good.to(lambda a: a.astype(np.int64))  # integer masks are checked as int32, then converted
     assert wide.to(lambda a: a.astype(np.int32)).kv_counts.dtype == np.int32
+    bad_wide = dataclasses.replace(bad, kv_indices=bad.kv_indices.astype(np.int64))
+    with pytest.raises(ValueError, match="ascending"):
+        bad_wide.to(lambda a: a.astype(np.int32))
+    with pytest.raises(ValueError, match="outside int32"):
+        dataclasses.replace(wide, kv_counts=wide.kv_counts + 2**32).to(np.copy)
     with pytest.raises(ValueError, match="q_counts must be"):
         dataclasses.replace(good, q_counts=np.int32(0), seqlen_q=None, seqlen_k=None).check()
     q = np.ones((1, 384, 1, 8))
