@@ -294,11 +294,12 @@ def tma_plan(c_type: str, p: np.void, rows: int, heads_q: int, batch: int, spars
     else one CTA per row block (always when it ``fold``s into an accumulator); None where a paged
     cache's form does not serve the call."""
     tile, softcap = forward.tma_tile(int(p["head_dim"])), p["softcap"] > 0
-    if layout == "paged_cache" and ((tile, softcap) in forward.TMA_PAGED_SPILLS or forward.tma_page_boxes(
+    page_copy = layout == "paged_cache" and forward.tma_page_copy(tile, softcap, int(p["page_size"]))
+    if layout == "paged_cache" and not page_copy and ((tile, softcap) in forward.TMA_PAGED_SPILLS or forward.tma_page_boxes(
             int(p["page_size"]), forward.tma_tiling(tile, softcap)[0]) is None):
         return None
     if layout != "dense" or fold:
-        variant = forward.tma_variant(c_type, tile, softcap, layout=layout, fold=fold)
+        variant = forward.tma_variant(c_type, tile, softcap, layout=layout, fold=fold, page_copy=page_copy)
         return variant, forward.tma_launches(variant, rows, heads_q, batch, 1), False
     per_cta = 1
     if forward.tma_takes_several(tile, softcap, sparse):
@@ -313,13 +314,18 @@ def tma_plan(c_type: str, p: np.void, rows: int, heads_q: int, batch: int, spars
 
 def tma_params(c_type: str, p: np.void, sparse: bool = False, several: bool = False) -> np.void | None:
     """``p`` with the tensor maps of q, k and v (forward/forward_tma.cu), or None where one of
-    them cannot be described (cuattn/tensor_map.py)."""
+    them cannot be described (cuattn/tensor_map.py). A paged cache whose producer copies has
+    q's map alone (its 16-byte copies need the alignment attention_with_kvcache checks)."""
     tp = params.new(params.TMA_ATTN_PARAMS)
     tp["attn"] = p
-    block_n, _, consumers = forward.tma_tiling(forward.tma_tile(int(p["head_dim"])), p["softcap"] > 0, sparse, several)
+    tile = forward.tma_tile(int(p["head_dim"]))
+    block_n, _, consumers = forward.tma_tiling(tile, p["softcap"] > 0, sparse, several)
+    q_shape, k_shape = tensor_map.query_shape(p), tensor_map.key_shape(p)
+    q_entry = ("q", p["q"], p["q_strides"], q_shape, 64 * consumers)
+    if p["block_table"] and forward.tma_page_copy(tile, p["softcap"] > 0, int(p["page_size"])):
+        return tp if tensor_map.put_maps(c_type, tp, (q_entry,)) else None
     kv_rows = forward.tma_page_boxes(int(p["page_size"]), block_n) if p["block_table"] else block_n
     if kv_rows is None:
         return None
-    q_shape, k_shape = tensor_map.query_shape(p), tensor_map.key_shape(p)
-    return tp if tensor_map.put_maps(c_type, tp, (("q", p["q"], p["q_strides"], q_shape, 64 * consumers), ("k", p["k"], p["k_strides"], k_shape, kv_rows),
+    return tp if tensor_map.put_maps(c_type, tp, (q_entry, ("k", p["k"], p["k_strides"], k_shape, kv_rows),
                                                   ("v", p["v"], p["v_strides"], k_shape, kv_rows))) else None

@@ -15,7 +15,10 @@ order) over several key and query blocks. ``decode``: only the KV-cache family (
 merge, append_kv.cu): contiguous caches (rows picked by cache_batch_idx, one out of range) and
 paged ones (pages of 16, 7 and 1, shuffled tables, one entry out of range), appends across
 pages, lengths at and past the capacity, one split over a whole paged sequence, calls back to
-back (so each one's prefetch runs under the grid before it).
+back (so each one's prefetch runs under the grid before it). ``prefill``: only the chunked
+prefill over paged caches whose pages the TMA forward's producer copies (pages of 16, 3 and 1,
+shuffled, one entry out of range; head dims 64 and 128, softcap, a window) and, at 256, the
+boxes.
 """
 
 import os
@@ -32,6 +35,7 @@ SMALL_ONLY = sys.argv[1:] == ["small"]
 FORWARD_ONLY = sys.argv[1:] == ["forward"]
 WIDE_ONLY = sys.argv[1:] == ["wide"]
 DECODE_ONLY = sys.argv[1:] == ["decode"]
+PREFILL_ONLY = sys.argv[1:] == ["prefill"]
 os.environ["CUATTN_SMALL_BACKWARD"] = "1" if SMALL_ONLY else "0"
 
 
@@ -86,7 +90,7 @@ if FORWARD_ONLY:
                 cuattn.attention(q, k, v, return_lse=True, **kw)
 
 # The 16-bit cases run twice on Hopper: the wgmma kernels (default), then the portable ones.
-cases = () if SMALL_ONLY or FORWARD_ONLY or WIDE_ONLY or DECODE_ONLY else ((np.float16, "1"), (BFLOAT16, "1"), (np.float16, "0"), (BFLOAT16, "0"), (np.float32, "1"))
+cases = () if SMALL_ONLY or FORWARD_ONLY or WIDE_ONLY or DECODE_ONLY or PREFILL_ONLY else ((np.float16, "1"), (BFLOAT16, "1"), (np.float16, "0"), (BFLOAT16, "0"), (np.float32, "1"))
 for dtype, wgmma in cases:
     os.environ["CUATTN_WGMMA"] = wgmma
     for d in (40, 128, 200, 240):
@@ -128,5 +132,18 @@ for dtype in (np.float16, BFLOAT16) if DECODE_ONLY else ():
                     cuattn.attention_with_kvcache(q, *paged, cache_seqlens=lengths, block_table=table, softcap=20.0)
                     # one split: a CTA streams every key block, so its ring and table-entry slots turn over
                     cuattn.attention_with_kvcache(q, *paged, cache_seqlens=lengths, block_table=table, num_splits=1)
+for dtype in (np.float16, BFLOAT16) if PREFILL_ONLY else ():
+    for d in (64, 128, 256):
+        q, lengths = arr((2, 200, 4, d), dtype), cupy.asarray([0, 650], dtype=np.int32)
+        k_new, v_new = arr((2, 200, 2, d), dtype), arr((2, 200, 2, d), dtype)
+        for page in (16, 3, 1):
+            pages = -(-1000 // page)
+            paged = arr((2 * pages + 2, page, 2, d), dtype), arr((2 * pages + 2, page, 2, d), dtype)
+            table = rng.permutation(2 * pages + 2)[: 2 * pages].reshape(2, pages).astype(np.int32)
+            table[1, 880 // page] = 10**6  # out of range: in the last key block read (850 keys), past the sequence
+            table = cupy.asarray(table)
+            for kw in ({}, {"softcap": 20.0, "window": (300, None)}):
+                cuattn.attention_with_kvcache(q, *paged, cache_seqlens=lengths, block_table=table, k_new=k_new, v_new=v_new, **kw)
+                cuattn.attention_with_kvcache(q, *paged, cache_seqlens=lengths, block_table=table, **kw)
 cupy.cuda.Device().synchronize()
 print("sanitizer cases ran")

@@ -33,15 +33,21 @@ def _gathered(k, v, table, b, length):
     return np.concatenate(list(k[table[b]]))[:length], np.concatenate(list(v[table[b]]))[:length]
 
 
-def _run(rng, lengths, seqlen_q, heads_q, heads_kv, head_dim, dtype, page_size=None, num_splits=None, **kw):
+def _run(rng, lengths, seqlen_q, heads_q, heads_kv, head_dim, dtype, page_size=None, num_splits=None, v_padding=0, **kw):
+    """``v_padding``: the device V a view of rows that many elements wider (NaN there), so that
+    its strides differ from K's."""
     import cupy
 
     k, v, table = _cache(rng, lengths, heads_kv, head_dim, dtype, page_size)
     q = randn(rng, (len(lengths), seqlen_q, heads_q, head_dim), dtype)
     seqlens = np.array(lengths, np.int32)
     poison_cupy_pool()
+    v_device = cupy.asarray(v)
+    if v_padding:
+        v_device = cupy.full(v.shape[:-1] + (head_dim + v_padding,), np.nan, v.dtype)[..., :head_dim]
+        v_device[...] = cupy.asarray(v)
     out, lse = cuattn.attention_with_kvcache(
-        cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), cache_seqlens=cupy.asarray(seqlens),
+        cupy.asarray(q), cupy.asarray(k), v_device, cache_seqlens=cupy.asarray(seqlens),
         block_table=None if table is None else cupy.asarray(table), num_splits=num_splits, return_lse=True, **kw,
     )
     out, lse = out.get(), lse.get()
@@ -114,6 +120,19 @@ def test_chunked_prefill_matches_reference(lengths, seqlen_q, heads_q, heads_kv,
 
 
 @gpu
+@pytest.mark.parametrize("head_dim, page_size, kw", [
+    (64, 64, {"softcap": 15.0}),  # d64 with softcap: the producer's copies at every page size (its boxes' form spills)
+    (64, 16, {"softcap": 15.0, "window": (90, 0)}),
+    (128, 16, {"v_padding": 64}),  # V's strides unlike K's
+    (64, 1, {"v_padding": 8}),  # three consumer warpgroups, a page per key
+])
+def test_chunked_prefill_pages_by_the_producers_copies(head_dim, page_size, kw):
+    """Pages the Hopper TMA forward's producer copies (forward_tma.cu PAGE_COPY) rather than
+    loading as TMA boxes."""
+    _run(np.random.default_rng(head_dim + page_size), [700, 0, 333], 150, 8, 2, head_dim, "bfloat16", page_size, **kw)
+
+
+@gpu
 @pytest.mark.parametrize("page_size", [16, None])
 @pytest.mark.parametrize("kw", [
     dict(window=(100, 0)), dict(softcap=20.0), dict(causal=False), dict(window=(64, 3), causal=False, scale=0.05),
@@ -149,12 +168,13 @@ def test_chunked_prefill_masks_by_the_capacity_not_the_page(page_size):
 
 
 @gpu
-@pytest.mark.parametrize("page_size", [None, 16, 256, 8])
+@pytest.mark.parametrize("page_size", [None, 16, 256, 8, 1, 3])
 @pytest.mark.parametrize("head_dim", [64, 128, 160, 256])
 def test_chunked_prefill_ignores_what_lies_past_each_sequence(monkeypatch, head_dim, page_size):
     """A cache (contiguous, or pages in shuffled order) whose positions past each sequence hold
-    NaN and inf: the prefill reads the last key block whole (on Hopper by TMA, forward_tma.cu's
-    cache forms, which zero those V rows before P V), and its result is finite and right."""
+    NaN and inf: the prefill reads the last key block whole (on Hopper by TMA or by the
+    producer's copies, forward_tma.cu's cache forms, which zero those V rows before P V), and its
+    result is finite and right."""
     import cupy
 
     from cuattn import loader, replay
@@ -162,7 +182,7 @@ def test_chunked_prefill_ignores_what_lies_past_each_sequence(monkeypatch, head_
 
     launched = []
     original = forward.tma_variant
-    monkeypatch.setattr(forward, "tma_variant", lambda *a, **kw: launched.append(kw.get("layout", "dense")) or original(*a, **kw))
+    monkeypatch.setattr(forward, "tma_variant", lambda *a, **kw: launched.append((kw.get("layout"), kw.get("page_copy", False))) or original(*a, **kw))
     monkeypatch.setattr(replay, "enabled", False)
     rng = np.random.default_rng(head_dim + (page_size or 0))
     lengths = np.array([1000, 77, 513], np.int32)  # with the 200 new rows: 1200, 277, 713 keys
@@ -185,8 +205,12 @@ def test_chunked_prefill_ignores_what_lies_past_each_sequence(monkeypatch, head_
         v_new=cupy.asarray(v_new), block_table=None if table is None else cupy.asarray(table),
     ).get()
     assert not np.isnan(out.astype(np.float32)).any()
-    if loader.device_arch() == "sm_90a":
-        assert launched == ["cache" if page_size is None else "paged_cache"]  # pages of 8, 16 and 256 all map
+    if loader.device_arch() == "sm_90a":  # small pages by copies at head_dim <= 128, else by boxes where they fit
+        expected = {None: ("cache", False), 256: ("paged_cache", False)}.get(page_size)
+        if page_size in (1, 3, 8, 16):
+            copies = head_dim <= 128 and (page_size, head_dim) != (16, 64)  # pages of 16 at d64: boxes
+            expected = ("paged_cache", True) if copies else ("paged_cache", False) if page_size in (8, 16) else None
+        assert launched == ([] if expected is None else [expected])
     for b, length in enumerate(lengths):
         kb = np.concatenate([k[b, :length], k_new[b]])
         vb = np.concatenate([v[b, :length], v_new[b]])

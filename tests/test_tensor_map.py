@@ -36,6 +36,17 @@ def test_only_dense_plain_16_bit_calls_on_hopper_take_the_tma_forward():
     assert [forward.tma_page_boxes(page, 128) for page in (1, 4, 7, 8, 16, 48, 64, 128, 256, 384, 100)] == [
         None, None, None, 8, 16, None, 64, 128, 128, 128, None]
     assert forward.tma_page_boxes(128, 64) == 64 and forward.tma_page_boxes(96, 64) is None
+    # The producer copies pages under 32 rows (16 at tile 64) and those the boxes cannot take, at
+    # tiles 64 and 128 (d64 softcap at any page size: its box form spills); wider tiles keep the boxes.
+    assert [forward.tma_page_copy(128, False, page) for page in (1, 7, 8, 16, 31, 32, 48, 64, 256, 100)] == [
+        True, True, True, True, True, False, True, False, False, True]
+    assert [forward.tma_page_copy(64, False, page) for page in (1, 8, 16, 32, 48)] == [True, True, False, False, True]
+    assert forward.tma_page_copy(64, True, 64) and not forward.tma_page_copy(64, False, 64)
+    assert not forward.tma_page_copy(256, False, 16) and not forward.tma_page_copy(192, False, 1)
+    assert forward.tma_variant("bf16", 128, False, layout="paged_cache", page_copy=True).uri.endswith("/paged_cache/copies")
+    for kw in ({"layout": "cache"}, {"layout": "paged_cache", "tile": 256}):
+        with pytest.raises(ValueError, match="no TMA forward for layout"):
+            forward.tma_variant("bf16", kw.pop("tile", 128), False, page_copy=True, **kw)
     assert forward.tma_variant("bf16", 128, False, layout="cache").uri.endswith("/cache")
     with pytest.raises(ValueError, match="no TMA forward for layout"):
         forward.tma_variant("bf16", 128, False, several=True, layout="cache")
@@ -55,7 +66,7 @@ def test_only_dense_plain_16_bit_calls_on_hopper_take_the_tma_forward():
 def test_tma_variants_are_compiled_for_hopper_only():
     variants = [v for v in forward.variants() if v.kernel == "forward_tma"]
     several = sum(forward.tma_takes_several(tile, softcap) for tile in forward.TMA_TILES for softcap in (False, True))
-    paged = 2 * len(forward.TMA_TILES) - len(forward.TMA_PAGED_SPILLS)
+    paged = 2 * len(forward.TMA_TILES) - len(forward.TMA_PAGED_SPILLS) + 2 * len(forward.TMA_PAGE_COPY_TILES)  # by boxes, by copies
     assert len(variants) == 2 * (len(forward.TMA_TILES) * 2 * 4 + paged + several)  # dense, block-sparse, fold, cache, paged; SEVERAL
     assert all(v.archs == ("sm_90a",) and v.threads == 2 * v.block_m + 128 for v in variants)
     assert not [v for v in forward.variants("sm_80") if v.kernel == "forward_tma" and v.builds_for("sm_80")]

@@ -49,8 +49,17 @@ TMA_NARROW_TILES = {64: (128, 2, 2)}
 TMA_LAYOUTS = ("dense", "cache", "paged_cache")
 
 
-# (tile, softcap) whose paged form spills in its producer (24 registers): the copying kernel serves them.
+# (tile, softcap) whose paged form by TMA boxes spills in its producer (24 registers): the form by
+# copies (40 registers) serves them.
 TMA_PAGED_SPILLS = {(64, True)}
+# Pages of fewer rows per tile make TMA boxes too small for the TMA unit to keep up with the
+# products: on these tiles the producer copies them instead (forward_tma.cu PAGE_COPY; NOTES,
+# "Hopper forward"), as it does page sizes the boxes cannot take. Not at 192 (24 chunks a row make
+# no whole rounds of 32 lanes) nor, unmeasured, 256: there small pages keep the boxes, and pages
+# the boxes cannot take the copying kernel.
+TMA_BOX_MIN_PAGE = {64: 16, 128: 32}
+TMA_PAGE_COPY_TILES = tuple(TMA_BOX_MIN_PAGE)
+TMA_PAGE_COPY_STAGES = 2  # K / V ring slots of that form
 
 
 def tma_page_boxes(page_size: int, block_n: int) -> int | None:
@@ -59,6 +68,16 @@ def tma_page_boxes(page_size: int, block_n: int) -> int | None:
     period or would straddle a page."""
     box = min(page_size, block_n)
     return box if box % 8 == 0 and (block_n % page_size == 0 or page_size % block_n == 0) else None
+
+
+def tma_page_copy(tile: int, softcap: bool, page_size: int) -> bool:
+    """Whether the TMA forward's producer copies a paged cache's K and V (PAGE_COPY) rather
+    than loading TMA boxes: on the tiles of TMA_BOX_MIN_PAGE, for pages under its size there,
+    page sizes the boxes cannot take, and the tile whose box form spills (TMA_PAGED_SPILLS)."""
+    if tile not in TMA_PAGE_COPY_TILES:
+        return False
+    boxes = tma_page_boxes(page_size, tma_tiling(tile, softcap)[0])
+    return boxes is None or page_size < TMA_BOX_MIN_PAGE[tile] or (tile, softcap) in TMA_PAGED_SPILLS
 # (bucket, softcap) whose dropout form needs more registers than its CTAs per SM leave: CTAs per SM.
 WGMMA_DROPOUT_CTAS = {(64, True): 1}
 
@@ -153,15 +172,17 @@ def wgmma_variant(
     )
 
 
-def tma_tiling(tile: int, softcap: bool, sparse: bool = False, several: bool = False) -> tuple[int, int, int]:
-    """(BLOCK_N, STAGES, CONSUMERS) of the TMA forward at a tile (``several``: its SEVERAL form)."""
-    return TMA_NARROW_TILES.get(tile, TMA_TILES[tile]) if softcap or sparse or several else TMA_TILES[tile]
+def tma_tiling(tile: int, softcap: bool, sparse: bool = False, several: bool = False, page_copy: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_N, STAGES, CONSUMERS) of the TMA forward at a tile (``several``: its SEVERAL form;
+    ``page_copy``: the paged form whose producer copies, with TMA_PAGE_COPY_STAGES slots)."""
+    block_n, stages, consumers = TMA_NARROW_TILES.get(tile, TMA_TILES[tile]) if softcap or sparse or several else TMA_TILES[tile]
+    return block_n, TMA_PAGE_COPY_STAGES if page_copy else stages, consumers
 
 
-def tma_smem_bytes(tile: int, softcap: bool = False, sparse: bool = False, several: bool = False) -> int:
+def tma_smem_bytes(tile: int, softcap: bool = False, sparse: bool = False, several: bool = False, page_copy: bool = False) -> int:
     """TmaForwardTraits::kSmemBytes: Q's tile, the K and V rings, the swizzle realignment and
     the barriers, and (CTAs taking several row blocks) out's own tile where it fits sm_90's limit."""
-    block_n, stages, consumers = tma_tiling(tile, softcap, sparse, several)
+    block_n, stages, consumers = tma_tiling(tile, softcap, sparse, several, page_copy)
     q_bytes = 64 * consumers * tile * 2
     base = q_bytes + 2 * stages * block_n * tile * 2 + 1024 + (2 + 4 * stages) * 8
     return base + (q_bytes if several and base + q_bytes <= ARCH_SMEM_OPTIN[WGMMA_ARCH] else 0)
@@ -176,27 +197,32 @@ def tma_takes_several(tile: int, softcap: bool, sparse: bool = False) -> bool:
 @functools.cache
 def tma_variant(
     c_type: str, tile: int, softcap: bool, sparse: bool = False, several: bool = False, layout: str = "dense", fold: bool = False,
+    page_copy: bool = False,
 ) -> Variant:
     """The TMA forward at a tile; ``several``: its SEVERAL form (tma_takes_several); ``layout``:
     "dense", "cache" or "paged_cache" (KV caches: one row block per CTA); ``fold``: the form that
-    folds into an fp32 accumulator (dense, one row block per CTA, no block mask)."""
+    folds into an fp32 accumulator (dense, one row block per CTA, no block mask); ``page_copy``:
+    the paged form whose producer copies K and V (any page size) instead of loading TMA boxes."""
     if several and not tma_takes_several(tile, softcap, sparse):
         raise ValueError(f"no TMA forward taking several row blocks per CTA at tile {tile} (softcap {softcap}, sparse {sparse})")
-    if layout not in TMA_LAYOUTS or (layout != "dense" and (sparse or several)) or (layout == "paged_cache" and (tile, softcap) in TMA_PAGED_SPILLS):
-        raise ValueError(f"no TMA forward for layout {layout!r} at tile {tile} with softcap={softcap}, sparse={sparse}, several={several}")
+    if layout not in TMA_LAYOUTS or (layout != "dense" and (sparse or several)) or (
+            layout == "paged_cache" and not page_copy and (tile, softcap) in TMA_PAGED_SPILLS) or (
+            page_copy and (layout != "paged_cache" or tile not in TMA_PAGE_COPY_TILES)):
+        raise ValueError(f"no TMA forward for layout {layout!r} at tile {tile} with softcap={softcap}, sparse={sparse}, several={several}, "
+                         f"page_copy={page_copy}")
     if fold and (layout != "dense" or sparse or several):
         raise ValueError(f"the accumulating TMA forward is dense with one row block per CTA (layout {layout!r}, sparse {sparse}, several {several})")
-    block_n, stages, consumers = tma_tiling(tile, softcap, sparse, several)
+    block_n, stages, consumers = tma_tiling(tile, softcap, sparse, several, page_copy)
     traits = f"cuattn::TmaForwardTraits<{tile}, {block_n}, {stages}, {consumers}, {'true' if several else 'false'}>"
     threads, block_m = 128 * (consumers + 1), 64 * consumers
-    flags = (f", false, false, {layout_arg(layout)}, true>" if fold else f", false, false, {layout_arg(layout)}>" if layout != "dense"
-             else ", false, true>" if several else ", true>" if sparse else ">")
-    smem = tma_smem_bytes(tile, softcap, sparse, several)
+    flags = (f", false, false, {layout_arg(layout)}, true>" if fold else f", false, false, {layout_arg(layout)}, false, true>" if page_copy
+             else f", false, false, {layout_arg(layout)}>" if layout != "dense" else ", false, true>" if several else ", true>" if sparse else ">")
+    smem = tma_smem_bytes(tile, softcap, sparse, several, page_copy)
     return Variant(
         family=FAMILY, kernel="forward_tma",
         expression=f"cuattn::forward_tma_kernel<{cxx_type(c_type)}, {tile}, {block_n}, {stages}, {consumers}, {softcap_arg(softcap)}" + flags,
         uri=f"forward_tma/{c_type}/d{tile}/n{block_n}s{stages}c{consumers}" + softcap_uri(softcap) + dropout_uri(False, sparse)
-        + ("/several" if several else "") + layout_uri(layout) + ("/fold" if fold else ""),
+        + ("/several" if several else "") + layout_uri(layout) + ("/fold" if fold else "") + ("/copies" if page_copy else ""),
         hot=True,
         dynamic_smem=smem,
         threads=threads,
@@ -317,6 +343,8 @@ def variants(arch: str | None = None) -> list[Variant]:
                 out.append(tma_variant(c_type, tile, softcap, layout="cache"))
                 if (tile, softcap) not in TMA_PAGED_SPILLS:
                     out.append(tma_variant(c_type, tile, softcap, layout="paged_cache"))
+                if tile in TMA_PAGE_COPY_TILES:
+                    out.append(tma_variant(c_type, tile, softcap, layout="paged_cache", page_copy=True))
     for layout in SEQ_LAYOUTS + CACHE_LAYOUTS:
         for c_type in ("f16", "bf16") + (("float",) if layout in SEQ_LAYOUTS else ()):
             for bucket in HEAD_DIM_BUCKETS:

@@ -21,6 +21,11 @@ __device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool val
 __device__ __forceinline__ void cp_async_16(void* dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src));
 }
+// 16-byte copy to shared address `dst` of which the first `src_bytes` (0-16) are read and the
+// rest zero-filled.
+__device__ __forceinline__ void cp_async_16_bytes_at(u32 dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
 // The same for data read once (a KV cache streamed by decoding): marked first to leave L2. (The
 // .L2::256B prefetch hint beside it gained 2-4% on an H100 with padded shared rows, and capped a
 // plain read stream at 0.9x on an H200; benchmarks/NOTES.md.)

@@ -30,7 +30,8 @@
 // Rows and keys past the tensors are zero-filled by the TMA unit; the band mask (KeyBand) hides
 // keys past seqlen_k. LAYOUT: dense, or a KV cache (chunked prefill): contiguous (kCache: K and V
 // mapped over the whole cache, each sequence's own row and length read on the device) or paged
-// with page sizes the boxes fit (kPagedCache: produce_paged). There the rows of the last key
+// with page sizes of 32 rows and more that the boxes fit (kPagedCache: produce_paged), or any page
+// size by copies (PAGE_COPY: produce_paged_copies). There the rows of the last key
 // block past the sequence are in the tensor, so the consumer warpgroups zero those V rows
 // together before their P V products (zero_values_past), as P = 0 times stale cache contents
 // may be NaN.
@@ -120,13 +121,15 @@ __device__ __forceinline__ TmaTiles tma_tiles(unsigned char* smem_raw) {
 
 // Thread 0 initializes the barriers, then a CTA barrier: the full ones count the producer's one
 // arrival (and the TMA bytes), the empty ones every consumer thread's.
-template <typename Tr>
+// With PAGE_COPY the K / V full barriers count an arrival of each producer thread instead (the
+// completion of its copies: produce_paged_copies).
+template <typename Tr, bool PAGE_COPY = false>
 __device__ __forceinline__ void init_tma_forward_barriers(const TmaTiles& t) {
   if (threadIdx.x == 0) {
     mbarrier_init(t.q_full, 1);
     for (int s = 0; s < Tr::kStages; ++s) {
-      mbarrier_init(t.k_full + s, 1);
-      mbarrier_init(t.v_full + s, 1);
+      mbarrier_init(t.k_full + s, PAGE_COPY ? 128 : 1);
+      mbarrier_init(t.v_full + s, PAGE_COPY ? 128 : 1);
       mbarrier_init(t.k_empty + s, Tr::kConsumerThreads);
       mbarrier_init(t.v_empty + s, Tr::kConsumerThreads);
     }
@@ -210,13 +213,85 @@ __device__ __forceinline__ void produce_paged(const TmaAttnParams& tp, int seq, 
   if (blocks > 0) load(sV_ring, &tp.v_map, v_full, v_empty, blocks - 1, page, pos);
 }
 
+// The producer's loads over a paged KV cache of any page size, by copies (PAGE_COPY): pages of
+// fewer than 32 rows make TMA boxes too small for the TMA unit to keep up (NOTES). The whole
+// producer warpgroup copies, warp w the rows [w, w + 1) * BLOCK_N / 4 of every K and V block: lane
+// i looks up the page of its warp's row i (a block ahead, as produce_paged does) and holds the
+// row's offset; in each round every lane copies 16 bytes, lanes h * chunks_per_row .. of rows h,
+// h + 32 / chunks_per_row, ..., taking the row's offset from the lane holding it (a shuffle) and
+// writing the 128-byte swizzle the TMA unit would. Each thread arrives on the slot's full barrier
+// once its copies have landed (the barrier counts the 128 threads); the consumers fence the async
+// proxy after their wait, since their products read what the copies wrote. Columns past head_dim
+// are zero-filled; keys past the capacity copy its last key again (past the sequence: never
+// used). Q still comes by TMA, from the warpgroup's first thread.
+template <typename Tr, int HEAD_DIM, int BLOCK_N, int STAGES, typename BlockAt>
+__device__ __forceinline__ void produce_paged_copies(const TmaAttnParams& tp, int seq, int head, int m0, int blocks, const BlockAt& block_at,
+                                                     const TmaTiles& tiles) {
+  const AttnParams& p = tp.attn;
+  constexpr int kRowsPerWarp = BLOCK_N / 4, kChunksPerRow = HEAD_DIM / 8;
+  constexpr int kRowsPerRound = 32 / kChunksPerRow;  // a round: one copy per lane
+  constexpr int kRounds = kRowsPerWarp / kRowsPerRound;
+  static_assert(kRowsPerWarp <= 32 && 32 % kChunksPerRow == 0 && kRowsPerWarp % kRowsPerRound == 0, "a row per lane, whole rounds");
+  const int pt = threadIdx.x - Tr::kConsumerThreads, lane = pt % 32, warp_row0 = pt / 32 * kRowsPerWarp;
+  const int kv_head = head / (p.heads_q / p.heads_kv);
+  const CacheRows<true> cache(p, seq);
+  const auto key_at = [&](int j) { return min(block_at(j) * BLOCK_N + warp_row0 + lane % kRowsPerWarp, p.capacity - 1); };
+  const auto entry_of = [&](int j) { return j < blocks ? cache.table_entry(key_at(j)) : 0; };
+  // This lane's chunk c of rows warp_row0 + h, + kRowsPerRound, ...: its place in a tile but for
+  // the swizzle, the bytes it reads (columns past head_dim: none), its column in the rows.
+  const u32 c = u32(lane) % kChunksPerRow, h = u32(lane) / kChunksPerRow;
+  const u32 lane_dst = (c / 8) * (BLOCK_N * kSwizzleRowBytes) + (u32(warp_row0) + h) * kSwizzleRowBytes;
+  const u32 chunk_bits = (c % 8) << 4;
+  const int src_bytes = min(max(p.head_dim - int(c) * 8, 0), 8) * 2;
+  // Block j's rows into its slot of `ring`; row_offset: this lane's row, in elements from the head's first.
+  const auto load = [&](unsigned char* ring, const void* base, i64 head_stride, u64* full, u64* empty, int j, i64 row_offset) {
+    const int s = j % STAGES;
+    mbarrier_wait(empty + s, ((j / STAGES) & 1) ^ 1);
+    const u32 dst = smem_addr(ring + s * Tr::kKVBytes) + lane_dst;
+    const u16* src = static_cast<const u16*>(base) + kv_head * head_stride + c * 8;
+    // Four rounds in flight; the round index is opaque to the compiler, so that it does not hoist
+    // every round's destination out of the block loop into registers the producer lacks.
+#pragma unroll 4
+    for (int round = 0; round < kRounds; ++round) {
+      u32 i = round;
+      asm volatile("" : "+r"(i));
+      const u32 r = i * kRowsPerRound + h;  // row of the warp's share (warp_row0 is a multiple of 8)
+      const i64 offset = __shfl_sync(0xffffffff, row_offset, int(r));
+      cp_async_16_bytes_at(dst + i * (kRowsPerRound * kSwizzleRowBytes) + (chunk_bits ^ ((r << 4) & 0x70)), src + offset, src_bytes);
+    }
+    cp_async_mbarrier_arrive(full + s);
+  };
+  if (pt == 0) {
+    mbarrier_arrive_expect_bytes(tiles.q_full, Tr::kQBytes);
+#pragma unroll
+    for (int cb = 0; cb < Tr::kColumnBlocks; ++cb)
+      tma_load_4d(tiles.q + cb * Tr::kBlockM * kSwizzleRowBytes, &tp.q_map, tiles.q_full, cb * kSwizzleBlockElems, m0, head, seq);
+  }
+  int next_entry = entry_of(0);
+  i64 v_offset = 0;  // this lane's row of the block whose K was loaded last, in V
+  for (int j = 0; j < blocks; ++j) {  // K_j, then V_{j-1}
+    const i64 page = cache.clamp_row(next_entry), pos = cache.pos_of(key_at(j));
+    next_entry = entry_of(j + 1);
+    load(tiles.k_ring, p.k, p.k_strides[2], tiles.k_full, tiles.k_empty, j, page * p.k_strides[0] + pos * p.k_strides[1]);
+    if (j > 0) load(tiles.v_ring, p.v, p.v_strides[2], tiles.v_full, tiles.v_empty, j - 1, v_offset);
+    v_offset = page * p.v_strides[0] + pos * p.v_strides[1];
+  }
+  if (blocks > 0) load(tiles.v_ring, p.v, p.v_strides[2], tiles.v_full, tiles.v_empty, blocks - 1, v_offset);
+}
+
 // One row block of a CTA: the producer thread's loads, or the consumers' products, softmax and
 // stores.
 template <typename T, int HEAD_DIM, int BLOCK_N, int STAGES, int CONSUMERS, bool SOFTCAP, bool SPARSE, TmaRole ROLE,
-          SeqLayout LAYOUT = SeqLayout::kDense, bool FOLD = false>
+          SeqLayout LAYOUT = SeqLayout::kDense, bool FOLD = false, bool PAGE_COPY = false>
 __device__ __forceinline__ void forward_tma_tile(const TmaAttnParams& tp, int seq, int head, const SeqSpan& span, int m_block,
                                                  unsigned char* smem_raw, TmaPipe& pipe) {
   using Tr = TmaForwardTraits<HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, ROLE != TmaRole::kWholeCta>;
+  // The producer's copies (PAGE_COPY) need more than 24 registers: with two consumer warpgroups
+  // 128 x 40 + 256 x 232 = 64512, the 168 x 384 the launch gives the CTA.
+  constexpr int kProducerRegisters = PAGE_COPY && CONSUMERS == 2 ? 40 : Tr::kProducerRegisters;
+  constexpr int kConsumerRegisters = PAGE_COPY && CONSUMERS == 2 ? 232 : Tr::kConsumerRegisters;
+  static_assert(128 * kProducerRegisters + Tr::kConsumerThreads * kConsumerRegisters <= 168 * Tr::kThreads || CONSUMERS == 3,
+                "registers the consumers' setmaxnreg.inc can take");
   const AttnParams& p = tp.attn;
   const TmaTiles buf = tma_tiles<Tr>(smem_raw);
   unsigned char *sQ = buf.q, *sOut = buf.out, *sK_ring = buf.k_ring, *sV_ring = buf.v_ring;
@@ -256,12 +331,14 @@ __device__ __forceinline__ void forward_tma_tile(const TmaAttnParams& tp, int se
     }
   };
 
-  if (ROLE == TmaRole::kWholeCta) init_tma_forward_barriers<Tr>(buf);
+  if (ROLE == TmaRole::kWholeCta) init_tma_forward_barriers<Tr, PAGE_COPY>(buf);
 
   if (ROLE == TmaRole::kProducer || (ROLE == TmaRole::kWholeCta && threadIdx.x >= Tr::kConsumerThreads)) {
     // The producer warpgroup; one thread issues every load.
-    if (ROLE == TmaRole::kWholeCta) set_max_registers_dec<Tr::kProducerRegisters>();
-    if constexpr (LAYOUT == SeqLayout::kPagedCache) {
+    if (ROLE == TmaRole::kWholeCta) set_max_registers_dec<kProducerRegisters>();
+    if constexpr (PAGE_COPY) {
+      if (loads_q) produce_paged_copies<Tr, HEAD_DIM, BLOCK_N, STAGES>(tp, seq, head, m0, blocks, block_at, buf);
+    } else if constexpr (LAYOUT == SeqLayout::kPagedCache) {
       if (threadIdx.x / 32 == Tr::kConsumerThreads / 32 && loads_q) {
         produce_paged<Tr, BLOCK_N, STAGES>(tp, seq, head, m0, blocks, block_at, buf);
       }
@@ -301,7 +378,7 @@ __device__ __forceinline__ void forward_tma_tile(const TmaAttnParams& tp, int se
     return;  // no CTA barrier follows
   }
 
-  if (ROLE == TmaRole::kWholeCta) set_max_registers_inc<Tr::kConsumerRegisters>();
+  if (ROLE == TmaRole::kWholeCta) set_max_registers_inc<kConsumerRegisters>();
   const HeadView<T> head_view(p, seq, head, span);
   const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
@@ -334,8 +411,13 @@ __device__ __forceinline__ void forward_tma_tile(const TmaAttnParams& tp, int se
       if (!band.all_visible(warp_first_row, warp_last_row, n0, n0 + BLOCK_N - 1)) mask_scores(s, band, warp_first_row, n0);
       return softmax_block(s, row_max, row_sum, p.exp2_scale, [&](int, int h, float a) { alpha[0][h] = a; });
     };
+    const auto wait_keys = [&](int j) {  // K of block j in, and usable
+      mbarrier_wait(k_full + slot(j), parity(j));
+      if constexpr (PAGE_COPY) fence_proxy_async();  // the copies' writes, seen by the products (async proxy)
+    };
     const auto wait_values = [&](int j) {  // V of block j in, and usable
       mbarrier_wait(v_full + slot(j), parity(j));
+      if constexpr (PAGE_COPY) fence_proxy_async();
       if constexpr (LAYOUT != SeqLayout::kDense) {  // only the first block visited reaches past the sequence
         const int past = span.seqlen_k - block_at(0) * BLOCK_N;
         if (j == 0 && past < BLOCK_N) zero_values_past<HEAD_DIM, BLOCK_N, Tr::kConsumerThreads>(sV_ring + slot(0) * Tr::kKVBytes, past);
@@ -346,7 +428,7 @@ __device__ __forceinline__ void forward_tma_tile(const TmaAttnParams& tp, int se
 
     if (wg == CONSUMERS - 1) pass_turn();  // warpgroup 0 goes first
     if (!Tr::kSeveralTiles) mbarrier_wait(q_full, 0);
-    mbarrier_wait(k_full + slot(0), parity(0));
+    wait_keys(0);
     take_turn();
     issue_scores(0);
     pass_turn();
@@ -356,7 +438,7 @@ __device__ __forceinline__ void forward_tma_tile(const TmaAttnParams& tp, int se
     probabilities(block_at(0) * BLOCK_N, alpha);  // O is still zero: nothing to rescale
     pack_a_operands<T, BLOCK_N>(probs, s[0]);
     for (int j = 1; j < blocks; ++j) {
-      mbarrier_wait(k_full + slot(j), parity(j));
+      wait_keys(j);
       wait_values(j - 1);
       take_turn();
       issue_scores(j);
@@ -432,7 +514,7 @@ struct CtaRowBlocks {
 /// on grid (y, z), each taking one block of 64 x CONSUMERS query rows, or with kSeveralTiles
 /// one or more in turn (CtaRowBlocks), heaviest first. Dense layout or a contiguous KV cache.
 template <typename T, int HEAD_DIM, int BLOCK_N, int STAGES, int CONSUMERS, bool SOFTCAP, bool SPARSE = false, bool SEVERAL = false,
-          SeqLayout LAYOUT = SeqLayout::kDense, bool FOLD = false>
+          SeqLayout LAYOUT = SeqLayout::kDense, bool FOLD = false, bool PAGE_COPY = false>
 __global__ void __launch_bounds__(TmaForwardTraits<HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, SEVERAL>::kThreads, 1)
     forward_tma_kernel(const __grid_constant__ TmaAttnParams tp) {
   using Tr = TmaForwardTraits<HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, SEVERAL>;
@@ -440,12 +522,15 @@ __global__ void __launch_bounds__(TmaForwardTraits<HEAD_DIM, BLOCK_N, STAGES, CO
   static_assert(LAYOUT == SeqLayout::kDense || ((LAYOUT == SeqLayout::kCache || LAYOUT == SeqLayout::kPagedCache) && !SEVERAL && !SPARSE),
                 "the cache forms take one row block");
   static_assert(!FOLD || (LAYOUT == SeqLayout::kDense && !SEVERAL && !SPARSE), "the accumulating form: dense, one row block per CTA");
+  static_assert(!PAGE_COPY || LAYOUT == SeqLayout::kPagedCache, "copies: paged caches");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   if (dynamic_smem_bytes() < Tr::kSmemBytes) __trap();  // launch contract
   if (threadIdx.x == Tr::kConsumerThreads) {
     tma_prefetch_map(&tp.q_map);
-    tma_prefetch_map(&tp.k_map);
-    tma_prefetch_map(&tp.v_map);
+    if (!PAGE_COPY) {
+      tma_prefetch_map(&tp.k_map);
+      tma_prefetch_map(&tp.v_map);
+    }
   }
   static_assert(!SPARSE || kSparseBlock % Tr::kBlockM == 0, "a CTA's rows within one mask block");
   const GridCell cell = grid_cell<SPARSE>(tp.attn);
@@ -473,7 +558,7 @@ __global__ void __launch_bounds__(TmaForwardTraits<HEAD_DIM, BLOCK_N, STAGES, CO
       });
     }
   } else {
-    forward_tma_tile<T, HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, SOFTCAP, SPARSE, TmaRole::kWholeCta, LAYOUT, FOLD>(
+    forward_tma_tile<T, HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, SOFTCAP, SPARSE, TmaRole::kWholeCta, LAYOUT, FOLD, PAGE_COPY>(
         tp, seq, head, span, int(gridDim.x) - 1 - cell.x, smem_raw, pipe);
   }
 }
