@@ -17,8 +17,7 @@ paged ones (pages of 16, 7 and 1, shuffled tables, one entry out of range), appe
 pages, lengths at and past the capacity, one split over a whole paged sequence, calls back to
 back (so each one's prefetch runs under the grid before it). ``prefill``: only the chunked
 prefill over paged caches whose pages the TMA forward's producer copies (pages of 16, 3 and 1,
-shuffled, one entry out of range; head dims 64 and 128, softcap, a window) and, at 256, the
-boxes.
+shuffled, one entry out of range; head dims 64, 128, 192 and 256, softcap, a window).
 """
 
 import os
@@ -133,7 +132,7 @@ for dtype in (np.float16, BFLOAT16) if DECODE_ONLY else ():
                     # one split: a CTA streams every key block, so its ring and table-entry slots turn over
                     cuattn.attention_with_kvcache(q, *paged, cache_seqlens=lengths, block_table=table, num_splits=1)
 for dtype in (np.float16, BFLOAT16) if PREFILL_ONLY else ():
-    for d in (64, 128, 256):
+    for d in (64, 128, 192, 256):
         q, lengths = arr((2, 200, 4, d), dtype), cupy.asarray([0, 650], dtype=np.int32)
         k_new, v_new = arr((2, 200, 2, d), dtype), arr((2, 200, 2, d), dtype)
         for page in (16, 3, 1):

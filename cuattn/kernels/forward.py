@@ -53,11 +53,10 @@ TMA_LAYOUTS = ("dense", "cache", "paged_cache")
 # copies (40 registers) serves them.
 TMA_PAGED_SPILLS = {(64, True)}
 # Pages of fewer rows per tile make TMA boxes too small for the TMA unit to keep up with the
-# products: on these tiles the producer copies them instead (forward_tma.cu PAGE_COPY; NOTES,
-# "Hopper forward"), as it does page sizes the boxes cannot take. Not at 192 (24 chunks a row make
-# no whole rounds of 32 lanes) nor, unmeasured, 256: there small pages keep the boxes, and pages
-# the boxes cannot take the copying kernel.
-TMA_BOX_MIN_PAGE = {64: 16, 128: 32}
+# products: the producer copies them instead (forward_tma.cu PAGE_COPY; NOTES, "Hopper
+# forward"), as it does page sizes the boxes cannot take (H100: pages of 16 by boxes at 64, 192
+# and 256, by copies at 128).
+TMA_BOX_MIN_PAGE = {64: 16, 128: 32, 192: 16, 256: 16}
 TMA_PAGE_COPY_TILES = tuple(TMA_BOX_MIN_PAGE)
 TMA_PAGE_COPY_STAGES = 2  # K / V ring slots of that form
 

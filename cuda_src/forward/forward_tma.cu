@@ -229,9 +229,11 @@ __device__ __forceinline__ void produce_paged_copies(const TmaAttnParams& tp, in
                                                      const TmaTiles& tiles) {
   const AttnParams& p = tp.attn;
   constexpr int kRowsPerWarp = BLOCK_N / 4, kChunksPerRow = HEAD_DIM / 8;
-  constexpr int kRowsPerRound = 32 / kChunksPerRow;  // a round: one copy per lane
+  // Lanes per row: the chunks, rounded up to a divisor of 32 (at 192, 24 of 32 lanes copy).
+  constexpr int kLanesPerRow = kChunksPerRow <= 8 ? 8 : kChunksPerRow <= 16 ? 16 : 32;
+  constexpr int kRowsPerRound = 32 / kLanesPerRow;  // a round: one copy per lane
   constexpr int kRounds = kRowsPerWarp / kRowsPerRound;
-  static_assert(kRowsPerWarp <= 32 && 32 % kChunksPerRow == 0 && kRowsPerWarp % kRowsPerRound == 0, "a row per lane, whole rounds");
+  static_assert(kRowsPerWarp <= 32 && kChunksPerRow <= 32 && kRowsPerWarp % kRowsPerRound == 0, "a row per lane, whole rounds");
   const int pt = threadIdx.x - Tr::kConsumerThreads, lane = pt % 32, warp_row0 = pt / 32 * kRowsPerWarp;
   const int kv_head = head / (p.heads_q / p.heads_kv);
   const CacheRows<true> cache(p, seq);
@@ -239,7 +241,8 @@ __device__ __forceinline__ void produce_paged_copies(const TmaAttnParams& tp, in
   const auto entry_of = [&](int j) { return j < blocks ? cache.table_entry(key_at(j)) : 0; };
   // This lane's chunk c of rows warp_row0 + h, + kRowsPerRound, ...: its place in a tile but for
   // the swizzle, the bytes it reads (columns past head_dim: none), its column in the rows.
-  const u32 c = u32(lane) % kChunksPerRow, h = u32(lane) / kChunksPerRow;
+  const u32 c = u32(lane) % kLanesPerRow, h = u32(lane) / kLanesPerRow;
+  const bool copies = kLanesPerRow == kChunksPerRow || c < kChunksPerRow;
   const u32 lane_dst = (c / 8) * (BLOCK_N * kSwizzleRowBytes) + (u32(warp_row0) + h) * kSwizzleRowBytes;
   const u32 chunk_bits = (c % 8) << 4;
   const int src_bytes = min(max(p.head_dim - int(c) * 8, 0), 8) * 2;
@@ -257,7 +260,7 @@ __device__ __forceinline__ void produce_paged_copies(const TmaAttnParams& tp, in
       asm volatile("" : "+r"(i));
       const u32 r = i * kRowsPerRound + h;  // row of the warp's share (warp_row0 is a multiple of 8)
       const i64 offset = __shfl_sync(0xffffffff, row_offset, int(r));
-      cp_async_16_bytes_at(dst + i * (kRowsPerRound * kSwizzleRowBytes) + (chunk_bits ^ ((r << 4) & 0x70)), src + offset, src_bytes);
+      if (copies) cp_async_16_bytes_at(dst + i * (kRowsPerRound * kSwizzleRowBytes) + (chunk_bits ^ ((r << 4) & 0x70)), src + offset, src_bytes);
     }
     cp_async_mbarrier_arrive(full + s);
   };
