@@ -272,7 +272,7 @@ def launch_forward(ctx, c_type, p, rows, heads_q, batch, layout="dense", sparse=
         tp = None
         if forward.tma_serves(c_type, head_dim, arch, wgmma_enabled() and tma_enabled(), layout, fold, dropout, sparse):
             planned = tma_plan(c_type, p, rows, heads_q, batch, sparse, layout, ctx.device.id, fold)
-            if planned is not None and planned[0].dynamic_smem <= device_smem_limit(ctx.device.id):
+            if planned[0].dynamic_smem <= device_smem_limit(ctx.device.id):
                 variant, plan, several = planned
                 tp = tma_params(c_type, p, sparse, several)
         if tp is not None:
@@ -291,13 +291,10 @@ def launch_forward(ctx, c_type, p, rows, heads_q, batch, layout="dense", sparse=
 def tma_plan(c_type: str, p: np.void, rows: int, heads_q: int, batch: int, sparse: bool, layout: str, device_id: int, fold: bool = False):
     """The TMA forward's variant, its launches, and whether it is the SEVERAL form (CTAs taking
     two row blocks each where :func:`cuattn.kernels.forward.tma_row_blocks_per_cta` says so),
-    else one CTA per row block (always when it ``fold``s into an accumulator); None where a paged
-    cache's form does not serve the call."""
+    else one CTA per row block (always when it ``fold``s into an accumulator); a paged cache's
+    K and V come by TMA boxes or by the producer's copies (:func:`cuattn.kernels.forward.tma_page_copy`)."""
     tile, softcap = forward.tma_tile(int(p["head_dim"])), p["softcap"] > 0
-    page_copy = layout == "paged_cache" and forward.tma_page_copy(tile, softcap, int(p["page_size"]))
-    if layout == "paged_cache" and not page_copy and ((tile, softcap) in forward.TMA_PAGED_SPILLS or forward.tma_page_boxes(
-            int(p["page_size"]), forward.tma_tiling(tile, softcap)[0]) is None):
-        return None
+    page_copy = layout == "paged_cache" and forward.tma_page_copy(tile, softcap, int(p["page_size"]))  # else by boxes
     if layout != "dense" or fold:
         variant = forward.tma_variant(c_type, tile, softcap, layout=layout, fold=fold, page_copy=page_copy)
         return variant, forward.tma_launches(variant, rows, heads_q, batch, 1), False

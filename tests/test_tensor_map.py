@@ -66,7 +66,7 @@ def test_only_dense_plain_16_bit_calls_on_hopper_take_the_tma_forward():
 def test_tma_variants_are_compiled_for_hopper_only():
     variants = [v for v in forward.variants() if v.kernel == "forward_tma"]
     several = sum(forward.tma_takes_several(tile, softcap) for tile in forward.TMA_TILES for softcap in (False, True))
-    paged = 2 * len(forward.TMA_TILES) - len(forward.TMA_PAGED_SPILLS) + 2 * len(forward.TMA_PAGE_COPY_TILES)  # by boxes, by copies
+    paged = 2 * len(forward.TMA_TILES) - len(forward.TMA_PAGED_SPILLS) + 2 * len(forward.TMA_TILES)  # by boxes, by copies
     assert len(variants) == 2 * (len(forward.TMA_TILES) * 2 * 4 + paged + several)  # dense, block-sparse, fold, cache, paged; SEVERAL
     assert all(v.archs == ("sm_90a",) and v.threads == 2 * v.block_m + 128 for v in variants)
     assert not [v for v in forward.variants("sm_80") if v.kernel == "forward_tma" and v.builds_for("sm_80")]

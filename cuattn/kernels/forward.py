@@ -57,8 +57,6 @@ TMA_PAGED_SPILLS = {(64, True)}
 # forward"), as it does page sizes the boxes cannot take (H100: pages of 16 by boxes at 64, 192
 # and 256, by copies at 128).
 TMA_BOX_MIN_PAGE = {64: 16, 128: 32, 192: 16, 256: 16}
-TMA_PAGE_COPY_TILES = tuple(TMA_BOX_MIN_PAGE)
-TMA_PAGE_COPY_STAGES = 2  # K / V ring slots of that form
 
 
 def tma_page_boxes(page_size: int, block_n: int) -> int | None:
@@ -71,10 +69,8 @@ def tma_page_boxes(page_size: int, block_n: int) -> int | None:
 
 def tma_page_copy(tile: int, softcap: bool, page_size: int) -> bool:
     """Whether the TMA forward's producer copies a paged cache's K and V (PAGE_COPY) rather
-    than loading TMA boxes: on the tiles of TMA_BOX_MIN_PAGE, for pages under its size there,
-    page sizes the boxes cannot take, and the tile whose box form spills (TMA_PAGED_SPILLS)."""
-    if tile not in TMA_PAGE_COPY_TILES:
-        return False
+    than loading TMA boxes: pages under the tile's TMA_BOX_MIN_PAGE, page sizes the boxes cannot
+    take, and the tile whose box form spills (TMA_PAGED_SPILLS)."""
     boxes = tma_page_boxes(page_size, tma_tiling(tile, softcap)[0])
     return boxes is None or page_size < TMA_BOX_MIN_PAGE[tile] or (tile, softcap) in TMA_PAGED_SPILLS
 # (bucket, softcap) whose dropout form needs more registers than its CTAs per SM leave: CTAs per SM.
@@ -171,17 +167,15 @@ def wgmma_variant(
     )
 
 
-def tma_tiling(tile: int, softcap: bool, sparse: bool = False, several: bool = False, page_copy: bool = False) -> tuple[int, int, int]:
-    """(BLOCK_N, STAGES, CONSUMERS) of the TMA forward at a tile (``several``: its SEVERAL form;
-    ``page_copy``: the paged form whose producer copies, with TMA_PAGE_COPY_STAGES slots)."""
-    block_n, stages, consumers = TMA_NARROW_TILES.get(tile, TMA_TILES[tile]) if softcap or sparse or several else TMA_TILES[tile]
-    return block_n, TMA_PAGE_COPY_STAGES if page_copy else stages, consumers
+def tma_tiling(tile: int, softcap: bool, sparse: bool = False, several: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_N, STAGES, CONSUMERS) of the TMA forward at a tile (``several``: its SEVERAL form)."""
+    return TMA_NARROW_TILES.get(tile, TMA_TILES[tile]) if softcap or sparse or several else TMA_TILES[tile]
 
 
-def tma_smem_bytes(tile: int, softcap: bool = False, sparse: bool = False, several: bool = False, page_copy: bool = False) -> int:
+def tma_smem_bytes(tile: int, softcap: bool = False, sparse: bool = False, several: bool = False) -> int:
     """TmaForwardTraits::kSmemBytes: Q's tile, the K and V rings, the swizzle realignment and
     the barriers, and (CTAs taking several row blocks) out's own tile where it fits sm_90's limit."""
-    block_n, stages, consumers = tma_tiling(tile, softcap, sparse, several, page_copy)
+    block_n, stages, consumers = tma_tiling(tile, softcap, sparse, several)
     q_bytes = 64 * consumers * tile * 2
     base = q_bytes + 2 * stages * block_n * tile * 2 + 1024 + (2 + 4 * stages) * 8
     return base + (q_bytes if several and base + q_bytes <= ARCH_SMEM_OPTIN[WGMMA_ARCH] else 0)
@@ -206,17 +200,17 @@ def tma_variant(
         raise ValueError(f"no TMA forward taking several row blocks per CTA at tile {tile} (softcap {softcap}, sparse {sparse})")
     if layout not in TMA_LAYOUTS or (layout != "dense" and (sparse or several)) or (
             layout == "paged_cache" and not page_copy and (tile, softcap) in TMA_PAGED_SPILLS) or (
-            page_copy and (layout != "paged_cache" or tile not in TMA_PAGE_COPY_TILES)):
+            page_copy and layout != "paged_cache"):
         raise ValueError(f"no TMA forward for layout {layout!r} at tile {tile} with softcap={softcap}, sparse={sparse}, several={several}, "
                          f"page_copy={page_copy}")
     if fold and (layout != "dense" or sparse or several):
         raise ValueError(f"the accumulating TMA forward is dense with one row block per CTA (layout {layout!r}, sparse {sparse}, several {several})")
-    block_n, stages, consumers = tma_tiling(tile, softcap, sparse, several, page_copy)
+    block_n, stages, consumers = tma_tiling(tile, softcap, sparse, several)
     traits = f"cuattn::TmaForwardTraits<{tile}, {block_n}, {stages}, {consumers}, {'true' if several else 'false'}>"
     threads, block_m = 128 * (consumers + 1), 64 * consumers
     flags = (f", false, false, {layout_arg(layout)}, true>" if fold else f", false, false, {layout_arg(layout)}, false, true>" if page_copy
              else f", false, false, {layout_arg(layout)}>" if layout != "dense" else ", false, true>" if several else ", true>" if sparse else ">")
-    smem = tma_smem_bytes(tile, softcap, sparse, several, page_copy)
+    smem = tma_smem_bytes(tile, softcap, sparse, several)
     return Variant(
         family=FAMILY, kernel="forward_tma",
         expression=f"cuattn::forward_tma_kernel<{cxx_type(c_type)}, {tile}, {block_n}, {stages}, {consumers}, {softcap_arg(softcap)}" + flags,
@@ -342,8 +336,7 @@ def variants(arch: str | None = None) -> list[Variant]:
                 out.append(tma_variant(c_type, tile, softcap, layout="cache"))
                 if (tile, softcap) not in TMA_PAGED_SPILLS:
                     out.append(tma_variant(c_type, tile, softcap, layout="paged_cache"))
-                if tile in TMA_PAGE_COPY_TILES:
-                    out.append(tma_variant(c_type, tile, softcap, layout="paged_cache", page_copy=True))
+                out.append(tma_variant(c_type, tile, softcap, layout="paged_cache", page_copy=True))
     for layout in SEQ_LAYOUTS + CACHE_LAYOUTS:
         for c_type in ("f16", "bf16") + (("float",) if layout in SEQ_LAYOUTS else ()):
             for bucket in HEAD_DIM_BUCKETS:

@@ -30,8 +30,8 @@
 // Rows and keys past the tensors are zero-filled by the TMA unit; the band mask (KeyBand) hides
 // keys past seqlen_k. LAYOUT: dense, or a KV cache (chunked prefill): contiguous (kCache: K and V
 // mapped over the whole cache, each sequence's own row and length read on the device) or paged
-// with page sizes of 32 rows and more that the boxes fit (kPagedCache: produce_paged), or any page
-// size by copies (PAGE_COPY: produce_paged_copies). There the rows of the last key
+// by one TMA box per page or part of one (kPagedCache: produce_paged), or, for pages too small for
+// boxes and page sizes they cannot take, by copies (PAGE_COPY: produce_paged_copies; the host picks). There the rows of the last key
 // block past the sequence are in the tensor, so the consumer warpgroups zero those V rows
 // together before their P V products (zero_values_past), as P = 0 times stale cache contents
 // may be NaN.
@@ -213,8 +213,8 @@ __device__ __forceinline__ void produce_paged(const TmaAttnParams& tp, int seq, 
   if (blocks > 0) load(sV_ring, &tp.v_map, v_full, v_empty, blocks - 1, page, pos);
 }
 
-// The producer's loads over a paged KV cache of any page size, by copies (PAGE_COPY): pages of
-// fewer than 32 rows make TMA boxes too small for the TMA unit to keep up (NOTES). The whole
+// The producer's loads over a paged KV cache of any page size, by copies (PAGE_COPY): small pages
+// make TMA boxes too small for the TMA unit to keep up (NOTES). The whole
 // producer warpgroup copies, warp w the rows [w, w + 1) * BLOCK_N / 4 of every K and V block: lane
 // i looks up the page of its warp's row i (a block ahead, as produce_paged does) and holds the
 // row's offset; in each round every lane copies 16 bytes, lanes h * chunks_per_row .. of rows h,
@@ -290,11 +290,12 @@ __device__ __forceinline__ void forward_tma_tile(const TmaAttnParams& tp, int se
                                                  unsigned char* smem_raw, TmaPipe& pipe) {
   using Tr = TmaForwardTraits<HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, ROLE != TmaRole::kWholeCta>;
   // The producer's copies (PAGE_COPY) need more than 24 registers: with two consumer warpgroups
-  // 128 x 40 + 256 x 232 = 64512, the 168 x 384 the launch gives the CTA.
+  // 128 x 40 + 256 x 232 = 64512, the 168 x 384 the launch gives the CTA (three: 128 x 32 +
+  // 384 x 160 = 65536 either way).
   constexpr int kProducerRegisters = PAGE_COPY && CONSUMERS == 2 ? 40 : Tr::kProducerRegisters;
   constexpr int kConsumerRegisters = PAGE_COPY && CONSUMERS == 2 ? 232 : Tr::kConsumerRegisters;
-  static_assert(128 * kProducerRegisters + Tr::kConsumerThreads * kConsumerRegisters <= 168 * Tr::kThreads || CONSUMERS == 3,
-                "registers the consumers' setmaxnreg.inc can take");
+  static_assert(128 * kProducerRegisters + Tr::kConsumerThreads * kConsumerRegisters <= 65536 / Tr::kThreads / 8 * 8 * Tr::kThreads,
+                "registers the consumers' setmaxnreg.inc can take: what the launch gives the CTA");
   const AttnParams& p = tp.attn;
   const TmaTiles buf = tma_tiles<Tr>(smem_raw);
   unsigned char *sQ = buf.q, *sOut = buf.out, *sK_ring = buf.k_ring, *sV_ring = buf.v_ring;
