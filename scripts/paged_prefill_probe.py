@@ -4,7 +4,7 @@ the same work); one line per tree, for A/B runs in one lease:
 
     PYTHONPATH=<tree>:. python scripts/paged_prefill_probe.py <tag> [box_min_page [head_dim]]
 
-``box_min_page``: the TMA forward's TMA_BOX_MIN_PAGE for this process, every tile (0: pages of
+``box_min_page``: the TMA forward's TMA_BOX_MIN_PAGE for this process (0: pages of
 8 and 16 by TMA boxes, as before the producer's copies; the copies take the rest); ``head_dim``: 128 unless
 given.
 """
@@ -22,8 +22,8 @@ HEAD_DIM = int(sys.argv[3]) if len(sys.argv) > 3 else HEAD_DIM
 tag = sys.argv[1]
 if len(sys.argv) > 2:
     from cuattn.kernels import forward
-    if hasattr(forward, "TMA_BOX_MIN_PAGE"):  # the same for every tile
-        forward.TMA_BOX_MIN_PAGE = dict.fromkeys(forward.TMA_BOX_MIN_PAGE, int(sys.argv[2]))
+    if hasattr(forward, "TMA_BOX_MIN_PAGE"):
+        forward.TMA_BOX_MIN_PAGE = int(sys.argv[2]) if isinstance(forward.TMA_BOX_MIN_PAGE, int) else dict.fromkeys(forward.TMA_BOX_MIN_PAGE, int(sys.argv[2]))
 chunk, cached = 2048, 32768
 torch.manual_seed(0)
 q = torch.randn(1, chunk, HEADS_Q, HEAD_DIM, device="cuda", dtype=torch.bfloat16)

@@ -36,12 +36,12 @@ def test_only_dense_plain_16_bit_calls_on_hopper_take_the_tma_forward():
     assert [forward.tma_page_boxes(page, 128) for page in (1, 4, 7, 8, 16, 48, 64, 128, 256, 384, 100)] == [
         None, None, None, 8, 16, None, 64, 128, 128, 128, None]
     assert forward.tma_page_boxes(128, 64) == 64 and forward.tma_page_boxes(96, 64) is None
-    # The producer copies pages under 32 rows at tile 128 (16 at the others) and those the boxes
-    # cannot take (d64 softcap at any page size: its box form spills).
+    # The producer copies pages under 32 rows and those the boxes cannot take (d64 softcap at any
+    # page size: its box form spills).
     assert [forward.tma_page_copy(128, False, page) for page in (1, 7, 8, 16, 31, 32, 48, 64, 256, 100)] == [
         True, True, True, True, True, False, True, False, False, True]
     for tile in (64, 192, 256):
-        assert [forward.tma_page_copy(tile, False, page) for page in (1, 8, 16, 32, 48)] == [True, True, False, False, True]
+        assert [forward.tma_page_copy(tile, False, page) for page in (1, 8, 16, 32, 48)] == [True, True, True, False, True]
     assert forward.tma_page_copy(64, True, 64) and not forward.tma_page_copy(64, False, 64) and not forward.tma_page_copy(256, True, 64)
     assert forward.tma_variant("bf16", 128, False, layout="paged_cache", page_copy=True).uri.endswith("/paged_cache/copies")
     for kw in ({"layout": "cache"}, {"layout": "dense"}):

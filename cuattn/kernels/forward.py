@@ -52,11 +52,10 @@ TMA_LAYOUTS = ("dense", "cache", "paged_cache")
 # (tile, softcap) whose paged form by TMA boxes spills in its producer (24 registers): the form by
 # copies (40 registers) serves them.
 TMA_PAGED_SPILLS = {(64, True)}
-# Pages of fewer rows per tile make TMA boxes too small for the TMA unit to keep up with the
-# products: the producer copies them instead (forward_tma.cu PAGE_COPY; NOTES, "Hopper
-# forward"), as it does page sizes the boxes cannot take (H100: pages of 16 by boxes at 64, 192
-# and 256, by copies at 128).
-TMA_BOX_MIN_PAGE = {64: 16, 128: 32, 192: 16, 256: 16}
+# Pages of fewer rows make TMA boxes too small for the TMA unit to keep up with the products: the
+# producer copies them instead (forward_tma.cu PAGE_COPY; NOTES, "Hopper forward"), as it does
+# page sizes the boxes cannot take (H100: pages of 16 faster by copies at every tile, of 32 by boxes).
+TMA_BOX_MIN_PAGE = 32
 
 
 def tma_page_boxes(page_size: int, block_n: int) -> int | None:
@@ -69,10 +68,10 @@ def tma_page_boxes(page_size: int, block_n: int) -> int | None:
 
 def tma_page_copy(tile: int, softcap: bool, page_size: int) -> bool:
     """Whether the TMA forward's producer copies a paged cache's K and V (PAGE_COPY) rather
-    than loading TMA boxes: pages under the tile's TMA_BOX_MIN_PAGE, page sizes the boxes cannot
+    than loading TMA boxes: pages under TMA_BOX_MIN_PAGE rows, page sizes the boxes cannot
     take, and the tile whose box form spills (TMA_PAGED_SPILLS)."""
     boxes = tma_page_boxes(page_size, tma_tiling(tile, softcap)[0])
-    return boxes is None or page_size < TMA_BOX_MIN_PAGE[tile] or (tile, softcap) in TMA_PAGED_SPILLS
+    return boxes is None or page_size < TMA_BOX_MIN_PAGE or (tile, softcap) in TMA_PAGED_SPILLS
 # (bucket, softcap) whose dropout form needs more registers than its CTAs per SM leave: CTAs per SM.
 WGMMA_DROPOUT_CTAS = {(64, True): 1}
 

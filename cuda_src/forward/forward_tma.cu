@@ -121,8 +121,8 @@ __device__ __forceinline__ TmaTiles tma_tiles(unsigned char* smem_raw) {
 
 // Thread 0 initializes the barriers, then a CTA barrier: the full ones count the producer's one
 // arrival (and the TMA bytes), the empty ones every consumer thread's.
-// With PAGE_COPY the K / V full barriers count an arrival of each producer thread instead (the
-// completion of its copies: produce_paged_copies).
+// With PAGE_COPY the K / V full barriers count an arrival of each producer thread instead (once
+// its copies have landed: produce_paged_copies).
 template <typename Tr, bool PAGE_COPY = false>
 __device__ __forceinline__ void init_tma_forward_barriers(const TmaTiles& t) {
   if (threadIdx.x == 0) {
@@ -214,55 +214,63 @@ __device__ __forceinline__ void produce_paged(const TmaAttnParams& tp, int seq, 
 }
 
 // The producer's loads over a paged KV cache of any page size, by copies (PAGE_COPY): small pages
-// make TMA boxes too small for the TMA unit to keep up (NOTES). The whole
-// producer warpgroup copies, warp w the rows [w, w + 1) * BLOCK_N / 4 of every K and V block: lane
-// i looks up the page of its warp's row i (a block ahead, as produce_paged does) and holds the
-// row's offset; in each round every lane copies 16 bytes, lanes h * chunks_per_row .. of rows h,
-// h + 32 / chunks_per_row, ..., taking the row's offset from the lane holding it (a shuffle) and
-// writing the 128-byte swizzle the TMA unit would. Each thread arrives on the slot's full barrier
-// once its copies have landed (the barrier counts the 128 threads); the consumers fence the async
-// proxy after their wait, since their products read what the copies wrote. Columns past head_dim
-// are zero-filled; keys past the capacity copy its last key again (past the sequence: never
-// used). Q still comes by TMA, from the warpgroup's first thread.
+// make TMA boxes too small for the TMA unit to keep up (NOTES). The whole producer warpgroup
+// copies, warp w the rows [w, w + 1) * BLOCK_N / 4 of every K and V block: lane i looks up the
+// page of its warp's row i (a block ahead, as produce_paged does) and holds the row's address;
+// each copy instruction takes 4 rows, one shuffle of the address per row, 8 lanes a row's 128
+// bytes of a column block (one whole line), written in the 128-byte swizzle the TMA unit would.
+// The products read the copies through the async proxy, so each thread, once a block's copies
+// have landed (cp.async groups: waited for one block behind, after the next block's are issued),
+// fences the async proxy and then arrives on the slot's full barrier, which counts the 128
+// threads (fenced by the consumers after their wait instead, the proxy fence cost them 3%).
+// Columns past head_dim are zero-filled; keys past the capacity copy its last key again (past
+// the sequence: never used). Q still comes by TMA, from the warpgroup's first thread.
 template <typename Tr, int HEAD_DIM, int BLOCK_N, int STAGES, typename BlockAt>
 __device__ __forceinline__ void produce_paged_copies(const TmaAttnParams& tp, int seq, int head, int m0, int blocks, const BlockAt& block_at,
                                                      const TmaTiles& tiles) {
   const AttnParams& p = tp.attn;
-  constexpr int kRowsPerWarp = BLOCK_N / 4, kChunksPerRow = HEAD_DIM / 8;
-  // Lanes per row: the chunks, rounded up to a divisor of 32 (at 192, 24 of 32 lanes copy).
-  constexpr int kLanesPerRow = kChunksPerRow <= 8 ? 8 : kChunksPerRow <= 16 ? 16 : 32;
-  constexpr int kRowsPerRound = 32 / kLanesPerRow;  // a round: one copy per lane
-  constexpr int kRounds = kRowsPerWarp / kRowsPerRound;
-  static_assert(kRowsPerWarp <= 32 && kChunksPerRow <= 32 && kRowsPerWarp % kRowsPerRound == 0, "a row per lane, whole rounds");
+  constexpr int kRowsPerWarp = BLOCK_N / 4;
+  static_assert(kRowsPerWarp <= 32 && kRowsPerWarp % 8 == 0, "a row per lane; whole swizzle periods per warp");
   const int pt = threadIdx.x - Tr::kConsumerThreads, lane = pt % 32, warp_row0 = pt / 32 * kRowsPerWarp;
   const int kv_head = head / (p.heads_q / p.heads_kv);
   const CacheRows<true> cache(p, seq);
   const auto key_at = [&](int j) { return min(block_at(j) * BLOCK_N + warp_row0 + lane % kRowsPerWarp, p.capacity - 1); };
   const auto entry_of = [&](int j) { return j < blocks ? cache.table_entry(key_at(j)) : 0; };
-  // This lane's chunk c of rows warp_row0 + h, + kRowsPerRound, ...: its place in a tile but for
-  // the swizzle, the bytes it reads (columns past head_dim: none), its column in the rows.
-  const u32 c = u32(lane) % kLanesPerRow, h = u32(lane) / kLanesPerRow;
-  const bool copies = kLanesPerRow == kChunksPerRow || c < kChunksPerRow;
-  const u32 lane_dst = (c / 8) * (BLOCK_N * kSwizzleRowBytes) + (u32(warp_row0) + h) * kSwizzleRowBytes;
-  const u32 chunk_bits = (c % 8) << 4;
-  const int src_bytes = min(max(p.head_dim - int(c) * 8, 0), 8) * 2;
-  // Block j's rows into its slot of `ring`; row_offset: this lane's row, in elements from the head's first.
+  // A copy instruction covers 4 rows, 8 lanes a row's 128 bytes of a column block: this lane's
+  // chunk lc of rows 4 s + rg of the warp's share, whose swizzle is (4 s + rg) % 8 = rg ^ 4 (s & 1)
+  // (warp_row0 is a multiple of 8).
+  const u32 lc = u32(lane) % 8, rg = u32(lane) / 8;
+  const u32 row_dst = (u32(warp_row0) + rg) * kSwizzleRowBytes;
+  const u32 swizzled[2] = {row_dst + ((lc ^ rg) << 4), row_dst + ((lc ^ rg ^ 4) << 4)};
+  u64* pending = nullptr;  // the full barrier of the copies committed last, not yet arrived on
+  const auto announce = [&](int groups_in_flight) {  // pending's copies landed: fenced for the products, arrived
+    if (groups_in_flight == 0) {
+      cp_async_wait<0>();
+    } else {
+      cp_async_wait<1>();
+    }
+    fence_proxy_async();
+    mbarrier_arrive(pending);
+  };
+  // Block j's rows into its slot of `ring`; row_offset: this lane's row, in elements from the
+  // head's first. The slot's barrier is arrived on once the next block's copies are issued.
   const auto load = [&](unsigned char* ring, const void* base, i64 head_stride, u64* full, u64* empty, int j, i64 row_offset) {
     const int s = j % STAGES;
     mbarrier_wait(empty + s, ((j / STAGES) & 1) ^ 1);
-    const u32 dst = smem_addr(ring + s * Tr::kKVBytes) + lane_dst;
-    const u16* src = static_cast<const u16*>(base) + kv_head * head_stride + c * 8;
-    // Four rounds in flight; the round index is opaque to the compiler, so that it does not hoist
-    // every round's destination out of the block loop into registers the producer lacks.
-#pragma unroll 4
-    for (int round = 0; round < kRounds; ++round) {
-      u32 i = round;
-      asm volatile("" : "+r"(i));
-      const u32 r = i * kRowsPerRound + h;  // row of the warp's share (warp_row0 is a multiple of 8)
-      const i64 offset = __shfl_sync(0xffffffff, row_offset, int(r));
-      if (copies) cp_async_16_bytes_at(dst + i * (kRowsPerRound * kSwizzleRowBytes) + (chunk_bits ^ ((r << 4) & 0x70)), src + offset, src_bytes);
+    const u32 slot = smem_addr(ring + s * Tr::kKVBytes);
+    const u64 row = reinterpret_cast<u64>(static_cast<const u16*>(base) + kv_head * head_stride + row_offset);
+#pragma unroll
+    for (int set = 0; set < kRowsPerWarp / 4; ++set) {
+      const u16* row_src = reinterpret_cast<const u16*>(__shfl_sync(0xffffffff, row, int(4 * set + rg))) + lc * 8;
+      const u32 dst = slot + swizzled[set & 1] + set * 4 * kSwizzleRowBytes;
+#pragma unroll
+      for (int cb = 0; cb < Tr::kColumnBlocks; ++cb)
+        cp_async_16_or_zeros_at(dst + cb * BLOCK_N * kSwizzleRowBytes, row_src + cb * kSwizzleBlockElems,
+                                cb * kSwizzleBlockElems + int(lc) * 8 < p.head_dim);
     }
-    cp_async_mbarrier_arrive(full + s);
+    cp_async_commit();
+    if (pending != nullptr) announce(1);
+    pending = full + s;
   };
   if (pt == 0) {
     mbarrier_arrive_expect_bytes(tiles.q_full, Tr::kQBytes);
@@ -280,6 +288,7 @@ __device__ __forceinline__ void produce_paged_copies(const TmaAttnParams& tp, in
     v_offset = page * p.v_strides[0] + pos * p.v_strides[1];
   }
   if (blocks > 0) load(tiles.v_ring, p.v, p.v_strides[2], tiles.v_full, tiles.v_empty, blocks - 1, v_offset);
+  if (pending != nullptr) announce(0);
 }
 
 // One row block of a CTA: the producer thread's loads, or the consumers' products, softmax and
@@ -417,11 +426,9 @@ __device__ __forceinline__ void forward_tma_tile(const TmaAttnParams& tp, int se
     };
     const auto wait_keys = [&](int j) {  // K of block j in, and usable
       mbarrier_wait(k_full + slot(j), parity(j));
-      if constexpr (PAGE_COPY) fence_proxy_async();  // the copies' writes, seen by the products (async proxy)
     };
     const auto wait_values = [&](int j) {  // V of block j in, and usable
       mbarrier_wait(v_full + slot(j), parity(j));
-      if constexpr (PAGE_COPY) fence_proxy_async();
       if constexpr (LAYOUT != SeqLayout::kDense) {  // only the first block visited reaches past the sequence
         const int past = span.seqlen_k - block_at(0) * BLOCK_N;
         if (j == 0 && past < BLOCK_N) zero_values_past<HEAD_DIM, BLOCK_N, Tr::kConsumerThreads>(sV_ring + slot(0) * Tr::kKVBytes, past);
