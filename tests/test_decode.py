@@ -125,6 +125,8 @@ def test_chunked_prefill_matches_reference(lengths, seqlen_q, heads_q, heads_kv,
     (64, 16, {"softcap": 15.0, "window": (90, 0)}),
     (128, 16, {"v_padding": 64}),  # V's strides unlike K's
     (64, 1, {"v_padding": 8}),  # three consumer warpgroups, a page per key
+    (96, 16, {}),  # columns past head_dim in the tile (128): zero-filled copies
+    (40, 3, {}),  # the same in tile 64
 ])
 def test_chunked_prefill_pages_by_the_producers_copies(head_dim, page_size, kw):
     """Pages the Hopper TMA forward's producer copies (forward_tma.cu PAGE_COPY) rather than

@@ -41,12 +41,6 @@ __device__ __forceinline__ void mbarrier_wait(u64* bar, u32 parity) {
       : "memory");
 }
 
-// One arrival on bar once every cp.async this thread has issued so far has landed (the barrier's
-// count includes it: .noinc).
-__device__ __forceinline__ void cp_async_mbarrier_arrive(u64* bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_addr(bar)) : "memory");
-}
-
 __device__ __forceinline__ void tma_prefetch_map(const TensorMap* map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<u64>(map)) : "memory");
 }

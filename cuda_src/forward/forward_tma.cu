@@ -217,7 +217,7 @@ __device__ __forceinline__ void produce_paged(const TmaAttnParams& tp, int seq, 
 // make TMA boxes too small for the TMA unit to keep up (NOTES). The whole producer warpgroup
 // copies, warp w the rows [w, w + 1) * BLOCK_N / 4 of every K and V block: lane i looks up the
 // page of its warp's row i (a block ahead, as produce_paged does) and holds the row's address;
-// each copy instruction takes 4 rows, one shuffle of the address per row, 8 lanes a row's 128
+// each copy instruction takes 4 rows, one 64-bit shuffle of the address per row, 8 lanes a row's 128
 // bytes of a column block (one whole line), written in the 128-byte swizzle the TMA unit would.
 // The products read the copies through the async proxy, so each thread, once a block's copies
 // have landed (cp.async groups: waited for one block behind, after the next block's are issued),
@@ -231,6 +231,9 @@ __device__ __forceinline__ void produce_paged_copies(const TmaAttnParams& tp, in
   const AttnParams& p = tp.attn;
   constexpr int kRowsPerWarp = BLOCK_N / 4;
   static_assert(kRowsPerWarp <= 32 && kRowsPerWarp % 8 == 0, "a row per lane; whole swizzle periods per warp");
+  // A block's barrier is arrived on only after the next block's slot is waited for: with one slot
+  // that wait would need the consumers to finish a block not yet announced.
+  static_assert(STAGES >= 2, "copies announced a block behind");
   const int pt = threadIdx.x - Tr::kConsumerThreads, lane = pt % 32, warp_row0 = pt / 32 * kRowsPerWarp;
   const int kv_head = head / (p.heads_q / p.heads_kv);
   const CacheRows<true> cache(p, seq);
