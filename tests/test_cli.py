@@ -63,10 +63,10 @@ def test_warmup_fills_the_manifest(tmp_path):
 
 def test_compile_command_reports_a_table(tmp_path):
     report = tmp_path / "report.json"
-    r = _run("compile", "merge/float/vec1", "--arch", "sm_80", "--json", str(report))
+    r = _run("compile", "merge/sum_partials/float_to_f16", "--arch", "sm_80", "--json", str(report))
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "merge/float/vec1" in r.stdout and "1 compiled, 0 failed" in r.stdout
-    assert [row["uri"] for row in json.loads(report.read_text())] == ["merge/float/vec1/cap16"]
+    assert "merge/sum_partials/float_to_f16" in r.stdout and "1 compiled, 0 failed" in r.stdout
+    assert [row["uri"] for row in json.loads(report.read_text())] == ["merge/sum_partials/float_to_f16"]
 
 
 def test_a_name_that_matches_no_variant_is_an_error(capsys):
