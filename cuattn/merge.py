@@ -37,8 +37,7 @@ def merge(outs, lses):
         is ``-inf`` get ``out = 0`` and ``lse = -inf``. A partial of ``lse = +inf`` (overflowed
         scores) makes its row ``out`` NaN and ``lse = +inf``; one of ``lse`` NaN makes both NaN
         (never a row that looks empty). More than 16 partials are merged 16 at a
-        time into float32 scratch (one array like ``out`` per group), then those results:
-        ``out`` is rounded once.
+        time, the running result rounded to the output dtype between groups.
     """
     if type(outs) in (list, tuple) and type(lses) in (list, tuple):
         result = replay.run("merge", lambda: merge(outs, lses), (*outs, *lses), (len(outs), len(lses)))
@@ -131,43 +130,35 @@ def _check_partials(out_names, outs, lse_names, lses) -> tuple[int, int, int, in
 
 
 def _launch(ctx, outs, lses, dst, dst_lse) -> None:
-    """dst, dst_lse <- the merge of the partials. More than MAX_MERGE_PARTIALS: each group of
-    that many merged into float32 scratch, then the groups' results (so out is rounded once)."""
-    cap = params.MAX_MERGE_PARTIALS
-    if len(outs) > cap:
-        group_outs, group_lses = [], []
-        for first in range(0, len(outs), cap):
-            group_outs.append(ctx.empty(dst.shape, np.float32))
-            group_lses.append(ctx.empty(dst_lse.shape, np.float32))
-            _launch_group(ctx, outs[first:first + cap], lses[first:first + cap], group_outs[-1], group_lses[-1])
-        _launch(ctx, group_outs, group_lses, dst, dst_lse)
-    else:
-        _launch_group(ctx, outs, lses, dst, dst_lse)
-
-
-def _launch_group(ctx, outs, lses, dst, dst_lse) -> None:
-    c_type = validation.check_dtype("outs", outs[0])
-    out_type = validation.check_dtype("out", dst)
+    c_type = validation.check_dtype("out", dst)
     wide = merge_plan.VEC_WIDTHS[c_type][0]
     head_dim = dst.shape[3]
     vec = wide if validation.aligned(
-        [o.ptr for o in outs], [s for o in outs for s in o.strides[:3]], outs[0].dtype.itemsize, wide, head_dim,
-    ) and validation.aligned([dst.ptr], dst.strides[:3], dst.dtype.itemsize, wide, head_dim) else 1
+        [o.ptr for o in outs + [dst]], [s for o in outs + [dst] for s in o.strides[:3]],
+        dst.dtype.itemsize, wide, head_dim,
+    ) else 1
     batch, seqlen, heads, _ = dst.shape
     with ctx.device, ctx.stream:
         sms = loader.device_sm_count(ctx.device.id)
-        cap = merge_plan.cap_for(len(outs), vec)
-        variant = merge_plan.variant(c_type, vec, cap, out_type)
-        grid = merge_plan.grid(batch * seqlen * heads, head_dim, vec, merge_plan.rows_per_lane(cap, vec), sms)
-        p = params.new(params.MERGE_PARAMS)
-        for i, (o, l) in enumerate(zip(outs, lses)):
-            p["outs"][i], p["lses"][i] = o.ptr, l.ptr
-            p["out_strides"][i], p["lse_strides"][i] = o.strides[:3], l.strides
-        p["dst_out"], p["dst_lse"] = dst.ptr, dst_lse.ptr
-        p["dst_out_strides"], p["dst_lse_strides"] = dst.strides[:3], dst_lse.strides
-        p["num_partials"] = len(outs)
-        p["batch"], p["seqlen"], p["heads"], p["head_dim"] = batch, seqlen, heads, head_dim
-        ctx.launch(variant, grid, (variant.threads, 1, 1), p)
+        first = 0
+        while first < len(outs):
+            # After the first group, the running result in dst is partial 0 of the next.
+            carried = [] if first == 0 else [(dst, dst_lse)]
+            take = params.MAX_MERGE_PARTIALS - len(carried)
+            group = carried + list(zip(outs[first:first + take], lses[first:first + take]))
+            first += take
+            cap = merge_plan.cap_for(len(group), vec)
+            variant = merge_plan.variant(c_type, vec, cap)
+            grid = merge_plan.grid(batch * seqlen * heads, head_dim, vec, merge_plan.rows_per_lane(cap, vec), sms)
+            p = params.new(params.MERGE_PARAMS)
+            for i, (o, l) in enumerate(group):
+                p["outs"][i], p["lses"][i] = o.ptr, l.ptr
+                p["out_strides"][i], p["lse_strides"][i] = o.strides[:3], l.strides
+            p["dst_out"], p["dst_lse"] = dst.ptr, dst_lse.ptr
+            p["dst_out_strides"], p["dst_lse_strides"] = dst.strides[:3], dst_lse.strides
+            p["num_partials"] = len(group)
+            p["batch"], p["seqlen"], p["heads"], p["head_dim"] = batch, seqlen, heads, head_dim
+            ctx.launch(variant, grid, (variant.threads, 1, 1), p)
 
 
 def sum_rows(ctx, piece, total, out=None, fresh: bool = False) -> None:

@@ -590,24 +590,3 @@ def test_given_gradients_must_be_writable_device_arrays():
     cu = np.array([0, 8], np.int32)
     with pytest.raises(TypeError, match="dq= / dk= / dv= are written in place, which numpy arrays cannot be"):
         cuattn.attention_varlen_backward(q[0], q[0], q[0], q[0], q[0], lse[0], cu, cu, dv=np.empty_like(q[0]))
-
-
-def test_merge_of_more_than_16_partials_goes_through_float32_groups(fake):
-    """40 bf16 partials: three launches merge groups of 16, 16 and 8 into float32 scratch, then
-    one merges those three into out (rounded once), on the full path and replayed."""
-    outs = [FakeArray((1, 9, 2, 64), "bfloat16", fake["next"] + i * (1 << 16)) for i in range(40)]
-    lses = [FakeArray((1, 2, 9), "float32", fake["next"] + (1 << 24) + i * (1 << 12)) for i in range(40)]
-    fake["next"] += 1 << 26
-    for _ in range(2):
-        first = len(fake["launched"])
-        out, lse = cuattn.merge(outs, lses)
-        launched = fake["launched"][first:]
-        assert [uri for uri, *_ in launched] == ["merge/bf16/vec8/cap16/to_float"] * 2 + ["merge/bf16/vec8/cap8/to_float", "merge/float/vec4/cap4/to_bf16"]
-        structs = [np.frombuffer(l[-1], params.MERGE_PARAMS)[0] for l in launched]
-        for g, p in enumerate(structs[:3]):
-            assert list(p["outs"][:p["num_partials"]]) == [o.ptr for o in outs[16 * g:16 * g + 16]]
-        scratch = [(int(p["dst_out"]), int(p["dst_lse"])) for p in structs[:3]]
-        final = structs[3]
-        assert final["num_partials"] == 3 and [(int(o), int(l)) for o, l in zip(final["outs"][:3], final["lses"][:3])] == scratch
-        assert final["dst_out"] == out.ptr and final["dst_lse"] == lse.ptr and out.dtype == outs[0].dtype
-        assert len({a for pair in scratch for a in pair} | {out.ptr, lse.ptr}) == 8  # no scratch shared or aliased

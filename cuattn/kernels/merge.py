@@ -33,16 +33,12 @@ def rows_per_lane(cap: int, vec: int) -> int:
 
 
 @functools.cache
-def variant(c_type: str, vec: int, cap: int = CAPS[-1], out_type: str | None = None) -> Variant:
-    """The merge of partials of ``c_type`` into ``out_type`` (default ``c_type``; "float" for the
-    groups of more than CAPS[-1] partials, and their results "float" into the output's type)."""
+def variant(c_type: str, vec: int, cap: int = CAPS[-1]) -> Variant:
     rows = rows_per_lane(cap, vec)
-    out_type = out_type or c_type
     return Variant(
         family=FAMILY, kernel="merge",
-        expression=f"cuattn::merge_kernel<{cxx_type(c_type)}, {vec}, {cap}, {rows}"
-        + ("" if out_type == c_type else f", {cxx_type(out_type)}") + ">",
-        uri=f"merge/{c_type}/vec{vec}/cap{cap}" + ("" if rows == 1 else f"/rows{rows}") + ("" if out_type == c_type else f"/to_{out_type}"),
+        expression=f"cuattn::merge_kernel<{cxx_type(c_type)}, {vec}, {cap}, {rows}>",
+        uri=f"merge/{c_type}/vec{vec}/cap{cap}" + ("" if rows == 1 else f"/rows{rows}"),
         hot=True,
         threads=THREADS,
         contract=(("cuattn::kMergeThreads", THREADS),),
@@ -63,11 +59,10 @@ def grid(rows: int, head_dim: int, vec: int, rows_per_lane: int = 1, sms: int = 
 
 
 def variants(arch: str | None = None) -> list[Variant]:
-    caps = {vec: sorted({cap_for(n, vec) for n in range(1, CAPS[-1] + 1)}) for vec in (1, 4, 8)}
-    merges = [variant(c_type, vec, cap) for c_type, vecs in VEC_WIDTHS.items() for vec in vecs for cap in caps[vec]]
-    # More partials than CAPS[-1]: groups of 16-bit partials into float, then those into the output's type.
-    merges += [variant(c_type, vec, cap, "float") for c_type in ("f16", "bf16") for vec in VEC_WIDTHS[c_type] for cap in caps[vec]]
-    merges += [variant("float", vec, cap, c_type) for c_type in ("f16", "bf16") for vec in VEC_WIDTHS["float"] for cap in caps[vec]]
+    merges = [
+        variant(c_type, vec, cap) for c_type, vecs in VEC_WIDTHS.items() for vec in vecs
+        for cap in sorted({cap_for(n, vec) for n in range(1, CAPS[-1] + 1)})
+    ]
     return merges + [sum_variant(c) for c in VEC_WIDTHS] + [sum_variant("float", c) for c in ("f16", "bf16")]
 
 

@@ -15,9 +15,8 @@ constexpr int kMergeThreads = 256;
 /// latency per step rather than one for the lses and another for the values. A partial with
 /// lse = -inf gets weight 0 and its values are dropped by a select, so NaN or garbage there
 /// never reaches dst. dst may alias partial 0 (in-place accumulation): each lane reads its
-/// columns before writing them. dst is TOut: T, or float for the groups of more partials than
-/// CAP (merge.py), whose results the next launch merges (T float, TOut the output's type).
-template <typename T, int VEC, int CAP, int ROWS, typename TOut = T>
+/// columns before writing them.
+template <typename T, int VEC, int CAP, int ROWS>
 __global__ void __launch_bounds__(kMergeThreads, CAP < 16 ? 2 : 1) merge_kernel(const __grid_constant__ MergeParams p) {
   constexpr int BATCH = CAP < 8 ? CAP : 8;  // partials whose values are held at once
   int group = 1;
@@ -88,7 +87,7 @@ __global__ void __launch_bounds__(kMergeThreads, CAP < 16 ? 2 : 1) merge_kernel(
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
       if (!valid[r]) continue;
-      TOut* dst = static_cast<TOut*>(p.dst_out) + b[r] * p.dst_out_strides[0] + s[r] * p.dst_out_strides[1] + h[r] * p.dst_out_strides[2];
+      T* dst = static_cast<T*>(p.dst_out) + b[r] * p.dst_out_strides[0] + s[r] * p.dst_out_strides[1] + h[r] * p.dst_out_strides[2];
       for (int col = first_col; col < p.head_dim; col += group * VEC) {
         float acc[VEC];
         const float start = lse[r] == -neg_inf() || isnan(lse[r]) ? __int_as_float(0x7fc00000) : 0.f;  // NaN under an lse of +inf or NaN
@@ -104,7 +103,7 @@ __global__ void __launch_bounds__(kMergeThreads, CAP < 16 ? 2 : 1) merge_kernel(
             for (int e = 0; e < VEC; ++e) acc[e] = w > 0.f ? fmaf(w, element(raw[r][j], e), acc[e]) : acc[e];
           }
         }
-        store_floats<TOut, VEC>(dst + col, acc);
+        store_floats<T, VEC>(dst + col, acc);
       }
     }
     // Every lane has read lse of partial 0 (which dst_lse may alias) before it is overwritten.
