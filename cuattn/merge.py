@@ -37,7 +37,7 @@ def merge(outs, lses):
         is ``-inf`` get ``out = 0`` and ``lse = -inf``. A partial of ``lse = +inf`` (overflowed
         scores) makes its row ``out`` NaN and ``lse = +inf``; one of ``lse`` NaN makes both NaN
         (never a row that looks empty). More than 16 partials are merged 16 at a
-        time, the running result rounded to the output dtype between groups.
+        time into float32 scratch, whose results are merged in turn: ``out`` is rounded once.
     """
     if type(outs) in (list, tuple) and type(lses) in (list, tuple):
         result = replay.run("merge", lambda: merge(outs, lses), (*outs, *lses), (len(outs), len(lses)))
@@ -107,6 +107,11 @@ def _partials(arrays: dict, count: int | None):
 
 def _unstack(name: str, a: boundary.DeviceArray, ndim: int) -> list[boundary.DeviceArray]:
     validation.check_rank(name, a, ndim, "(N, ...) for stacked partials")
+    return _slices(a)
+
+
+def _slices(a: boundary.DeviceArray) -> list[boundary.DeviceArray]:
+    """``a[0], a[1], ...`` as device views."""
     step = a.strides[0] * a.dtype.itemsize
     return [
         boundary.DeviceArray(None if a.ptr is None else a.ptr + i * step, a.shape[1:], a.strides[1:], a.dtype, a.native)
@@ -130,35 +135,51 @@ def _check_partials(out_names, outs, lse_names, lses) -> tuple[int, int, int, in
 
 
 def _launch(ctx, outs, lses, dst, dst_lse) -> None:
-    c_type = validation.check_dtype("out", dst)
-    wide = merge_plan.VEC_WIDTHS[c_type][0]
-    head_dim = dst.shape[3]
-    vec = wide if validation.aligned(
-        [o.ptr for o in outs + [dst]], [s for o in outs + [dst] for s in o.strides[:3]],
-        dst.dtype.itemsize, wide, head_dim,
-    ) else 1
-    batch, seqlen, heads, _ = dst.shape
+    """Merges the partials into (dst, dst_lse). More than MAX_MERGE_PARTIALS are merged in
+    groups into float32 results, which are merged again (in groups while there are too many),
+    so ``dst`` is rounded once. Every scratch array is allocated before the first launch."""
+    batch, seqlen, heads, head_dim = dst.shape
+    levels = []  # per level of groups: (stacked float32 outs, stacked lses)
+    count = len(outs)
+    while count > params.MAX_MERGE_PARTIALS:
+        count = -(-count // params.MAX_MERGE_PARTIALS)
+        levels.append((ctx.empty((count, batch, seqlen, heads, head_dim), np.float32), ctx.empty((count, batch, heads, seqlen), np.float32)))
     with ctx.device, ctx.stream:
         sms = loader.device_sm_count(ctx.device.id)
-        first = 0
-        while first < len(outs):
-            # After the first group, the running result in dst is partial 0 of the next.
-            carried = [] if first == 0 else [(dst, dst_lse)]
-            take = params.MAX_MERGE_PARTIALS - len(carried)
-            group = carried + list(zip(outs[first:first + take], lses[first:first + take]))
-            first += take
-            cap = merge_plan.cap_for(len(group), vec)
-            variant = merge_plan.variant(c_type, vec, cap)
-            grid = merge_plan.grid(batch * seqlen * heads, head_dim, vec, merge_plan.rows_per_lane(cap, vec), sms)
-            p = params.new(params.MERGE_PARAMS)
-            for i, (o, l) in enumerate(group):
-                p["outs"][i], p["lses"][i] = o.ptr, l.ptr
-                p["out_strides"][i], p["lse_strides"][i] = o.strides[:3], l.strides
-            p["dst_out"], p["dst_lse"] = dst.ptr, dst_lse.ptr
-            p["dst_out_strides"], p["dst_lse_strides"] = dst.strides[:3], dst_lse.strides
-            p["num_partials"] = len(group)
-            p["batch"], p["seqlen"], p["heads"], p["head_dim"] = batch, seqlen, heads, head_dim
-            ctx.launch(variant, grid, (variant.threads, 1, 1), p)
+        parts = list(zip(outs, lses))
+        for group_outs, group_lses in levels:
+            results = list(zip(_slices(group_outs), _slices(group_lses)))
+            for i, (out, lse) in enumerate(results):
+                group = parts[i * params.MAX_MERGE_PARTIALS:(i + 1) * params.MAX_MERGE_PARTIALS]
+                _launch_group(ctx, group, out, lse, sms, grouped=True)
+            parts = results
+        _launch_group(ctx, parts, dst, dst_lse, sms, grouped=len(outs) > params.MAX_MERGE_PARTIALS)
+
+
+def _launch_group(ctx, group, dst, dst_lse, sms: int, grouped: bool) -> None:
+    """One launch merging at most MAX_MERGE_PARTIALS partials into dst; ``grouped``: a step of a
+    larger merge (its variant takes the largest cap and may change the element type)."""
+    c_type = validation.check_dtype("outs", group[0][0])
+    out_type = validation.check_dtype("out", dst)
+    head_dim = dst.shape[3]
+    wide = merge_plan.VEC_WIDTHS[c_type][0]
+    outs = [o for o, _ in group]
+    vec = wide if validation.aligned(
+        [o.ptr for o in outs], [s for o in outs for s in o.strides[:3]], outs[0].dtype.itemsize, wide, head_dim,
+    ) and validation.aligned([dst.ptr], dst.strides[:3], dst.dtype.itemsize, wide, head_dim) else 1
+    cap = merge_plan.CAPS[-1] if grouped else merge_plan.cap_for(len(group), vec)
+    variant = merge_plan.variant(c_type, vec, cap, out_type)
+    batch, seqlen, heads, _ = dst.shape
+    grid = merge_plan.grid(batch * seqlen * heads, head_dim, vec, merge_plan.rows_per_lane(cap, vec), sms)
+    p = params.new(params.MERGE_PARAMS)
+    for i, (o, l) in enumerate(group):
+        p["outs"][i], p["lses"][i] = o.ptr, l.ptr
+        p["out_strides"][i], p["lse_strides"][i] = o.strides[:3], l.strides
+    p["dst_out"], p["dst_lse"] = dst.ptr, dst_lse.ptr
+    p["dst_out_strides"], p["dst_lse_strides"] = dst.strides[:3], dst_lse.strides
+    p["num_partials"] = len(group)
+    p["batch"], p["seqlen"], p["heads"], p["head_dim"] = batch, seqlen, heads, head_dim
+    ctx.launch(variant, grid, (variant.threads, 1, 1), p)
 
 
 def sum_rows(ctx, piece, total, out=None, fresh: bool = False) -> None:

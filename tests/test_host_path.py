@@ -590,3 +590,46 @@ def test_given_gradients_must_be_writable_device_arrays():
     cu = np.array([0, 8], np.int32)
     with pytest.raises(TypeError, match="dq= / dk= / dv= are written in place, which numpy arrays cannot be"):
         cuattn.attention_varlen_backward(q[0], q[0], q[0], q[0], q[0], lse[0], cu, cu, dv=np.empty_like(q[0]))
+
+
+@pytest.mark.parametrize("count, levels", [(40, [3]), (300, [19, 2])])
+def test_merge_of_many_partials_rounds_once(fake, count, levels):
+    """More than 16 partials: groups of 16 merge into float32 scratch, the groups' results
+    merge again (in groups while more than 16), and only the last launch writes the result's
+    dtype; every group's scratch is its own, allocated with the outputs (a repeated call: the
+    two results and one scratch buffer)."""
+    outs = _arrays(fake, *[(1, 9, 2, 64)] * count)
+    lses = _arrays(fake, *[(1, 2, 9)] * count, dtype="float32")
+    for _ in range(3):
+        fake["launched"].clear()
+        allocated = fake["allocated"]
+        merged, merged_lse = cuattn.merge(outs, lses)
+    launched = [(uri, np.frombuffer(raw, params.MERGE_PARAMS)[0]) for uri, *_, raw in fake["launched"]]
+    assert fake["allocated"] - allocated == 3
+    assert [uri for uri, _ in launched] == (
+        ["merge/f16/vec8/cap16/to_float"] * levels[0] + ["merge/float/vec4/cap16"] * sum(levels[1:]) + ["merge/float/vec4/cap16/to_f16"]
+    )
+    inputs = [(o.ptr, l.ptr) for o, l in zip(outs, lses)]
+    at = 0
+    for n in levels + [1]:
+        step, at = launched[at:at + n], at + n
+        assert [p["num_partials"] for _, p in step] == [min(16, len(inputs) - 16 * i) for i in range(n)]
+        assert [(int(a), int(b)) for _, p in step for a, b in zip(p["outs"][:p["num_partials"]], p["lses"][:p["num_partials"]])] == inputs
+        inputs = [(int(p["dst_out"]), int(p["dst_lse"])) for _, p in step]
+    assert inputs == [(merged.ptr, merged_lse.ptr)]
+    assert len({a for pair in (x for _, p in launched[:-1] for x in [(int(p["dst_out"]), int(p["dst_lse"]))]) for a in pair}) == 2 * sum(levels)
+
+
+def test_traced_merge_of_many_partials_allocates_its_scratch_before_any_launch():
+    """JAX sizes an op's buffers by tracing it up to its first launch: every group's float32
+    scratch must be allocated by then."""
+    import types
+
+    outs = [types.SimpleNamespace(shape=(1, 9, 2, 64), dtype=np.dtype("float16")) for _ in range(300)]
+    lses = [types.SimpleNamespace(shape=(1, 2, 9), dtype=np.dtype("float32")) for _ in range(300)]
+    allocations = boundary.validate(cuattn.merge, outs, lses)
+    assert allocations == [
+        ((1, 9, 2, 64), np.dtype("float16")), ((1, 2, 9), np.dtype("float32")),
+        ((19, 1, 9, 2, 64), np.dtype("float32")), ((19, 1, 2, 9), np.dtype("float32")),
+        ((2, 1, 9, 2, 64), np.dtype("float32")), ((2, 1, 2, 9), np.dtype("float32")),
+    ]

@@ -62,6 +62,21 @@ def test_merge_of_partials_differentiates_through_lse(dtype):
         assert max_err(x, r) <= 3 * max_err(b, r) + 1e-5, f"{name}: {max_err(x, r):.3e} vs jax.nn {max_err(b, r):.3e}"
 
 
+@pytest.mark.parametrize("count", [20, 300])
+def test_jitted_merge_of_many_partials_matches_the_reference(count):
+    """Past 16 partials the merge runs in groups through float32 scratch, which XLA allocates
+    from the op's trace: jitted, it equals the float64 reference within one rounding."""
+    from helpers import assert_close_to_rounding
+
+    rng = np.random.default_rng(count)
+    outs = rng.standard_normal((count, 1, 33, 2, 64)).astype(jnp.bfloat16)
+    lses = (rng.standard_normal((count, 1, 2, 33)) * 4).astype(np.float32)
+    out, lse = jax.jit(cj.merge)([jnp.asarray(o) for o in outs], [jnp.asarray(l) for l in lses])
+    ref_out, ref_lse = reference.merge(outs.astype(np.float64), lses)
+    assert_close_to_rounding(np.asarray(out.astype(jnp.float32), np.float64), ref_out, "bfloat16")
+    np.testing.assert_allclose(np.asarray(lse), ref_lse, rtol=4e-6, atol=4e-6)
+
+
 def test_eager_call_and_trace_time_validation():
     q = jnp.ones((1, 8, 4, 64), jnp.bfloat16)
     k = jnp.ones((1, 8, 3, 64), jnp.bfloat16)

@@ -33,16 +33,25 @@ def rows_per_lane(cap: int, vec: int) -> int:
 
 
 @functools.cache
-def variant(c_type: str, vec: int, cap: int = CAPS[-1]) -> Variant:
+def variant(c_type: str, vec: int, cap: int = CAPS[-1], out_type: str | None = None) -> Variant:
+    """Partials of ``c_type`` merged into an ``out_type`` result (default ``c_type``; float for
+    the groups of a merge of more than CAPS[-1] partials, whose results are merged again)."""
+    out_type = out_type or c_type
     rows = rows_per_lane(cap, vec)
     return Variant(
         family=FAMILY, kernel="merge",
-        expression=f"cuattn::merge_kernel<{cxx_type(c_type)}, {vec}, {cap}, {rows}>",
-        uri=f"merge/{c_type}/vec{vec}/cap{cap}" + ("" if rows == 1 else f"/rows{rows}"),
+        expression=f"cuattn::merge_kernel<{cxx_type(c_type)}, {cxx_type(out_type)}, {vec}, {cap}, {rows}>",
+        uri=f"merge/{c_type}/vec{vec}/cap{cap}" + ("" if rows == 1 else f"/rows{rows}") + ("" if out_type == c_type else f"/to_{out_type}"),
         hot=True,
         threads=THREADS,
         contract=(("cuattn::kMergeThreads", THREADS),),
     )
+
+
+def group_variant(c_type: str, out_type: str, vec: int) -> Variant:
+    """A merge of more than CAPS[-1] partials: its groups (``c_type`` partials into float) and the
+    merge of their results (float into ``out_type``) take the largest cap."""
+    return variant(c_type, vec, CAPS[-1], out_type)
 
 
 BLOCKS_PER_SM = 16  # grid cap: fewer, longer-lived blocks (86-94% of copy at 2 partials, H100)
@@ -63,7 +72,10 @@ def variants(arch: str | None = None) -> list[Variant]:
         variant(c_type, vec, cap) for c_type, vecs in VEC_WIDTHS.items() for vec in vecs
         for cap in sorted({cap_for(n, vec) for n in range(1, CAPS[-1] + 1)})
     ]
-    return merges + [sum_variant(c) for c in VEC_WIDTHS] + [sum_variant("float", c) for c in ("f16", "bf16")]
+    groups = [
+        group_variant(a, b, vec) for c in ("f16", "bf16") for a, b in ((c, "float"), ("float", c)) for vec in VEC_WIDTHS[a]
+    ]
+    return merges + groups + [sum_variant(c) for c in VEC_WIDTHS] + [sum_variant("float", c) for c in ("f16", "bf16")]
 
 
 def common_variants() -> list[Variant]:

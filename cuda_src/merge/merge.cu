@@ -7,7 +7,8 @@ namespace cuattn {
 
 constexpr int kMergeThreads = 256;
 
-/// \brief Merges num_partials (<= CAP) partial results into dst. Each row (b, s, h) is handled
+/// \brief Merges num_partials (<= CAP) partial results of type T into dst of type TOut (float
+/// where a merge of more than 16 partials keeps a group's result unrounded for the next). Each row (b, s, h) is handled
 /// by a group of lanes of one warp (the power of two <= 32 that covers head_dim / VEC), each
 /// lane VEC contiguous elements; each group takes ROWS rows at a time and the grid strides
 /// over them. Memory-bound, so what counts is the bytes in flight: every load of a step (the
@@ -16,7 +17,7 @@ constexpr int kMergeThreads = 256;
 /// lse = -inf gets weight 0 and its values are dropped by a select, so NaN or garbage there
 /// never reaches dst. dst may alias partial 0 (in-place accumulation): each lane reads its
 /// columns before writing them.
-template <typename T, int VEC, int CAP, int ROWS>
+template <typename T, typename TOut, int VEC, int CAP, int ROWS>
 __global__ void __launch_bounds__(kMergeThreads, CAP < 16 ? 2 : 1) merge_kernel(const __grid_constant__ MergeParams p) {
   constexpr int BATCH = CAP < 8 ? CAP : 8;  // partials whose values are held at once
   int group = 1;
@@ -87,7 +88,7 @@ __global__ void __launch_bounds__(kMergeThreads, CAP < 16 ? 2 : 1) merge_kernel(
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
       if (!valid[r]) continue;
-      T* dst = static_cast<T*>(p.dst_out) + b[r] * p.dst_out_strides[0] + s[r] * p.dst_out_strides[1] + h[r] * p.dst_out_strides[2];
+      TOut* dst = static_cast<TOut*>(p.dst_out) + b[r] * p.dst_out_strides[0] + s[r] * p.dst_out_strides[1] + h[r] * p.dst_out_strides[2];
       for (int col = first_col; col < p.head_dim; col += group * VEC) {
         float acc[VEC];
         const float start = lse[r] == -neg_inf() || isnan(lse[r]) ? __int_as_float(0x7fc00000) : 0.f;  // NaN under an lse of +inf or NaN
@@ -103,7 +104,7 @@ __global__ void __launch_bounds__(kMergeThreads, CAP < 16 ? 2 : 1) merge_kernel(
             for (int e = 0; e < VEC; ++e) acc[e] = w > 0.f ? fmaf(w, element(raw[r][j], e), acc[e]) : acc[e];
           }
         }
-        store_floats<T, VEC>(dst + col, acc);
+        store_floats_by_16_bytes<TOut, VEC>(dst + col, acc);
       }
     }
     // Every lane has read lse of partial 0 (which dst_lse may alias) before it is overwritten.

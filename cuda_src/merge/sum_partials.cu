@@ -31,9 +31,7 @@ __global__ void __launch_bounds__(kSumThreads) sum_partials_kernel(const __grid_
     if (p.out != nullptr) {
       const i64 row = at / p.row_elems;
       TO* dst = static_cast<TO*>(p.out) + run * p.out_stride + row * p.out_row_stride + (at - row * p.row_elems);
-      constexpr int kStore = 16 / sizeof(TO);  // out (a caller's gradient) is 16-byte aligned, not 32
-#pragma unroll
-      for (int j = 0; j < kVec; j += kStore) store_floats<TO, kStore>(dst + j, *reinterpret_cast<const float(*)[kStore]>(x + j));
+      store_floats_by_16_bytes<TO, kVec>(dst, x);  // out (a caller's gradient) is 16-byte aligned, not 32
     } else {
 #pragma unroll
       for (int j = 0; j < kVec; j += 4) *reinterpret_cast<float4*>(sum + j) = make_float4(x[j], x[j + 1], x[j + 2], x[j + 3]);
