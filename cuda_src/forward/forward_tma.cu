@@ -350,7 +350,8 @@ __device__ __forceinline__ void forward_tma_tile(const TmaAttnParams& tp, int se
   if (ROLE == TmaRole::kWholeCta) init_tma_forward_barriers<Tr, PAGE_COPY>(buf);
 
   if (ROLE == TmaRole::kProducer || (ROLE == TmaRole::kWholeCta && threadIdx.x >= Tr::kConsumerThreads)) {
-    // The producer warpgroup; one thread issues every load.
+    // The producer warpgroup: one thread issues the TMA loads (a warp over paged caches); with
+    // PAGE_COPY every thread copies rows.
     if (ROLE == TmaRole::kWholeCta) set_max_registers_dec<kProducerRegisters>();
     if constexpr (PAGE_COPY) {
       if (loads_q) produce_paged_copies<Tr, HEAD_DIM, BLOCK_N, STAGES>(tp, seq, head, m0, blocks, block_at, buf);
