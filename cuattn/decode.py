@@ -68,7 +68,11 @@ def attention_with_kvcache(
     numbers and cache rows within the cache; appends skip positions past the capacity, pages
     outside the cache and (``cache_batch_idx``) rows outside it. No value reads or writes
     outside the cache; an append writes only the rows or pages its index arrays name (a table
-    entry naming another sequence's page writes there).
+    entry naming another sequence's page writes there), and rows of two sequences appended at
+    the same position (a repeated ``cache_batch_idx``, a shared page) race. A sequence whose
+    ``cache_seqlens[b] + seqlen_new`` passes the capacity keeps its first ``capacity`` keys,
+    and its new tokens are aligned to that end (token ``t`` then sits ``capacity - seqlen_q +
+    t``, not where the rows dropped would have put it): keep lengths within the capacity.
 
     Returns ``out`` (or ``(out, lse)``) as the caller's array type.
     """

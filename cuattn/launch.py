@@ -84,6 +84,9 @@ class DependentLaunch:
 def _refuse(code: int) -> None:
     global refused
     refused = code
+    from cuattn import replay
+
+    replay.clear()  # plans recorded with dependent launches chose for them (the decode's prefetch)
     warnings.warn(f"cuattn: cuLaunchKernelEx refused a programmatic dependent launch (CUresult {code}); "
                   "kernels are launched the ordinary way from now on in this process", RuntimeWarning, stacklevel=2)
 

@@ -39,12 +39,14 @@ _TAG_BASES = (0x5EED << 48, 0x7AC0 << 48)
 _TAG_SHIFT = 40  # source i is tagged base + (i << 40) + 2**39: an offset into it, either sign,
 _TAG_MIDDLE = 1 << (_TAG_SHIFT - 1)  # stays within its 2**40 range (a negative stride points below)
 _U64 = struct.Struct("<Q")
-# CUATTN_WGMMA, CUATTN_TMA and CUATTN_SMALL_BACKWARD, read per call, change the variants a plan holds: read
-# from os.environ's underlying dict where CPython has one (a C-level lookup), else through os.environ.
+# CUATTN_WGMMA, CUATTN_TMA, CUATTN_SMALL_BACKWARD and CUATTN_PDL, read per call, change the variants
+# (and launches) a plan holds: read from os.environ's underlying dict where CPython has one (a
+# C-level lookup), else through os.environ.
 _BYTES_ENV = isinstance(getattr(os.environ, "_data", None), dict) and os.name == "posix"
 _ENV = os.environ._data if _BYTES_ENV else os.environ
-_WGMMA, _TMA, _SMALL = (
-    (b"CUATTN_WGMMA", b"CUATTN_TMA", b"CUATTN_SMALL_BACKWARD") if _BYTES_ENV else ("CUATTN_WGMMA", "CUATTN_TMA", "CUATTN_SMALL_BACKWARD")
+_WGMMA, _TMA, _SMALL, _PDL = (
+    (b"CUATTN_WGMMA", b"CUATTN_TMA", b"CUATTN_SMALL_BACKWARD", b"CUATTN_PDL") if _BYTES_ENV
+    else ("CUATTN_WGMMA", "CUATTN_TMA", "CUATTN_SMALL_BACKWARD", "CUATTN_PDL")
 )
 
 enabled = os.environ.get("CUATTN_REPLAY", "1") != "0"
@@ -502,7 +504,7 @@ def run(op: str, call, arrays: tuple, options: tuple, written: tuple = ()):
     if bits & 15:
         return MISS
     try:
-        key = (op, framework.name, device, _ENV.get(_WGMMA), _ENV.get(_TMA), _ENV.get(_SMALL), tuple(parts), option_key(options))
+        key = (op, framework.name, device, _ENV.get(_WGMMA), _ENV.get(_TMA), _ENV.get(_SMALL), _ENV.get(_PDL), tuple(parts), option_key(options))
         plan = _plans.get(key, MISS)
     except TypeError:  # an unhashable option: the full path reports it
         return MISS
@@ -607,7 +609,7 @@ def run_preallocated(plans: dict, call, sources: list, outputs: list, device: in
     pointers = [0 if x is None else int(x.__cuda_array_interface__["data"][0]) for x in sources]  # None: an absent optional array
     out_pointers = [int(x.__cuda_array_interface__["data"][0]) for x in outputs]
     aligned = not any(p & 15 for p in pointers + out_pointers)
-    key = (device, aligned, _ENV.get(_WGMMA), _ENV.get(_TMA), _ENV.get(_SMALL))
+    key = (device, aligned, _ENV.get(_WGMMA), _ENV.get(_TMA), _ENV.get(_SMALL), _ENV.get(_PDL))
     plan = plans.get(key, MISS)
     if plan is MISS:
         plan = None

@@ -187,8 +187,11 @@ def attention_with_kvcache(
             cache_batch_idx=cache_batch_idx, causal=causal, window=window, scale=scale, softcap=softcap, sink=sink,
             num_splits=num_splits, return_lse=return_lse,
         )
-    _check_cuda(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens, k_new=k_new, v_new=v_new, block_table=block_table,
-                cache_batch_idx=cache_batch_idx, sink=sink)
+    optional = {"k_new": k_new, "v_new": v_new, "block_table": block_table, "cache_batch_idx": cache_batch_idx, "sink": sink}
+    _check_tensors(**{name: t for name, t in optional.items() if t is not None})
+    if (k_new is None) != (v_new is None):  # before the op is chosen: one of them picks the writing op
+        raise TypeError("k_new and v_new go together: pass both or neither")
+    _check_cuda(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens, **optional)
     flat = AttnOptions.from_user(causal, window, "bottom_right", scale, softcap, head_dim=_head_dim(q)).flat(WINDOW_SCHEMA)
     del flat["align"]
     splits = -1 if num_splits is None else check_num_splits(num_splits)
@@ -209,6 +212,7 @@ def append_kv(k_new, v_new, k_cache, v_cache, *, cache_seqlens, block_table=None
     if _eager(*(x for x in (k_new, v_new, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx) if x is not None)):
         return core_append_kv(k_new, v_new, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, cache_batch_idx=cache_batch_idx)
     _check_tensors(k_new=k_new, v_new=v_new, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens)
+    _check_tensors(**{name: t for name, t in (("block_table", block_table), ("cache_batch_idx", cache_batch_idx)) if t is not None})
     _check_cuda(k_new=k_new, v_new=v_new, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens, block_table=block_table,
                 cache_batch_idx=cache_batch_idx)
     op("append_kv")(k_new, v_new, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx)

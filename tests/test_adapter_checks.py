@@ -76,6 +76,23 @@ def test_op_paths_name_a_tensor_off_the_gpu():
             call()
 
 
+def test_op_paths_name_optional_arguments_that_are_not_tensors():
+    """On the op path a list or NumPy block table raised AttributeError (its .device read), and
+    k_new without v_new chose the writing op, whose check came only when the graph ran."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    q, k, v = _qkv()
+    lengths = torch.zeros(1, dtype=torch.int32)
+    with FlopCounterMode(display=False):
+        for name in ("block_table", "cache_batch_idx"):
+            with pytest.raises(TypeError, match=f"{name} must be a torch tensor"):
+                cuattn.torch.attention_with_kvcache(q, k, v, cache_seqlens=lengths, **{name: [0]})
+            with pytest.raises(TypeError, match=f"{name} must be a torch tensor"):
+                cuattn.torch.append_kv(q[:, :1], v[:, :1], k, v, cache_seqlens=lengths, **{name: np.zeros(1, np.int32)})
+        with pytest.raises(TypeError, match="k_new and v_new go together"):
+            cuattn.torch.attention_with_kvcache(q, k, v, cache_seqlens=lengths, k_new=q[:, :1])
+
+
 def test_a_second_differentiation_of_the_backward_raises():
     """torch's once_differentiable lets a create_graph=True gradient through as a constant when
     the incoming gradients need none (the usual case): a gradient penalty lost its term."""

@@ -633,3 +633,24 @@ def test_traced_merge_of_many_partials_allocates_its_scratch_before_any_launch()
         ((19, 1, 9, 2, 64), np.dtype("float32")), ((19, 1, 2, 9), np.dtype("float32")),
         ((2, 1, 9, 2, 64), np.dtype("float32")), ((2, 1, 2, 9), np.dtype("float32")),
     ]
+
+
+def test_a_plan_is_recorded_again_when_dependent_launches_change(fake, monkeypatch):
+    """CUATTN_PDL is part of a plan's key, as the other switches that change what it launches,
+    and a refused dependent launch drops every plan (recorded with dependent launches and the
+    choices made for them, such as the decode's prefetch)."""
+    from cuattn import launch
+
+    q, k, v = _arrays(fake, (1, 64, 2, 64), (1, 64, 2, 64), (1, 64, 2, 64))
+    cuattn.attention(q, k, v)
+    recordings = replay.counters.recordings
+    cuattn.attention(q, k, v)
+    assert replay.counters.recordings == recordings
+    monkeypatch.setenv("CUATTN_PDL", "0")
+    cuattn.attention(q, k, v)
+    assert replay.counters.recordings == recordings + 2
+    assert replay._plans
+    monkeypatch.setattr(launch, "refused", None)
+    with pytest.warns(RuntimeWarning, match="refused a programmatic dependent launch"):
+        launch._refuse(801)
+    assert not replay._plans
