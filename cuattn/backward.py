@@ -138,7 +138,10 @@ def attention_backward(
         sparse = block_mask is not None
         held = []  # the dQ accumulator, until the launches are queued (the pool would hand its memory to the sums below)
         fused = False if small else plan_backward(ctx, c_type, p, grid, deterministic, sparse=sparse, keep=held)
-        sums = _split_key_blocks(ctx, c_type, p, grid, grads, sparse) if fused else None
+        # With a dQ accumulator planned (held) the split sums are sized even where this device
+        # cannot run the fused kernel, as the accumulator is: a JAX call traced on another GPU
+        # allocated them.
+        sums = _split_key_blocks(ctx, c_type, p, grid, grads, sparse, fused) if fused or held else None
         launch_backward(ctx, c_type, p, grid, deterministic, fused=fused, small=small, sparse=sparse)
         for total, dst in zip(sums or (), grads[1:3]):
             sum_rows(ctx, None, total, dst)
@@ -251,14 +254,17 @@ def tma_splits(ctx, c_type: str, p: np.void, g: BackwardGrid, sparse: bool = Fal
     return backward.tma_query_splits(g, loader.device_sm_count(ctx.device_index()), sparse)
 
 
-def _split_key_blocks(ctx, c_type, p, g, grads, sparse: bool):
+def _split_key_blocks(ctx, c_type, p, g, grads, sparse: bool, fused: bool = True):
     """Where the TMA backward splits its key blocks' query steps (``tma_splits``), points p's
     dK / dV at zeroed fp32 sums that the splits add into, and returns them (to be rounded into
-    dK / dV after the launch); else None. A traced call replays the choice that sized them."""
-    splits = ctx.decide("tma_query_splits", lambda: tma_splits(ctx, c_type, p, g, sparse))
+    dK / dV after the launch); else None. A traced call replays the choice that sized them;
+    ``fused`` False (this device takes the unfused kernels) allocates them unused."""
+    splits = ctx.decide("tma_query_splits", lambda: tma_splits(ctx, c_type, p, g, sparse) if fused else 1)
     if splits == 1:
         return None
     sums = [ctx.empty(x.shape, np.float32) for x in grads[1:3]]
+    if not fused:
+        return None
     for total in sums:  # zeros by a launch, which a replayed call repeats (a memset is not recorded)
         sum_rows(ctx, None, total, fresh=True)
     p["dk"], p["dv"], p["dk_strides"], p["dv_strides"] = sums[0].ptr, sums[1].ptr, sums[0].strides[:3], sums[1].strides[:3]

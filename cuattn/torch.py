@@ -180,18 +180,21 @@ def attention_with_kvcache(
     _check_tensors(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens)
     return_lse = check_bool("return_lse", return_lse)
     _refuse_forward_ad("attention_with_kvcache", q, k_cache, v_cache, k_new, v_new, sink)
+    _refuse_gradients("attention_with_kvcache", q=q, k_cache=k_cache, v_cache=v_cache, k_new=k_new, v_new=v_new, sink=sink)
     tensors = [x for x in (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, cache_batch_idx, sink) if x is not None]
     if _eager(*tensors):
-        return core_attention_with_kvcache(
+        result = core_attention_with_kvcache(
             q, k_cache, v_cache, cache_seqlens=cache_seqlens, k_new=k_new, v_new=v_new, block_table=block_table,
             cache_batch_idx=cache_batch_idx, causal=causal, window=window, scale=scale, softcap=softcap, sink=sink,
             num_splits=num_splits, return_lse=return_lse,
         )
-    optional = {"k_new": k_new, "v_new": v_new, "block_table": block_table, "cache_batch_idx": cache_batch_idx, "sink": sink}
-    _check_tensors(**{name: t for name, t in optional.items() if t is not None})
+        if k_new is not None:
+            _bump_versions(k_cache, v_cache)
+        return result
     if (k_new is None) != (v_new is None):  # before the op is chosen: one of them picks the writing op
         raise TypeError("k_new and v_new go together: pass both or neither")
-    _check_cuda(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens, **optional)
+    _check_cuda(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens, k_new=k_new, v_new=v_new, block_table=block_table,
+                cache_batch_idx=cache_batch_idx, sink=sink)
     flat = AttnOptions.from_user(causal, window, "bottom_right", scale, softcap, head_dim=_head_dim(q)).flat(WINDOW_SCHEMA)
     del flat["align"]
     splits = -1 if num_splits is None else check_num_splits(num_splits)
@@ -209,10 +212,12 @@ def attention_with_kvcache(
 def append_kv(k_new, v_new, k_cache, v_cache, *, cache_seqlens, block_table=None, cache_batch_idx=None):
     """:func:`cuattn.append_kv` on torch tensors (``torch.ops.cuattn.append_kv`` when traced)."""
     _refuse_forward_ad("append_kv", k_new, v_new, k_cache, v_cache)
+    _refuse_gradients("append_kv", k_new=k_new, v_new=v_new, k_cache=k_cache, v_cache=v_cache)
     if _eager(*(x for x in (k_new, v_new, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx) if x is not None)):
-        return core_append_kv(k_new, v_new, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, cache_batch_idx=cache_batch_idx)
+        core_append_kv(k_new, v_new, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, cache_batch_idx=cache_batch_idx)
+        _bump_versions(k_cache, v_cache)
+        return None
     _check_tensors(k_new=k_new, v_new=v_new, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens)
-    _check_tensors(**{name: t for name, t in (("block_table", block_table), ("cache_batch_idx", cache_batch_idx)) if t is not None})
     _check_cuda(k_new=k_new, v_new=v_new, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens, block_table=block_table,
                 cache_batch_idx=cache_batch_idx)
     op("append_kv")(k_new, v_new, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx)
@@ -375,6 +380,8 @@ def _check_cuda(**tensors) -> None:
     """ValueError naming the first argument not on a CUDA device or meta (before the dispatcher, which
     would say only that the op has no CPU kernel)."""
     for name, t in tensors.items():
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch tensor or None, got {type(t).__name__}")
         if t is not None and t.device.type not in ("cuda", "meta"):  # meta: shapes only, the ops' fake kernels
             raise ValueError(f"{name} is on device '{t.device}'; cuattn computes on CUDA devices (move it with .cuda())")
 
@@ -458,6 +465,29 @@ def _refuse_forward_ad(name: str, *tensors) -> None:
         raise NotImplementedError(f"cuattn.torch.{name} has no forward-mode derivative (an input is a dual tensor); use reverse mode")
 
 
+def _refuse_gradients(name: str, **tensors) -> None:
+    """NotImplementedError where an argument requires grad under grad mode: the decoding ops
+    have no backward, and their results would come out detached (no gradient, no error)."""
+    if torch.is_grad_enabled():
+        for arg, t in tensors.items():
+            if getattr(t, "requires_grad", False):
+                raise NotImplementedError(
+                    f"cuattn.torch.{name} is not differentiable ({arg} requires grad): call it under torch.no_grad() or "
+                    "torch.inference_mode(), or pass detached tensors (cuattn.torch.attention takes gradients)"
+                )
+
+
+def _bump_versions(*tensors) -> None:
+    """Marks tensors written in place, as torch's in-place ops do, so that autograd refuses a
+    backward that saved their old values; inference tensors have no version counter."""
+    for t in tensors:
+        if not t.is_inference():
+            _increment_version(t)
+
+
+_increment_version = torch.autograd.graph.increment_version
+
+
 def _carries_jvp_tangent(tensors) -> bool:
     """Whether an input is wrapped at the level of an active ``torch.func.jvp``: made inside
     the transformed function (from a primal, or a new tensor there); a tensor from outside it
@@ -530,6 +560,10 @@ def _split(entry: ops.OpEntry, args, kwargs=None) -> tuple[list, dict]:
 def _run(entry: ops.OpEntry, *args, **kwargs):
     arrays, options = _split(entry, args, kwargs)
     results = tuple(entry.call(*arrays, **options))
+    written = entry.written(arrays)
+    if written:
+        named = dict(zip(entry.array_names, arrays))
+        _bump_versions(*(named[name] for name in written))
     return results if entry.returns else None
 
 

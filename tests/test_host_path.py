@@ -654,3 +654,24 @@ def test_a_plan_is_recorded_again_when_dependent_launches_change(fake, monkeypat
     with pytest.warns(RuntimeWarning, match="refused a programmatic dependent launch"):
         launch._refuse(801)
     assert not replay._plans
+
+
+def test_split_sums_are_sized_where_the_fused_kernel_does_not_run(monkeypatch):
+    """A JAX call traced on a Hopper GPU sized the TMA backward's split dK / dV sums; run on a
+    device that takes the unfused kernels (decisions replayed), the op must allocate the same
+    buffers (unused there, as the dQ accumulator is) and leave the gradients where they are."""
+    allocated = []
+
+    class Replaying:
+        def decide(self, name, choose):
+            return {"tma_query_splits": 4}[name]
+
+        def empty(self, shape, dtype):
+            allocated.append((tuple(shape), np.dtype(dtype)))
+            return boundary.DeviceArray(0, tuple(shape), boundary._contiguous_strides(shape), np.dtype(dtype), None)
+
+    p = params.new(params.BACKWARD_PARAMS)
+    grads = [boundary.DeviceArray(1 << 20, (1, 8, 2, 64), (1024, 128, 64, 1), np.dtype(np.float16), None) for _ in range(3)]
+    assert backward_module._split_key_blocks(Replaying(), "f16", p, None, grads, False, fused=False) is None
+    assert allocated == [((1, 8, 2, 64), np.dtype(np.float32))] * 2
+    assert int(p["query_splits"]) == 0 and int(p["sum_grads"]) == 0 and int(p["dk"]) == 0

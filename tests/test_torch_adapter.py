@@ -273,3 +273,59 @@ def test_calls_on_two_devices_in_one_process(monkeypatch, replayed):
         ref = torch.nn.functional.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)), is_causal=True).transpose(1, 2)
         assert out.device == q.device
         torch.testing.assert_close(out, ref, rtol=0, atol=2e-2)
+
+
+@pytest.mark.parametrize("traced", [False, True])
+def test_cache_writes_bump_versions_and_refuse_gradients(traced):
+    """Writes into the KV cache are in place: autograd must see them (a backward that saved the
+    cache's old values raises, as after any in-place op), and the decoding calls, which have no
+    backward, refuse inputs that require grad instead of returning detached results. Traced:
+    the registered ops (a dispatch mode watching)."""
+    import contextlib
+
+    from torch.utils.flop_counter import FlopCounterMode
+
+    mode = (lambda: FlopCounterMode(display=False)) if traced else contextlib.nullcontext
+    q = torch.randn(2, 1, 4, 64, device="cuda", dtype=torch.float16)
+    k_cache, v_cache = (torch.randn(2, 16, 2, 64, device="cuda", dtype=torch.float16) for _ in range(2))
+    k_new, v_new = (torch.randn(2, 1, 2, 64, device="cuda", dtype=torch.float16) for _ in range(2))
+    lengths = torch.tensor([3, 9], dtype=torch.int32, device="cuda")
+    w = torch.randn(2, 16, 2, 64, device="cuda", dtype=torch.float16, requires_grad=True)
+    for call in (
+        lambda: ct.append_kv(k_new, v_new, k_cache, v_cache, cache_seqlens=lengths),
+        lambda: ct.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, k_new=k_new, v_new=v_new),
+    ):
+        saved = (w * k_cache).sum()  # saves k_cache for its backward
+        before = (k_cache._version, v_cache._version)
+        with mode():
+            call()
+        assert k_cache._version > before[0] and v_cache._version > before[1]
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            saved.backward()
+    with torch.inference_mode():  # inference tensors have no version counter: written as before
+        k_inf, v_inf = k_cache.clone(), v_cache.clone()
+        ct.append_kv(k_new, v_new, k_inf, v_inf, cache_seqlens=lengths)
+    with mode():
+        with pytest.raises(NotImplementedError, match="q requires grad"):
+            ct.attention_with_kvcache(q.clone().requires_grad_(), k_cache, v_cache, cache_seqlens=lengths)
+        with pytest.raises(NotImplementedError, match="k_cache requires grad"):
+            ct.append_kv(k_new, v_new, k_cache.clone().requires_grad_(), v_cache, cache_seqlens=lengths)
+    with torch.no_grad():
+        ct.attention_with_kvcache(q.clone().requires_grad_(), k_cache, v_cache, cache_seqlens=lengths)
+
+
+def test_a_broadcast_incoming_gradient_is_read_as_it_is():
+    """A loss weighted by a tensor broadcast over batch, rows and heads hands the backward a
+    view of strides (0, 0, 0, 1): read in place, with the gradients of a contiguous copy."""
+    q, k, v = (x.to(torch.bfloat16) for x in _inputs((2, 77, 4, 64), (2, 77, 4, 64), torch.bfloat16, seed=3))
+    w = torch.randn(1, 1, 1, 64, device="cuda", dtype=torch.bfloat16)
+    grads = []
+    for dense in (False, True):
+        xs = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = ct.attention(*xs, causal=True)
+        dout = w.expand_as(out)
+        out.backward(dout.contiguous() if dense else dout)
+        grads.append([x.grad for x in xs])
+    assert w.expand_as(q).stride() == (0, 0, 0, 1)
+    for a, b in zip(*grads):  # equal up to the order of dQ's fp32 atomic sums
+        torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-2)
