@@ -379,9 +379,10 @@ def _head_dim(q, rank: int = 4) -> int:
 def _check_cuda(**tensors) -> None:
     """ValueError naming the first argument not on a CUDA device or meta (before the dispatcher, which
     would say only that the op has no CPU kernel)."""
-    for name, t in tensors.items():
+    for name, t in tensors.items():  # types first: a TypeError names a wrong argument before any device is read
         if t is not None and not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch tensor or None, got {type(t).__name__}")
+    for name, t in tensors.items():
         if t is not None and t.device.type not in ("cuda", "meta"):  # meta: shapes only, the ops' fake kernels
             raise ValueError(f"{name} is on device '{t.device}'; cuattn computes on CUDA devices (move it with .cuda())")
 
