@@ -151,7 +151,8 @@ def _launch_decode(ctx, c_type: str, a: dict, dst, lse, options: AttnOptions, ca
             f"per block; this GPU has {smem_limit}"
         )
     wide = plan.wide_grid(batch, heads_kv, row_blocks, sm_count)
-    attend = plan.variant(c_type, bucket, paged, options.softcap > 0, smem_limit, wide)
+    runs = plan.takes_runs(bucket, cache["page_size"] if paged else None)
+    attend = plan.variant(c_type, bucket, paged, options.softcap > 0, smem_limit, wide, runs)
     splits = ctx.decide("decode_splits", lambda: splits or plan.num_splits(
         bucket, paged, batch, heads_kv, row_blocks, cache["capacity"], sm_count, smem_limit, wide, resident_ctas(attend, device)))
     grid = plan.grid(splits, heads_kv, row_blocks, batch)  # may raise: before the cache is written

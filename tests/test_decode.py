@@ -78,7 +78,30 @@ CASES = [  # (lengths, seqlen_q, heads_q, heads_kv, head_dim, dtype, page_size)
     ([5, 333], 1, 4, 2, 96, "float16", 16),  # buckets whose rows are not a power of two of chunks
     ([700, 0], 2, 6, 3, 160, "bfloat16", None),
     ([129, 64], 3, 2, 1, 40, "bfloat16", 1),  # head_dim below its bucket
+    # Pages of a multiple of 16 copied as runs of positions (RUNS): a size not a power of two, a
+    # head_dim below its bucket (lanes past it take the general copies), lengths ending mid-run.
+    ([0, 47, 1000, 1553], 1, 8, 2, 128, "bfloat16", 48),
+    ([33, 781], 2, 4, 1, 120, "float16", 32),
+    ([17, 900], 1, 8, 2, 256, "float16", 64),
+    ([999, 14], 1, 12, 3, 192, "bfloat16", None),
 ]
+
+
+def test_runs_of_positions_are_copied_where_a_warp_s_keys_share_a_page():
+    """The decode kernel copies a warp's 16 keys as one run of positions for contiguous caches
+    and pages of a multiple of 16 (from head_dim 96); other page sizes keep the per-row copies,
+    compiled without that branch (it cost pages of 1 10%)."""
+    from cuattn.kernels import decode as plan
+
+    assert [plan.takes_runs(128, p) for p in (None, 16, 48, 256, 1, 8, 24)] == [True, True, True, True, False, False, False]
+    assert not plan.takes_runs(64, None) and not plan.takes_runs(64, 16) and plan.takes_runs(96, 32)
+    assert plan.variant("bf16", 128, True, False, runs=True).uri.endswith("/paged/runs")
+    assert plan.variant("bf16", 128, True, False).expression.endswith(", false>")
+    assert plan.variant("bf16", 128, False, False).expression.endswith(", true>")
+    with pytest.raises(ValueError, match="runs"):
+        plan.variant("bf16", 64, False, False, runs=True)
+    uris = {v.uri for v in plan.variants()}
+    assert "decode/bf16/d128/s3/paged/runs" in uris and "decode/bf16/d64/s2/paged/runs" not in uris
 
 
 @gpu
@@ -268,7 +291,7 @@ def test_default_splits_fill_one_wave_of_resident_ctas(monkeypatch, head_dim, pa
     grid = plan.grid
     monkeypatch.setattr(plan, "grid", lambda *a: grids.append(grid(*a)) or grids[-1])
     _run(np.random.default_rng(15), [8000], 1, 32, 8, head_dim, "bfloat16", 16 if paged else None, **({} if softcap is None else {"softcap": softcap}))
-    variant = plan.variant("bf16", head_dim, paged, softcap is not None, device_smem_limit(0), False)
+    variant = plan.variant("bf16", head_dim, paged, softcap is not None, device_smem_limit(0), False, plan.takes_runs(head_dim, 16 if paged else None))
     ctas, fit = int(np.prod(grids[0])), resident_ctas(variant, cupy.cuda.runtime.getDevice()) * device_sm_count(0)
     assert fit // 2 < ctas <= fit, (grids, fit)
 

@@ -72,16 +72,34 @@ def wide_grid(batch: int, heads_kv: int, row_blocks: int, sm_count: int) -> bool
     return batch * heads_kv * row_blocks > sm_count
 
 
+# Head dims from which a warp copies its 16 keys of a block as one run of positions (decode.cu
+# load_kv_rows RUNS): below, the unrolled copies cost a CTA per SM in registers.
+RUNS_MIN_BUCKET = 96
+
+
+def takes_runs(bucket: int, page_size: int | None) -> bool:
+    """Whether the decode kernel copies runs of positions: a contiguous cache (``page_size``
+    None), or pages of a multiple of 16 positions, from RUNS_MIN_BUCKET."""
+    return bucket >= RUNS_MIN_BUCKET and (page_size is None or page_size % 16 == 0)
+
+
 @functools.cache
-def variant(c_type: str, bucket: int, paged: bool, softcap: bool, smem_limit: int = MAX_SMEM_OPTIN, wide: bool = False) -> Variant:
+def variant(
+    c_type: str, bucket: int, paged: bool, softcap: bool, smem_limit: int = MAX_SMEM_OPTIN, wide: bool = False, runs: bool | None = None,
+) -> Variant:
     """The decode kernel with the ring that fits ``smem_limit`` bytes per block (callers check
-    :func:`stages` is not None first)."""
+    :func:`stages` is not None first); ``runs`` (:func:`takes_runs`; default: contiguous caches
+    from RUNS_MIN_BUCKET) copies runs of positions."""
+    runs = takes_runs(bucket, None) and not paged if runs is None else runs
+    if runs and bucket < RUNS_MIN_BUCKET:
+        raise ValueError(f"no decode kernel copying runs of positions at head_dim bucket {bucket}")
     ring = stages(bucket, paged, smem_limit, wide)
     traits = f"cuattn::DecodeTraits<{bucket}, {ring}>"
     return Variant(
         family=FAMILY, kernel="decode",
-        expression=f"cuattn::decode_kernel<{cxx_type(c_type)}, {bucket}, {ring}, {'true' if paged else 'false'}, {softcap_arg(softcap)}>",
-        uri=f"decode/{c_type}/d{bucket}/s{ring}" + ("/paged" if paged else "") + softcap_uri(softcap),
+        expression=(f"cuattn::decode_kernel<{cxx_type(c_type)}, {bucket}, {ring}, {'true' if paged else 'false'}, {softcap_arg(softcap)}, "
+                    f"{'true' if runs else 'false'}>"),
+        uri=f"decode/{c_type}/d{bucket}/s{ring}" + ("/paged" if paged else "") + softcap_uri(softcap) + ("/runs" if runs and paged else ""),
         hot=True,
         dynamic_smem=smem_bytes_for(bucket, ring),
         threads=WARPS * 32,
@@ -169,6 +187,8 @@ def variants(arch: str | None = None) -> list[Variant]:
                     continue
                 for softcap in (False, True):
                     out.append(variant(c_type, bucket, paged, softcap, smem_limit))
+                    if paged and takes_runs(bucket, 16):
+                        out.append(variant(c_type, bucket, paged, softcap, smem_limit, runs=True))
                     if not paged and stages(bucket, paged, smem_limit, True) != stages(bucket, paged, smem_limit):
                         out.append(variant(c_type, bucket, paged, softcap, smem_limit, True))
             out.append(combine_variant(c_type, bucket))
@@ -178,4 +198,5 @@ def variants(arch: str | None = None) -> list[Variant]:
 
 
 def common_variants() -> list[Variant]:
-    return [variant(c, 128, paged, False) for c in ("f16", "bf16") for paged in (False, True)] + [combine_variant(c, 128) for c in ("f16", "bf16")]
+    return ([variant(c, 128, paged, False) for c in ("f16", "bf16") for paged in (False, True)]
+            + [variant(c, 128, True, False, runs=True) for c in ("f16", "bf16")] + [combine_variant(c, 128) for c in ("f16", "bf16")])

@@ -30,11 +30,15 @@ __device__ __forceinline__ void cp_async_16_or_zeros_at(u32 dst, const void* src
 // A 16-byte copy, zeros where `valid` is false, for data read once (a KV cache streamed by decoding): marked first to leave L2. (The
 // .L2::256B prefetch hint beside it gained 2-4% on an H100 with padded shared rows, and capped a
 // plain read stream at 0.9x on an H200; benchmarks/NOTES.md.)
-__device__ __forceinline__ void cp_async_16_stream(void* dst, const void* src, bool valid) {
+// `dst` a shared-memory address.
+__device__ __forceinline__ void cp_async_16_stream_at(u32 dst, const void* src, bool valid) {
   u64 policy;
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(smem_addr(dst)), "l"(src),
-               "r"(valid ? 16 : 0), "l"(policy));
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0),
+               "l"(policy));
+}
+__device__ __forceinline__ void cp_async_16_stream(void* dst, const void* src, bool valid) {
+  cp_async_16_stream_at(smem_addr(dst), src, valid);
 }
 // The 128-byte line at src pulled into L2, nothing waited for (no register or shared memory).
 __device__ __forceinline__ void prefetch_l2(const void* src) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(src)); }

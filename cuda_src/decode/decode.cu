@@ -57,7 +57,7 @@ struct CacheBand {
 // entry in `rows`, copied there by copy_table_entries STAGES - 1 blocks ahead, and clamped
 // into the cache here). The row loop is not unrolled: unrolled,
 // the compiler keeps every row's address live across the key loop.
-template <typename T, int HEAD_DIM, int STAGES, bool PAGED>
+template <typename T, int HEAD_DIM, int STAGES, bool PAGED, bool RUNS>
 __device__ __forceinline__ void load_kv_rows(T* sK, T* sV, const DecodeParams& p, const CacheRows<PAGED>& cache, const T* k, const T* v,
                                              int n0, int end, const int* rows) {
   using Tr = DecodeTraits<HEAD_DIM, STAGES>;
@@ -66,6 +66,39 @@ __device__ __forceinline__ void load_kv_rows(T* sK, T* sV, const DecodeParams& p
   const int lane = threadIdx.x % 32, first = threadIdx.x / 32 * 16;
   const int r0 = lane / Tr::kChunksPerRow, c = lane % Tr::kChunksPerRow * 8;
   if (r0 >= kRowsPerRound) return;
+  // RUNS (the host's choice: contiguous caches, and pages of a multiple of 16 positions, from
+  // head_dim 96): the warp's 16 keys lie in one run of positions. Where they are all in the
+  // sequence and this lane's column inside head_dim, one address per K and V advanced by a row
+  // stride: ~90 instructions a block at head_dim 128 where the general loop below takes ~340
+  // (its per-row 64-bit address math). The general loop compiles as it did without this branch
+  // where RUNS is off (pages of 1: the branch beside it cost them 10% in registers and
+  // rematerialized addresses); below head_dim 96 the unrolled rounds cost a CTA per SM.
+  if (RUNS && n0 + first + 16 <= end && c < p.head_dim && (!PAGED || cache.page_size % 16 == 0)) {
+    const i64 at = PAGED ? cache.clamp_row(rows[first]) : 0, pos = cache.pos_of(n0 + first + r0);
+    const T* k_row = k + (at * p.k_strides[0] + pos * p.k_strides[1] + c);
+    const T* v_row = v + (at * p.v_strides[0] + pos * p.v_strides[1] + c);
+    const i64 k_step = kRowsPerRound * p.k_strides[1], v_step = kRowsPerRound * p.v_strides[1];
+    // Tr::at(row0 + d, c) for the rounds' row steps d: row0 % 8 = r0 (first is a multiple of
+    // 16) and d a multiple of kRowsPerRound, a power of two above r0, so the swizzle of row0 + d
+    // is row0's xor d % 8 (the compiler cannot see that for a runtime row0).
+    // The row's shared address passed through a shuffle (its own lane's: the same value), which
+    // ptxas takes for a per-lane value: else it split uniform slot bases into uniform registers
+    // beside the copies' L2 policy and gave some copies an odd register pair for the policy,
+    // which the GPU refused (an illegal instruction; NVRTC 13).
+    const int row0 = first + r0, swizzle = ((c >> 3) ^ r0) << 3;
+    const u32 k_at = __shfl_sync(0xffffffff, smem_addr(sK + row0 * Tr::kRowStride), lane);
+    const u32 v_at = k_at + u32(sV - sK) * sizeof(T);
+#pragma unroll
+    for (int i = 0; i < 16 / kRowsPerRound; ++i) {
+      const int d = i * kRowsPerRound;
+      const u32 at = (d * Tr::kRowStride + (Tr::kSwizzled ? swizzle ^ ((d & 7) << 3) : c)) * sizeof(T);
+      cp_async_16_stream_at(k_at + at, k_row, true);
+      cp_async_16_stream_at(v_at + at, v_row, true);
+      k_row += k_step;
+      v_row += v_step;
+    }
+    return;
+  }
 #pragma unroll 1
   for (int r = first + r0; r < first + 16; r += kRowsPerRound) {
     const int j = n0 + r;
@@ -146,8 +179,9 @@ __device__ __forceinline__ void prefetch_first_blocks(const DecodeParams& p, int
   }
 }
 
-template <typename T, int HEAD_DIM, int STAGES, bool PAGED, bool SOFTCAP>
+template <typename T, int HEAD_DIM, int STAGES, bool PAGED, bool SOFTCAP, bool RUNS = false>
 __global__ void __launch_bounds__(kDecodeWarps * 32, 1) decode_kernel(const __grid_constant__ DecodeParams p) {
+  static_assert(!RUNS || HEAD_DIM >= 96, "runs of copies from head_dim 96");
   using Tr = DecodeTraits<HEAD_DIM, STAGES>;
   constexpr int kDTiles = HEAD_DIM / 8;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -184,7 +218,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, 1) decode_kernel(const __gr
     if (PAGED && n_block < b_end) copy_table_entries<PAGED>(cache, n_block * kDecodeBlockN, length, entries_of(n_block));
   };
   const auto load_block = [&](int n_block, int slot) {
-    load_kv_rows<T, HEAD_DIM, STAGES, PAGED>(sK_ring + slot * Tr::kSmemKV, sV_ring + slot * Tr::kSmemKV, p, cache, k_seq, v_seq,
+    load_kv_rows<T, HEAD_DIM, STAGES, PAGED, RUNS>(sK_ring + slot * Tr::kSmemKV, sV_ring + slot * Tr::kSmemKV, p, cache, k_seq, v_seq,
                                              n_block * kDecodeBlockN, length, entries_of(n_block));
   };
 
