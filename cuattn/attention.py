@@ -118,7 +118,7 @@ def attention(
     return_lse = check_bool("return_lse", return_lse)
     ctx, a = boundary.import_arrays(q=q, k=k, v=v, sink=sink, dropout_seed=seed_array, out=out, **mask_arrays)
     if out is not None:
-        ctx.check_writes("out= is")
+        ctx.check_writes("out= is", a["out"])
     c_type = check_qkv(a["q"], a["k"], a["v"], a["out"])
     check_sink(a["sink"], a["q"].shape[2])
     if out is not None:  # out=q is safe: each CTA reads its query rows before it writes them

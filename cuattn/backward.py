@@ -99,7 +99,7 @@ def attention_backward(
         dout=dout, q=q, k=k, v=v, out=out, lse=lse, dlse=dlse, sink=sink, dropout_seed=seed_array, **mask_arrays, dq=dq, dk=dk, dv=dv,
     )
     if given:
-        ctx.check_writes("dq= / dk= / dv= are")
+        ctx.check_writes("dq= / dk= / dv= are", a["dq"], a["dk"], a["dv"])
     c_type = check_qkv(a["q"], a["k"], a["v"], a["out"])
     batch, seqlen_q, heads_q, head_dim = a["q"].shape
     check_sink(a["sink"], heads_q)

@@ -79,6 +79,7 @@ class BlockMask:
                 if not np.array_equal(narrow[name], a):
                     raise ValueError(f"block_mask.{name} holds values outside int32")
             dataclasses.replace(self, **narrow).check()
+            arrays = narrow  # what was checked is what moves (int64 NumPy masks arrive as int32)
         return dataclasses.replace(self, **{name: convert(a) for name, a in arrays.items()})
 
     def to_dense(self) -> np.ndarray:

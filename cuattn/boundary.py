@@ -168,11 +168,14 @@ class CallContext:
         so the buffers XLA allocated always match, whatever the device or environment then says."""
         return choose()
 
-    def check_writes(self, what: str) -> None:
-        """``what`` (``"out= is"``, ...) names arguments the call writes in place: a TypeError
-        before any launch where this call's framework has no mutable arrays (JAX, NumPy)."""
+    def check_writes(self, what: str, *arrays: DeviceArray | None) -> None:
+        """``what`` (``"out= is"``, ...) names ``arrays``, which the call writes in place: a
+        TypeError before any launch where this call's framework has no mutable arrays (JAX,
+        NumPy); PyTorch tensors are marked written (:func:`mark_written`)."""
         if self.framework in (JAX, NUMPY):
             raise TypeError(f"{what} written in place, which {self.framework} arrays cannot be")
+        if self.framework == TORCH:
+            mark_written(*(a.native for a in arrays if a is not None))
 
     def stage(self, *arrays: DeviceArray | None) -> None:
         """Uploads host (NumPy) arguments; device arguments are already in place."""
@@ -236,6 +239,17 @@ class CallContext:
 
 
 _external_streams: dict[tuple[int, int], Any] = {}
+
+
+def mark_written(*tensors) -> None:
+    """Bumps the version counters of torch tensors a call writes in place, as torch's in-place
+    ops do, so that autograd raises for a backward that saved their old values (instead of
+    reading the new ones); inference tensors have none."""
+    import torch
+
+    for t in tensors:
+        if not t.is_inference():
+            torch.autograd.graph.increment_version(t)
 
 
 def _external_stream(stream, device_id: int):

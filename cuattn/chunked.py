@@ -1,6 +1,6 @@
 """Attention over K/V that live in host memory: chunks streamed through the device.
 
-The schedule of DESIGN.md's "K/V streamed from host memory" row. Each chunk of keys is uploaded
+The "K/V streamed from host memory" schedule (benchmarks/NOTES.md). Each chunk of keys is uploaded
 on a copy stream into one of two device slots while the caller's stream computes the previous
 chunk; the forward kernels fold each chunk's partial result into an fp32 accumulator by its
 lse (AttnParams::accum); the sum is rounded to the output dtype once, at the end. The backward
@@ -138,6 +138,10 @@ class _Source:
                     "seqlen_k (the total number of keys) is required with an iterable of chunks under a causal or window mask"
                 )
             self.total = None if seqlen_k is None else _positive_int("seqlen_k", seqlen_k, allow_zero=True)
+            if type(kv_chunks) is tuple and len(kv_chunks) == 2 and all(type(x) is list for x in kv_chunks):
+                # (k chunks, v chunks) would read as the chunks (k0, k1) and (v0, v1) when each holds two
+                raise TypeError("kv_chunks is a tuple of two lists: pass an iterable of (k, v) pairs, such as "
+                                "list(zip(k_chunks, v_chunks)), or one (k, v) pair of host arrays")
             self.items = iter(kv_chunks)
             self.heads_kv = None
 
@@ -503,7 +507,7 @@ def attention_chunked(
             slot ^= 1
     finally:
         streams.finish()
-    _release_device_chunks(ctx, done)
+        _release_device_chunks(ctx, done)  # also where a chunk raised: the kernels queued may still read the others
     if launched:
         sum_rows(ctx, None, acc, out)  # the sum of every chunk, rounded once
     else:  # no chunk, or no key any row sees: out = 0, lse = -inf
@@ -647,7 +651,7 @@ def attention_chunked_backward(
             slot ^= 1
     finally:
         streams.finish()
-    _release_device_chunks(ctx, done)
+        _release_device_chunks(ctx, done)  # also where a chunk raised: the kernels queued may still read the others
     if not source.pair and not results and _any_finite(ctx, a["lse"]):
         raise ValueError("kv_chunks yielded no chunk, but lse has rows that saw keys: an iterable must yield the forward's chunks "
                          "again (an iterator the forward consumed yields nothing)")

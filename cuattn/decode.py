@@ -97,7 +97,7 @@ def attention_with_kvcache(
         cache_batch_idx=cache_batch_idx, sink=sink, out=out,
     )
     if out is not None:
-        ctx.check_writes("out= is")
+        ctx.check_writes("out= is", a["out"])
     _check_q(a)
     batch, seqlen_q, heads_q, head_dim = a["q"].shape
     cache = _check_cache(a, batch, head_dim)
@@ -333,7 +333,7 @@ def _check_new(ctx, a: dict, cache: dict) -> None:
         raise TypeError("k_new and v_new go together: pass both or neither")
     if k_new is None:
         return
-    ctx.check_writes("k_cache and v_cache are")
+    ctx.check_writes("k_cache and v_cache are", a["k_cache"], a["v_cache"])
     k = a["k_cache"]
     batch = a["cache_seqlens"].shape[0]  # k_new / v_new were ranked by _check_cache
     validation.check_same_dtype("k_new", k_new, "k_cache", k)

@@ -83,6 +83,7 @@ def merge_(out, lse, out_b, lse_b):
     ctx, a = boundary.import_arrays(out=out, lse=lse, out_b=out_b, lse_b=lse_b)
     if ctx.framework in (boundary.JAX, boundary.NUMPY):
         raise TypeError(f"merge_ updates out and lse in place, which {ctx.framework} arrays cannot be; use merge")
+    ctx.check_writes("out and lse are", a["out"], a["lse"])
     _check_partials(["out", "out_b"], [a["out"], a["out_b"]], ["lse", "lse_b"], [a["lse"], a["lse_b"]])
     for name in ("out", "lse"):  # rows are read by other warps than write them: no view may shift onto another
         validation.check_writable_output(name, a[name], {n: x for n, x in a.items() if n != name})

@@ -48,6 +48,8 @@ def check_cu_seqlens(cu_q, cu_k, total_q: int, total_k: int) -> int:
     for name, total in (("q", total_q), ("k", total_k)):
         if total > MAX_PACKED_ROWS:  # int32 offsets, totals and row bounds (options.MAX_PACKED_ROWS)
             raise ValueError(f"{name} holds {total} rows (total_{name}); at most 2**31 - 256 are supported (int32 cu_seqlens)")
+    if batch > MAX_PACKED_ROWS:  # the kernels' sequence indices are int32 (empty sequences let batch pass the totals)
+        raise ValueError(f"cu_seqlens_q holds {batch} sequences; at most 2**31 - 256 are supported")
     if batch == 0 and (total_q or total_k):
         raise ValueError(f"no sequences (cu_seqlens of one offset) cannot cover {total_q} query and {total_k} key rows")
     return batch

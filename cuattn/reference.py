@@ -106,11 +106,21 @@ def dropout_keep(heads_q: int, seq: int, rows, cols, dropout_p: float, seed: int
     counter[..., 0] = (cols & ~9)[None, None, :]
     counter[..., 1] = (rows & ~9)[None, :, None]
     counter[..., 2] = (seq * heads_q + heads)[:, None, None]
-    draws = philox4x32_10(counter, (int(seed) & 0xFFFFFFFF, (int(seed) >> 32) & 0xFFFFFFFF))
+    seed = _seed_int(seed)
+    draws = philox4x32_10(counter, (seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF))
     byte = ((rows >> 3) & 1)[:, None] * 8 + (rows & 1)[:, None] * 4 + ((cols >> 3) & 1)[None, :] * 2 + (cols & 1)[None, :]
     word = np.take_along_axis(draws, np.broadcast_to((byte // 4)[None, ..., None], (heads_q, *byte.shape, 1)), axis=-1)[..., 0]
     value = (word >> (8 * (byte % 4))[None].astype(np.uint32)) & np.uint32(0xFF)
     return value >= dropout_threshold(dropout_p)
+
+
+def _seed_int(seed) -> int:
+    """A dropout seed as an int: an int, or the arrays the kernels read (``(2,)`` uint32, low
+    word first, or ``(1,)`` int64 / uint64; any framework's, copied to the host)."""
+    if isinstance(seed, (int, np.integer)):
+        return int(seed)
+    words = np.ascontiguousarray(_host_array(seed)).reshape(-1)
+    return int(words.view("<u8")[0]) if words.nbytes == 8 else int(seed)
 
 
 def _dropout_weights(heads_q, seq, rows, cols, dropout_p, seed):

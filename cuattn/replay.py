@@ -391,6 +391,7 @@ class _Framework:
     allocate: Any  # (shape, dtype, device) -> (native array, address)
     scratch: Any  # (bytes, device) -> (object that owns the memory, address)
     stream: Any  # device -> the current stream's handle
+    mark_written: Any = None  # (arrays written in place) -> None: what the framework's autograd must know
 
 
 _frameworks: dict[type, _Framework] = {}
@@ -448,7 +449,7 @@ def _torch_framework() -> None:
         return raw_stream(device) if raw_stream is not None else torch.cuda.current_stream(device).cuda_stream
 
     layouts: dict[tuple, tuple] = {}
-    framework = _Framework(boundary.TORCH, read, boundary._from_torch, allocate, scratch, stream)
+    framework = _Framework(boundary.TORCH, read, boundary._from_torch, allocate, scratch, stream, boundary.mark_written)
     _frameworks[torch.Tensor] = _frameworks[torch.nn.Parameter] = framework
 
 
@@ -540,6 +541,8 @@ def run(op: str, call, arrays: tuple, options: tuple, written: tuple = ()):
             pointers.extend(plan.scratch_offsets)
         counters.allocations += len(outputs) + (plan.scratch_bytes > 0)
         plan.run(pointers, framework.stream(device))
+        if written and framework.mark_written is not None:
+            framework.mark_written(*(arrays[i] for i, _ in written if arrays[i] is not None))
     finally:
         if switch:
             scope.__exit__(None, None, None)

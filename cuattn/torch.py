@@ -183,14 +183,11 @@ def attention_with_kvcache(
     _refuse_gradients("attention_with_kvcache", q=q, k_cache=k_cache, v_cache=v_cache, k_new=k_new, v_new=v_new, sink=sink)
     tensors = [x for x in (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, cache_batch_idx, sink) if x is not None]
     if _eager(*tensors):
-        result = core_attention_with_kvcache(
+        return core_attention_with_kvcache(
             q, k_cache, v_cache, cache_seqlens=cache_seqlens, k_new=k_new, v_new=v_new, block_table=block_table,
             cache_batch_idx=cache_batch_idx, causal=causal, window=window, scale=scale, softcap=softcap, sink=sink,
             num_splits=num_splits, return_lse=return_lse,
         )
-        if k_new is not None:
-            _bump_versions(k_cache, v_cache)
-        return result
     if (k_new is None) != (v_new is None):  # before the op is chosen: one of them picks the writing op
         raise TypeError("k_new and v_new go together: pass both or neither")
     _check_cuda(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens, k_new=k_new, v_new=v_new, block_table=block_table,
@@ -214,9 +211,7 @@ def append_kv(k_new, v_new, k_cache, v_cache, *, cache_seqlens, block_table=None
     _refuse_forward_ad("append_kv", k_new, v_new, k_cache, v_cache)
     _refuse_gradients("append_kv", k_new=k_new, v_new=v_new, k_cache=k_cache, v_cache=v_cache)
     if _eager(*(x for x in (k_new, v_new, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx) if x is not None)):
-        core_append_kv(k_new, v_new, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, cache_batch_idx=cache_batch_idx)
-        _bump_versions(k_cache, v_cache)
-        return None
+        return core_append_kv(k_new, v_new, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, cache_batch_idx=cache_batch_idx)
     _check_tensors(k_new=k_new, v_new=v_new, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens)
     _check_cuda(k_new=k_new, v_new=v_new, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens, block_table=block_table,
                 cache_batch_idx=cache_batch_idx)
@@ -478,17 +473,6 @@ def _refuse_gradients(name: str, **tensors) -> None:
                 )
 
 
-def _bump_versions(*tensors) -> None:
-    """Marks tensors written in place, as torch's in-place ops do, so that autograd refuses a
-    backward that saved their old values; inference tensors have no version counter."""
-    for t in tensors:
-        if not t.is_inference():
-            _increment_version(t)
-
-
-_increment_version = torch.autograd.graph.increment_version
-
-
 def _carries_jvp_tangent(tensors) -> bool:
     """Whether an input is wrapped at the level of an active ``torch.func.jvp``: made inside
     the transformed function (from a primal, or a new tensor there); a tensor from outside it
@@ -561,10 +545,6 @@ def _split(entry: ops.OpEntry, args, kwargs=None) -> tuple[list, dict]:
 def _run(entry: ops.OpEntry, *args, **kwargs):
     arrays, options = _split(entry, args, kwargs)
     results = tuple(entry.call(*arrays, **options))
-    written = entry.written(arrays)
-    if written:
-        named = dict(zip(entry.array_names, arrays))
-        _bump_versions(*(named[name] for name in written))
     return results if entry.returns else None
 
 

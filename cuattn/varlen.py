@@ -85,7 +85,7 @@ def attention_varlen(
         q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, sink=sink, dropout_seed=seed_array, out=out,
     )
     if out is not None:
-        ctx.check_writes("out= is")
+        ctx.check_writes("out= is", a["out"])
     call = _PackedCall(a, max_seqlen_q, max_seqlen_k, causal, window, align, scale, softcap, dropout_p, dropout_seed)
     if out is not None:  # out=q is safe: each CTA reads its query rows before it writes them
         validation.check_writable_output("out", a["out"], {n: x for n, x in a.items() if n != "out"}, same_as_ok="q")
@@ -161,7 +161,7 @@ def attention_varlen_backward(
         dropout_seed=seed_array, dq=dq, dk=dk, dv=dv,
     )
     if given:
-        ctx.check_writes("dq= / dk= / dv= are")
+        ctx.check_writes("dq= / dk= / dv= are", a["dq"], a["dk"], a["dv"])
     call = _PackedCall(a, max_seqlen_q, max_seqlen_k, causal, window, align, scale, softcap, dropout_p, dropout_seed)
     check_dout(a["dout"], a["q"], call.c_type, PACKED)
     for name in ("lse", "dlse"):

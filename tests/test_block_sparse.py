@@ -163,6 +163,16 @@ def test_incomplete_masks_are_named():
         bm.BlockMask(*good.arrays, 300, None).check()
 
 
+def test_a_wider_numpy_mask_moves_as_the_int32_it_was_checked_as():
+    """BlockMask.to checked an int64 NumPy mask as int32 but handed convert the int64 arrays,
+    which the call then refused (block_mask.kv_counts must be int32)."""
+    mask = bm.local_global(300, 260, window_blocks=1)
+    wide = mask.to(lambda a: a.astype(np.int64))
+    moved = wide.to(np.copy)
+    assert all(a.dtype == np.int32 for a in moved.arrays)
+    assert all(np.array_equal(a, b) for a, b in zip(moved.arrays, mask.arrays))
+
+
 def _edited(mask, name, edit):
     """A copy of ``mask`` with ``edit`` applied to the host array ``name``."""
     m = mask.to(np.copy)

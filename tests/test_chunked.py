@@ -98,6 +98,8 @@ def test_iterables_need_their_length_under_a_mask_and_well_formed_chunks():
         list(chunked._Source([(k, k), (k, k)], _q(), None, None, 20, needs_total=True))
     with pytest.raises(ValueError, match=r"more than seqlen_k \(10\)"):
         list(chunked._Source([(k, k), (k, k)], _q(), None, None, 10, needs_total=True))
+    with pytest.raises(TypeError, match="tuple of two lists"):  # (k chunks, v chunks) read as chunks (k0, k1), (v0, v1)
+        chunked._Source(([k, k], [k, k]), _q(), None, None, None, needs_total=False)
     chunks = list(chunked._Source([(k, k), (k[:, :4], k[:, :4])], _q(), None, None, None, needs_total=False))
     assert [(c.start, c.length, c.index, c.on_host) for c in chunks] == [(0, 9, 0, True), (9, 4, 1, True)]
 

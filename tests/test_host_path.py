@@ -6,6 +6,7 @@ that the replayed parameter structs are the ones the full path builds."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import ctypes
 import importlib
 import pathlib
@@ -675,3 +676,27 @@ def test_split_sums_are_sized_where_the_fused_kernel_does_not_run(monkeypatch):
     assert backward_module._split_key_blocks(Replaying(), "f16", p, None, grads, False, fused=False) is None
     assert allocated == [((1, 8, 2, 64), np.dtype(np.float32))] * 2
     assert int(p["query_splits"]) == 0 and int(p["sum_grads"]) == 0 and int(p["dk"]) == 0
+
+
+def test_replayed_calls_mark_the_arrays_they_write(fake, monkeypatch):
+    """A framework whose autograd tracks in-place writes (PyTorch: version counters) hears of
+    every array a replayed call writes: merge_'s out and lse, the backward's given gradients;
+    nothing for a call that writes none."""
+    marked = []
+    framework = replay._frameworks[FakeArray]
+    monkeypatch.setitem(replay._frameworks, FakeArray, dataclasses.replace(framework, mark_written=lambda *a: marked.append(a)))
+    o1, o2 = _arrays(fake, (1, 9, 2, 64), (1, 9, 2, 64))
+    l1, l2 = _arrays(fake, (1, 2, 9), (1, 2, 9), dtype="float32")
+    for _ in range(3):
+        cuattn.merge_(o1, l1, o2, l2)
+    assert marked[-1] == (o1, l1) and len(marked) >= 1
+    q, k, v, dout, dq, dk = _arrays(fake, *[(1, 64, 2, 64)] * 6)
+    out, lse = cuattn.attention(q, k, v, return_lse=True)
+    before = len(marked)
+    for _ in range(3):
+        cuattn.attention_backward(dout, q, k, v, out, lse, dq=dq, dk=dk)
+    assert marked[-1] == (dq, dk) and len(marked) > before
+    before = len(marked)
+    cuattn.attention(q, k, v)
+    cuattn.attention(q, k, v)
+    assert len(marked) == before

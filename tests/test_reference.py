@@ -266,3 +266,15 @@ def test_reference_merge_of_a_nan_lse_is_nan():
     out, lse = reference.merge(outs, lses)
     assert np.isnan(lse).sum() == 1 and np.isnan(lse[0, 0, 3])
     assert np.isnan(out).sum() == 5 and np.isnan(out[0, 3, 0]).all()
+
+
+def test_reference_dropout_takes_the_seed_arrays_the_kernels_take():
+    """The oracle read only an int seed; calls replayed by CUDA graphs pass (2,) uint32 words
+    (low first) or one int64 / uint64."""
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.standard_normal((1, 40, 2, 16)) for _ in range(3))
+    seed = (7 << 32) | 12345
+    want = reference.attention(q, k, v, dropout_p=0.3, dropout_seed=seed)
+    for array in (np.array([12345, 7], np.uint32), np.array([seed], np.int64), np.array([seed], np.uint64)):
+        np.testing.assert_array_equal(reference.attention(q, k, v, dropout_p=0.3, dropout_seed=array), want)
+    assert not np.array_equal(reference.attention(q, k, v, dropout_p=0.3, dropout_seed=seed + 1), want)

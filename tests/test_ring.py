@@ -140,6 +140,9 @@ def test_bad_rings_are_refused():
         cuattn.dist.ring_attention_simulated(q, strided, strided)
     with pytest.raises(ValueError, match="self-attention"):
         cuattn.dist.ring_attention_simulated(q, [np.ones((1, 4, 2, 64), np.float16)] * 2, [np.ones((1, 4, 2, 64), np.float16)] * 2)
+    strided_q = np.ones((1, 8, 2, 128), np.float16)[..., ::2]  # every rank's q checked, not only rank 0's
+    with pytest.raises(ValueError, match="unit stride"):
+        cuattn.dist.ring_attention_simulated([q[0], strided_q], q, q)
 
 
 def _ring(full, world, lay, dtype, kw, dlse=None, deterministic=False):

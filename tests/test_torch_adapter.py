@@ -329,3 +329,22 @@ def test_a_broadcast_incoming_gradient_is_read_as_it_is():
     assert w.expand_as(q).stride() == (0, 0, 0, 1)
     for a, b in zip(*grads):  # equal up to the order of dQ's fp32 atomic sums
         torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_in_place_writes_of_the_core_calls_bump_versions():
+    """cuattn.merge_ and the calls' out= write torch tensors in place: a backward that saved
+    them raises, as after torch's in-place ops, where it read the new values silently."""
+    import cuattn
+
+    q, k, v = (torch.randn(1, 64, 2, 64, device="cuda", dtype=torch.float16) for _ in range(3))
+    out, lse = cuattn.attention(q, k, v, return_lse=True)
+    out_b, lse_b = cuattn.attention(q, k.flip(1), v, return_lse=True)
+    for write in (lambda: cuattn.merge_(out, lse, out_b, lse_b), lambda: cuattn.attention(q, k, v, out=out)):
+        for _ in range(2):  # the full path, then the replayed plan
+            w = torch.randn_like(out, requires_grad=True)
+            saved = (w * out).sum()
+            version = out._version
+            write()
+            assert out._version > version
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                saved.backward()

@@ -298,3 +298,16 @@ def test_packed_totals_past_int32_are_a_value_error(side):
                 boundary.trace(cuattn.attention_varlen, q, k, k, cu, cu)
         else:
             boundary.trace(cuattn.attention_varlen, q, k, k, cu, cu)
+
+
+def test_sequences_past_int32_are_a_value_error():
+    """Empty sequences let the count of sequences pass the row totals: (2**31 + 10) offsets
+    passed the checks and raised an OverflowError where the int32 batch was packed."""
+    from types import SimpleNamespace
+
+    from cuattn import boundary
+
+    spec = lambda shape, dtype: SimpleNamespace(shape=tuple(shape), dtype=np.dtype(dtype))  # noqa: E731
+    q = spec((64, 1, 8), np.float16)
+    with pytest.raises(ValueError, match="sequences; at most 2\\*\\*31 - 256"):
+        boundary.trace(cuattn.attention_varlen, q, q, q, spec((2**31 + 10,), np.int32), spec((2**31 + 10,), np.int32))

@@ -1,4 +1,4 @@
-"""Ring attention (context parallelism), the schedule of DESIGN.md's ring row.
+"""Ring attention (context parallelism): the ring schedule (benchmarks/NOTES.md, "Ring attention").
 
 Each of W ranks holds a shard of the queries, keys and values (:mod:`cuattn.dist.layout`).
 At step s rank r computes its queries against the K/V shard of rank r - s, which it received
@@ -276,6 +276,8 @@ def _check_common(q, k, v, world: int, layout: str):
             validation.check_same_dtype(f"{name}[{r}]", x, "q[0]", q[0])
             if name != "q":  # q stays where it is
                 _check_contiguous(f"{name}[{r}]", x)
+    for r in range(1, len(q)):  # strides and alignment of every rank's, not only rank 0's
+        _check_rank(q[r], k[r], v[r], world, layout)
     return _check_rank(q[0], k[0], v[0], world, layout)
 
 
