@@ -125,6 +125,7 @@ class CallContext:
         self.device_id = device_id
         self._external = external_stream  # a foreign stream object (torch.cuda.Stream)
         self._device = self._stream = None
+        self._written = ()  # torch tensors to mark written at the first launch (check_writes)
 
     @property
     def device(self):
@@ -174,8 +175,8 @@ class CallContext:
         NumPy); PyTorch tensors are marked written (:func:`mark_written`)."""
         if self.framework in (JAX, NUMPY):
             raise TypeError(f"{what} written in place, which {self.framework} arrays cannot be")
-        if self.framework == TORCH:
-            mark_written(*(a.native for a in arrays if a is not None))
+        if self.framework == TORCH:  # marked at the first launch: a call refused before it writes nothing
+            self._written += tuple(a.native for a in arrays if a is not None)
 
     def stage(self, *arrays: DeviceArray | None) -> None:
         """Uploads host (NumPy) arguments; device arguments are already in place."""
@@ -208,6 +209,7 @@ class CallContext:
         self.stream``)."""
         from cuattn.loader import load_kernel
 
+        self._mark_written()
         kernel = load_kernel(variant)
         if variant.dependent:
             from cuattn import launch
@@ -217,10 +219,16 @@ class CallContext:
                 return
         kernel(grid, block, (p,), shared_mem=variant.dynamic_smem)
 
+    def _mark_written(self) -> None:
+        if self._written:
+            mark_written(*self._written)
+            self._written = ()
+
     def zero(self, *arrays: DeviceArray) -> None:
         """Fills arrays this call allocated (contiguous) with zeros, on the call's stream."""
         import cupy
 
+        self._mark_written()
         with self.device, self.stream:
             for a in arrays:
                 cupy.cuda.runtime.memsetAsync(a.ptr, 0, a.size * a.dtype.itemsize, self.stream.ptr)
@@ -247,9 +255,9 @@ def mark_written(*tensors) -> None:
     reading the new ones); inference tensors have none."""
     import torch
 
-    for t in tensors:
-        if not t.is_inference():
-            torch.autograd.graph.increment_version(t)
+    live = [t for t in tensors if not t.is_inference()]
+    if live:
+        torch.autograd.graph.increment_version(live)
 
 
 def _external_stream(stream, device_id: int):

@@ -140,8 +140,9 @@ class _Source:
             self.total = None if seqlen_k is None else _positive_int("seqlen_k", seqlen_k, allow_zero=True)
             if type(kv_chunks) is tuple and len(kv_chunks) == 2 and all(type(x) is list for x in kv_chunks):
                 # (k chunks, v chunks) would read as the chunks (k0, k1) and (v0, v1) when each holds two
-                raise TypeError("kv_chunks is a tuple of two lists: pass an iterable of (k, v) pairs, such as "
-                                "list(zip(k_chunks, v_chunks)), or one (k, v) pair of host arrays")
+                raise TypeError("kv_chunks is a tuple of two lists, which reads as (k chunks, v chunks): pass an iterable of (k, v) "
+                                "pairs, such as list(zip(k_chunks, v_chunks)) (two chunks: a list of tuples), or one (k, v) pair of "
+                                "host arrays")
             self.items = iter(kv_chunks)
             self.heads_kv = None
 

@@ -331,16 +331,22 @@ def test_a_broadcast_incoming_gradient_is_read_as_it_is():
         torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-2)
 
 
-def test_in_place_writes_of_the_core_calls_bump_versions():
+@pytest.mark.parametrize("replayed", [True, False])
+def test_in_place_writes_of_the_core_calls_bump_versions(monkeypatch, replayed):
     """cuattn.merge_ and the calls' out= write torch tensors in place: a backward that saved
-    them raises, as after torch's in-place ops, where it read the new values silently."""
+    them raises, as after torch's in-place ops, where it read the new values silently (the
+    replayed plans and the full path, CUATTN_REPLAY=0); a call refused before its launch leaves
+    the version as it was."""
     import cuattn
+    from cuattn import replay
+
+    monkeypatch.setattr(replay, "enabled", replayed)
 
     q, k, v = (torch.randn(1, 64, 2, 64, device="cuda", dtype=torch.float16) for _ in range(3))
     out, lse = cuattn.attention(q, k, v, return_lse=True)
     out_b, lse_b = cuattn.attention(q, k.flip(1), v, return_lse=True)
     for write in (lambda: cuattn.merge_(out, lse, out_b, lse_b), lambda: cuattn.attention(q, k, v, out=out)):
-        for _ in range(2):  # the full path, then the replayed plan
+        for _ in range(2):  # the first call (replayed: recorded, then run as the plan), a second
             w = torch.randn_like(out, requires_grad=True)
             saved = (w * out).sum()
             version = out._version
@@ -348,3 +354,7 @@ def test_in_place_writes_of_the_core_calls_bump_versions():
             assert out._version > version
             with pytest.raises(RuntimeError, match="modified by an inplace operation"):
                 saved.backward()
+    version = out._version
+    with pytest.raises(ValueError):
+        cuattn.merge_(out, lse, out_b, lse_b[:, :1])
+    assert out._version == version

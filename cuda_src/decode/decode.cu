@@ -68,32 +68,35 @@ __device__ __forceinline__ void load_kv_rows(T* sK, T* sV, const DecodeParams& p
   if (r0 >= kRowsPerRound) return;
   // RUNS (the host's choice: contiguous caches, and pages of a multiple of 16 positions, from
   // head_dim 96): the warp's 16 keys lie in one run of positions. Where they are all in the
-  // sequence and this lane's column inside head_dim, one address per K and V advanced by a row
-  // stride: ~90 instructions a block at head_dim 128 where the general loop below takes ~340
-  // (its per-row 64-bit address math). The general loop compiles as it did without this branch
-  // where RUNS is off (pages of 1: the branch beside it cost them 10% in registers and
-  // rematerialized addresses); below head_dim 96 the unrolled rounds cost a CTA per SM.
-  if (RUNS && n0 + first + 16 <= end && c < p.head_dim && (!PAGED || cache.page_size % 16 == 0)) {
+  // sequence, one address per K and V advanced by a row stride: ~90 instructions a block at
+  // head_dim 128 where the general loop below takes ~340 (its per-row 64-bit address math). The
+  // general loop compiles as it did without this branch where RUNS is off (pages of 1: the
+  // branch beside it cost them 10%: registers, rematerialized addresses); below head_dim 96 the
+  // unrolled rounds cost a CTA per SM. The condition is uniform over the copying lanes.
+  if (RUNS && n0 + first + 16 <= end && (!PAGED || cache.page_size % 16 == 0)) {
     const i64 at = PAGED ? cache.clamp_row(rows[first]) : 0, pos = cache.pos_of(n0 + first + r0);
     const T* k_row = k + (at * p.k_strides[0] + pos * p.k_strides[1] + c);
     const T* v_row = v + (at * p.v_strides[0] + pos * p.v_strides[1] + c);
     const i64 k_step = kRowsPerRound * p.k_strides[1], v_step = kRowsPerRound * p.v_strides[1];
     // Tr::at(row0 + d, c) for the rounds' row steps d: row0 % 8 = r0 (first is a multiple of
     // 16) and d a multiple of kRowsPerRound, a power of two above r0, so the swizzle of row0 + d
-    // is row0's xor d % 8 (the compiler cannot see that for a runtime row0).
-    // The row's shared address passed through a shuffle (its own lane's: the same value), which
-    // ptxas takes for a per-lane value: else it split uniform slot bases into uniform registers
-    // beside the copies' L2 policy and gave some copies an odd register pair for the policy,
-    // which the GPU refused (an illegal instruction; NVRTC 13).
+    // is row0's xor d % 8 (the compiler cannot see that for a runtime row0). The row's shared
+    // address goes through a shuffle of the lane's own value, which ptxas takes for a per-lane
+    // value: else it split uniform slot bases into uniform registers beside the copies' L2
+    // policy and gave some copies an odd register pair for the policy, which the GPU refused
+    // (an illegal instruction; NVRTC 13). The lanes past the last whole round returned above.
+    constexpr int kCopyingLanes = kRowsPerRound * Tr::kChunksPerRow;
+    constexpr u32 kCopying = kCopyingLanes == 32 ? 0xffffffffu : (1u << kCopyingLanes) - 1;
+    const bool inside = c < p.head_dim;  // columns past head_dim read as zeros
     const int row0 = first + r0, swizzle = ((c >> 3) ^ r0) << 3;
-    const u32 k_at = __shfl_sync(0xffffffff, smem_addr(sK + row0 * Tr::kRowStride), lane);
+    const u32 k_at = __shfl_sync(kCopying, smem_addr(sK + row0 * Tr::kRowStride), lane);
     const u32 v_at = k_at + u32(sV - sK) * sizeof(T);
 #pragma unroll
     for (int i = 0; i < 16 / kRowsPerRound; ++i) {
       const int d = i * kRowsPerRound;
       const u32 at = (d * Tr::kRowStride + (Tr::kSwizzled ? swizzle ^ ((d & 7) << 3) : c)) * sizeof(T);
-      cp_async_16_stream_at(k_at + at, k_row, true);
-      cp_async_16_stream_at(v_at + at, v_row, true);
+      cp_async_16_stream_at(k_at + at, k_row, inside);
+      cp_async_16_stream_at(v_at + at, v_row, inside);
       k_row += k_step;
       v_row += v_step;
     }
