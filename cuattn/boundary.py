@@ -172,7 +172,8 @@ class CallContext:
     def check_writes(self, what: str, *arrays: DeviceArray | None) -> None:
         """``what`` (``"out= is"``, ...) names ``arrays``, which the call writes in place: a
         TypeError before any launch where this call's framework has no mutable arrays (JAX,
-        NumPy); PyTorch tensors are marked written (:func:`mark_written`)."""
+        NumPy); PyTorch tensors are marked written (:func:`mark_written`) at the call's first
+        launch, so that a call refused before it writes leaves their version counters alone."""
         if self.framework in (JAX, NUMPY):
             raise TypeError(f"{what} written in place, which {self.framework} arrays cannot be")
         if self.framework == TORCH:  # marked at the first launch: a call refused before it writes nothing

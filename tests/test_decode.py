@@ -84,6 +84,15 @@ CASES = [  # (lengths, seqlen_q, heads_q, heads_kv, head_dim, dtype, page_size)
     ([33, 781], 2, 4, 1, 120, "float16", 32),
     ([17, 900], 1, 8, 2, 256, "float16", 64),
     ([999, 14], 1, 12, 3, 192, "bfloat16", None),
+    # Pages whose size is not a multiple of 16, from head_dim 96: each row's addresses worked out
+    # by one lane and shuffled to the lanes copying it (buckets of 1, 2 and 3 rows a round, padded
+    # and swizzled rows, a head_dim below its bucket, lengths ending mid-block).
+    ([0, 1, 700, 1500], 1, 32, 8, 128, "bfloat16", 1),
+    ([77, 1030], 4, 8, 2, 256, "float16", 3),
+    ([500, 16], 1, 4, 1, 160, "bfloat16", 8),
+    ([15, 1200], 2, 6, 2, 96, "float16", 5),
+    ([333, 62], 1, 8, 2, 120, "bfloat16", 1),
+    ([260, 901], 1, 6, 3, 224, "bfloat16", 2),
 ]
 
 

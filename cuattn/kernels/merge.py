@@ -48,12 +48,6 @@ def variant(c_type: str, vec: int, cap: int = CAPS[-1], out_type: str | None = N
     )
 
 
-def group_variant(c_type: str, out_type: str, vec: int) -> Variant:
-    """A merge of more than CAPS[-1] partials: its groups (``c_type`` partials into float) and the
-    merge of their results (float into ``out_type``) take the largest cap."""
-    return variant(c_type, vec, CAPS[-1], out_type)
-
-
 BLOCKS_PER_SM = 16  # grid cap: fewer, longer-lived blocks (86-94% of copy at 2 partials, H100)
 
 
@@ -72,8 +66,10 @@ def variants(arch: str | None = None) -> list[Variant]:
         variant(c_type, vec, cap) for c_type, vecs in VEC_WIDTHS.items() for vec in vecs
         for cap in sorted({cap_for(n, vec) for n in range(1, CAPS[-1] + 1)})
     ]
+    # A merge of more than CAPS[-1] partials: its groups (16-bit partials into float) and the
+    # merge of their results (float into the 16-bit type) take the largest cap.
     groups = [
-        group_variant(a, b, vec) for c in ("f16", "bf16") for a, b in ((c, "float"), ("float", c)) for vec in VEC_WIDTHS[a]
+        variant(a, vec, CAPS[-1], b) for c in ("f16", "bf16") for a, b in ((c, "float"), ("float", c)) for vec in VEC_WIDTHS[a]
     ]
     return merges + groups + [sum_variant(c) for c in VEC_WIDTHS] + [sum_variant("float", c) for c in ("f16", "bf16")]
 

@@ -55,8 +55,8 @@ struct CacheBand {
 // kRowsPerRound-th row (lanes past the last whole round idle). k and v point at the sequence's
 // head: in its cache row (contiguous), or at page 0 (paged: each key's page is its block-table
 // entry in `rows`, copied there by copy_table_entries STAGES - 1 blocks ahead, and clamped
-// into the cache here). The row loop is not unrolled: unrolled,
-// the compiler keeps every row's address live across the key loop.
+// into the cache here). The general row loop (last) is not unrolled: unrolled, the compiler keeps
+// every row's address of a contiguous cache live across the key loop.
 template <typename T, int HEAD_DIM, int STAGES, bool PAGED, bool RUNS>
 __device__ __forceinline__ void load_kv_rows(T* sK, T* sV, const DecodeParams& p, const CacheRows<PAGED>& cache, const T* k, const T* v,
                                              int n0, int end, const int* rows) {
@@ -99,6 +99,36 @@ __device__ __forceinline__ void load_kv_rows(T* sK, T* sV, const DecodeParams& p
       cp_async_16_stream_at(v_at + at, v_row, inside);
       k_row += k_step;
       v_row += v_step;
+    }
+    return;
+  }
+  // Paged without RUNS (pages whose size is not a multiple of 16, from head_dim 96): lanes 0-15
+  // each work out one row's K and V addresses (its table entry and position) and each round's
+  // lanes take their row's by shuffle, so the 64-bit address math is done once a row, not once
+  // a 16-byte column of it (~12 instructions a round where the loop below takes ~45). Below
+  // head_dim 96 the unrolled rounds cost a CTA per SM in registers (d64: 105 -> 137).
+  if constexpr (PAGED && !RUNS && HEAD_DIM >= 96) {
+    constexpr int kCopyingLanes = kRowsPerRound * Tr::kChunksPerRow;
+    constexpr u32 kCopying = kCopyingLanes == 32 ? 0xffffffffu : (1u << kCopyingLanes) - 1;
+    static_assert(kCopyingLanes >= 16, "lanes 0-15 hold the rows' addresses");
+    const int mine = first + lane % 16, j = n0 + mine;
+    const i64 at = cache.clamp_row(rows[mine]), pos = cache.pos_of(j);  // rows past `end` hold 0: not copied
+    const u64 k_mine = reinterpret_cast<u64>(k + (at * p.k_strides[0] + pos * p.k_strides[1]));
+    const u64 v_mine = reinterpret_cast<u64>(v + (at * p.v_strides[0] + pos * p.v_strides[1]));
+    const bool inside = c < p.head_dim;
+    const int rows_left = end - (n0 + first + r0);  // round i copies a row where i * kRowsPerRound < rows_left
+    const int row0 = first + r0, swizzle = ((c >> 3) ^ r0) << 3;
+    const u32 k_at = __shfl_sync(kCopying, smem_addr(sK + row0 * Tr::kRowStride), lane);  // see RUNS above
+    const u32 v_at = k_at + u32(sV - sK) * sizeof(T);
+#pragma unroll
+    for (int i = 0; i < 16 / kRowsPerRound; ++i) {
+      const int d = i * kRowsPerRound;
+      // Row r0 + d of the warp's 16 (lane r0 + d holds its addresses), column c of it.
+      const u64 k_row = __shfl_sync(kCopying, k_mine, r0 + d), v_row = __shfl_sync(kCopying, v_mine, r0 + d);
+      const u32 to = (d * Tr::kRowStride + (Tr::kSwizzled ? swizzle ^ ((d & 7) << 3) : c)) * sizeof(T);
+      const bool valid = inside && d < rows_left;
+      cp_async_16_stream_at(k_at + to, reinterpret_cast<const T*>(k_row) + c, valid);
+      cp_async_16_stream_at(v_at + to, reinterpret_cast<const T*>(v_row) + c, valid);
     }
     return;
   }
