@@ -161,7 +161,9 @@ def _launch_decode(ctx, c_type: str, a: dict, dst, lse, options: AttnOptions, ca
         partial_out = ctx.empty((splits, batch, seqlen_q, heads_q, head_dim), np.float32)
         partial_lse = ctx.empty((splits, batch, heads_q, seqlen_q), np.float32)
     fields = options.kernel_fields(seqlen_q, cache["capacity"])
-    prefetch = ctx.decide("decode_prefetch", lambda: plan.prefetch_blocks(paged, attend.dependent and launch.enabled() and launch.supported(device)))
+    split_blocks = -(-(-(-cache["capacity"] // plan.BLOCK_N)) // splits)
+    prefetch = ctx.decide("decode_prefetch", lambda: plan.prefetch_blocks(
+        paged, attend.dependent and launch.enabled() and launch.supported(device), split_blocks, wide))
     p = params.pack(
         params.DECODE_PARAMS,
         q=a["q"].ptr, k=a["k_cache"].ptr, v=a["v_cache"].ptr, out=dst.ptr, lse=lse.ptr, sink=_ptr(a["sink"]),

@@ -85,15 +85,30 @@ CASES = [  # (lengths, seqlen_q, heads_q, heads_kv, head_dim, dtype, page_size)
     ([17, 900], 1, 8, 2, 256, "float16", 64),
     ([999, 14], 1, 12, 3, 192, "bfloat16", None),
     # Pages whose size is not a multiple of 16, from head_dim 96: each row's addresses worked out
-    # by one lane and shuffled to the lanes copying it (buckets of 1, 2 and 3 rows a round, padded
-    # and swizzled rows, a head_dim below its bucket, lengths ending mid-block).
+    # by one lane and shuffled to the lanes copying it (buckets of 1 and 2 rows a round with 20-32
+    # copying lanes, padded and swizzled rows, head dims below their bucket, lengths ending mid-block).
     ([0, 1, 700, 1500], 1, 32, 8, 128, "bfloat16", 1),
     ([77, 1030], 4, 8, 2, 256, "float16", 3),
     ([500, 16], 1, 4, 1, 160, "bfloat16", 8),
     ([15, 1200], 2, 6, 2, 96, "float16", 5),
     ([333, 62], 1, 8, 2, 120, "bfloat16", 1),
     ([260, 901], 1, 6, 3, 224, "bfloat16", 2),
+    ([300, 45], 1, 8, 2, 192, "bfloat16", 3),
+    ([129, 610], 1, 4, 2, 152, "float16", 1),
+    ([411, 96], 1, 4, 2, 224, "float16", 32),  # runs at 28 copying lanes, one row a round
+    ([1030, 5], 2, 8, 2, 224, "bfloat16", None),
 ]
+
+
+def test_long_splits_on_one_wave_prefetch_more_blocks():
+    """Four key blocks are pulled into L2 before the wait where a split is long (16+ blocks of the
+    capacity) and the grid fits the SMs; two elsewhere; none on paged caches without a
+    dependent launch (their prefetch would wait for its block-table reads)."""
+    from cuattn.kernels import decode as plan
+
+    assert plan.prefetch_blocks(False, True, 32, False) == plan.prefetch_blocks(True, True, 16, False) == 4
+    assert plan.prefetch_blocks(False, True, 4, False) == plan.prefetch_blocks(True, True, 16, True) == 2
+    assert plan.prefetch_blocks(False, False, 32, False) == 4 and plan.prefetch_blocks(True, False, 32, False) == 0
 
 
 def test_runs_of_positions_are_copied_where_a_warp_s_keys_share_a_page():
@@ -820,7 +835,7 @@ def test_prefetch_before_the_wait_changes_no_bit(monkeypatch, paged):
         for _ in range(3):
             kd *= 1  # a kernel that writes the cache just ahead of the call
             results.append(cuattn.attention_with_kvcache(q, kd, vd, **kw, return_lse=True))
-    assert seen and set(seen) == {plan.PREFETCH_BLOCKS if dependent or not paged else 0}
+    assert seen and set(seen) == {plan.PREFETCH_BLOCKS if dependent or not paged else 0}  # 3000 keys, 6 splits: 8 blocks a split
     first_out, first_lse = (x.get() for x in results[0])
     for out, lse in results[1:]:
         np.testing.assert_array_equal(out.get().view(np.uint16), first_out.view(np.uint16))

@@ -27,12 +27,19 @@ MIN_BLOCKS_PER_SPLIT = 1  # key blocks of the capacity per split, at least
 # contiguous caches always, paged ones only under a dependent launch, where the block-table
 # reads the prefetch waits for pass under the grid ahead (without one, b4 1k pages of 16 lost 10%).
 PREFETCH_BLOCKS = 2
+# Splits of at least LONG_SPLIT_BLOCKS key blocks of the capacity, on a grid within the SMs,
+# prefetch PREFETCH_BLOCKS_LONG (4: +1-2.5% at 128 MB, b1 32k / b4 8k; 4 everywhere lost 7% at
+# b4 1k, where it was a split's whole range, and 2% at b64 1k with pages, a grid of several waves).
+PREFETCH_BLOCKS_LONG, LONG_SPLIT_BLOCKS = 4, 16
 
 
-def prefetch_blocks(paged: bool, dependent: bool) -> int:
+def prefetch_blocks(paged: bool, dependent: bool, split_blocks: int = 0, wide: bool = False) -> int:
     """DecodeParams::prefetch_blocks of a decode launch (``dependent``: a programmatic
-    dependent launch, cuattn/launch.py)."""
-    return PREFETCH_BLOCKS if dependent or not paged else 0
+    dependent launch, cuattn/launch.py; ``split_blocks``: key blocks of the capacity per split;
+    ``wide``: :func:`wide_grid`)."""
+    if paged and not dependent:
+        return 0
+    return PREFETCH_BLOCKS_LONG if split_blocks >= LONG_SPLIT_BLOCKS and not wide else PREFETCH_BLOCKS
 COMBINE_WARPS = 4  # one row per CTA, the splits dealt to the warps
 APPEND_WARPS = 8  # one (sequence, new row, KV head) per warp
 MAX_SPLITS = 128
