@@ -205,14 +205,14 @@ class CallContext:
         hold_if_captured(self.stream, a)
         return _from_cupy(a)
 
-    def launch(self, variant, grid, block, p) -> None:
+    def launch(self, variant, grid, block, p, dependent: bool = True) -> None:
         """Launches ``variant`` with the parameter struct ``p`` (inside ``with self.device,
-        self.stream``)."""
+        self.stream``); ``dependent=False`` launches a dependent variant as an ordinary grid."""
         from cuattn.loader import load_kernel
 
         self._mark_written()
         kernel = load_kernel(variant)
-        if variant.dependent:
+        if variant.dependent and dependent:
             from cuattn import launch
 
             grid, block = (tuple(grid) + (1, 1))[:3], (tuple(block) + (1, 1))[:3]

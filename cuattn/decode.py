@@ -152,18 +152,20 @@ def _launch_decode(ctx, c_type: str, a: dict, dst, lse, options: AttnOptions, ca
         )
     wide = plan.wide_grid(batch, heads_kv, row_blocks, sm_count)
     runs = plan.takes_runs(bucket, cache["page_size"] if paged else None)
-    attend = plan.variant(c_type, bucket, paged, options.softcap > 0, smem_limit, wide, runs)
+    warps = plan.cta_warps(bucket, paged, wide, smem_limit)
+    attend = plan.variant(c_type, bucket, paged, options.softcap > 0, smem_limit, wide, runs, warps)
     splits = ctx.decide("decode_splits", lambda: splits or plan.num_splits(
-        bucket, paged, batch, heads_kv, row_blocks, cache["capacity"], sm_count, smem_limit, wide, resident_ctas(attend, device)))
+        bucket, paged, batch, heads_kv, row_blocks, cache["capacity"], sm_count, smem_limit, wide, resident_ctas(attend, device), warps))
     grid = plan.grid(splits, heads_kv, row_blocks, batch)  # may raise: before the cache is written
     partial_out = partial_lse = NO_LSE
     if splits > 1:
         partial_out = ctx.empty((splits, batch, seqlen_q, heads_q, head_dim), np.float32)
         partial_lse = ctx.empty((splits, batch, heads_q, seqlen_q), np.float32)
     fields = options.kernel_fields(seqlen_q, cache["capacity"])
-    split_blocks = -(-(-(-cache["capacity"] // plan.BLOCK_N)) // splits)
+    split_blocks = -(-(-(-cache["capacity"] // plan.BLOCK_N)) // splits)  # in 64-key blocks
+    dependent = plan.dependent_launch(paged, warps, splits, cache["capacity"])
     prefetch = ctx.decide("decode_prefetch", lambda: plan.prefetch_blocks(
-        paged, attend.dependent and launch.enabled() and launch.supported(device), split_blocks, wide))
+        paged, dependent and attend.dependent and launch.enabled() and launch.supported(device), split_blocks, wide))
     p = params.pack(
         params.DECODE_PARAMS,
         q=a["q"].ptr, k=a["k_cache"].ptr, v=a["v_cache"].ptr, out=dst.ptr, lse=lse.ptr, sink=_ptr(a["sink"]),
@@ -182,7 +184,7 @@ def _launch_decode(ctx, c_type: str, a: dict, dst, lse, options: AttnOptions, ca
     with ctx.device, ctx.stream:
         if cache["seqlen_new"]:
             _launch_append(ctx, c_type, a, p, batch * cache["seqlen_new"] * heads_kv)
-        ctx.launch(attend, grid, (attend.threads, 1, 1), p)
+        ctx.launch(attend, grid, (attend.threads, 1, 1), p, dependent)
         if splits > 1:
             combine = plan.combine_variant(c_type, bucket)
             ctx.launch(combine, plan.combine_grid(batch * seqlen_q * heads_q), (combine.threads, 1, 1), p)

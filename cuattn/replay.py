@@ -261,12 +261,12 @@ class _Recorder(boundary.CallContext):
     def export(self, array):
         return array
 
-    def launch(self, variant, grid, block, p) -> None:
+    def launch(self, variant, grid, block, p, dependent: bool = True) -> None:
         from cuattn.loader import load_kernel
 
         function = load_kernel(variant).kernel  # compiled and loaded for the current device
         grid, block = (tuple(grid) + (1, 1))[:3], (tuple(block) + (1, 1))[:3]
-        self.launches.append((function, grid, block, int(variant.dynamic_smem), p.tobytes(), variant.dependent))
+        self.launches.append((function, grid, block, int(variant.dynamic_smem), p.tobytes(), variant.dependent and dependent))
 
     def result_index(self, x) -> int:
         if isinstance(x, boundary.DeviceArray) and id(x) in self.allocated:

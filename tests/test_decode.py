@@ -69,6 +69,8 @@ def _run(rng, lengths, seqlen_q, heads_q, heads_kv, head_dim, dtype, page_size=N
 
 CASES = [  # (lengths, seqlen_q, heads_q, heads_kv, head_dim, dtype, page_size)
     ([0, 1, 700, 1500], 1, 8, 1, 128, "bfloat16", None),
+    ([2100, 0, 129, 4000], 1, 12, 4, 96, "float16", None),  # eight-warp CTAs at head_dim 96
+    ([300, 5000], 3, 8, 2, 128, "float16", None),
     ([0, 1, 700, 1500], 1, 8, 1, 128, "bfloat16", 16),
     ([3, 0, 640, 1029], 1, 4, 4, 64, "float16", 1),
     ([300, 17, 0, 900], 4, 8, 1, 128, "float16", 256),
@@ -109,6 +111,26 @@ def test_long_splits_on_one_wave_prefetch_more_blocks():
     assert plan.prefetch_blocks(False, True, 32, False) == plan.prefetch_blocks(True, True, 16, False) == 4
     assert plan.prefetch_blocks(False, True, 4, False) == plan.prefetch_blocks(True, True, 16, True) == 2
     assert plan.prefetch_blocks(False, False, 32, False) == 4 and plan.prefetch_blocks(True, False, 32, False) == 0
+
+
+def test_contiguous_caches_on_one_wave_take_eight_warps_and_long_single_splits_an_ordinary_launch():
+    """CTAs of 8 warps (128-key ring slots) for contiguous caches copying runs on grids within the
+    SMs where that ring holds 3 slots (head dims 96 and 128), 4 elsewhere; a decode grid of one
+    split over 8192+ positions of such a cache is launched as an ordinary grid, every other as a
+    programmatic dependent."""
+    from cuattn.kernels import decode as plan
+    from cuattn.kernels.variant import MAX_SMEM_OPTIN
+
+    assert plan.cta_warps(128, False, False) == plan.cta_warps(96, False, False) == 8
+    assert {plan.cta_warps(128, True, False), plan.cta_warps(128, False, True), plan.cta_warps(64, False, False),
+            plan.cta_warps(160, False, False), plan.cta_warps(256, False, False), plan.cta_warps(128, False, False, 99 * 1024)} == {4}
+    eight = plan.variant("bf16", 128, False, False, warps=8)
+    assert eight.threads == 256 and eight.uri == "decode/bf16/d128/s3/w8" and eight.dynamic_smem <= MAX_SMEM_OPTIN
+    assert eight.expression.endswith(", true, 8>") and ("cuattn::DecodeTraits<128, 3, 8>::kBlockN", 128) in eight.contract
+    assert eight in plan.variants() and eight in plan.common_variants()
+    assert plan.num_splits(128, False, 16, 8, 1, 32768, 132, warps=8) == 1 and plan.num_splits(128, False, 1, 8, 1, 32768, 132, warps=8) == 16
+    assert not plan.dependent_launch(False, 8, 1, 8192)
+    assert all(plan.dependent_launch(*a) for a in ((False, 8, 2, 1 << 17), (False, 8, 1, 8191), (True, 4, 1, 1 << 17), (False, 4, 1, 1 << 17)))
 
 
 def test_runs_of_positions_are_copied_where_a_warp_s_keys_share_a_page():
@@ -315,9 +337,37 @@ def test_default_splits_fill_one_wave_of_resident_ctas(monkeypatch, head_dim, pa
     grid = plan.grid
     monkeypatch.setattr(plan, "grid", lambda *a: grids.append(grid(*a)) or grids[-1])
     _run(np.random.default_rng(15), [8000], 1, 32, 8, head_dim, "bfloat16", 16 if paged else None, **({} if softcap is None else {"softcap": softcap}))
-    variant = plan.variant("bf16", head_dim, paged, softcap is not None, device_smem_limit(0), False, plan.takes_runs(head_dim, 16 if paged else None))
+    variant = plan.variant("bf16", head_dim, paged, softcap is not None, device_smem_limit(0), False, plan.takes_runs(head_dim, 16 if paged else None),
+                           plan.cta_warps(head_dim, paged, False, device_smem_limit(0)))
     ctas, fit = int(np.prod(grids[0])), resident_ctas(variant, cupy.cuda.runtime.getDevice()) * device_sm_count(0)
     assert fit // 2 < ctas <= fit, (grids, fit)
+
+
+@gpu
+@pytest.mark.parametrize("head_dim", [96, 128])
+def test_eight_warp_ctas_in_one_long_split_launch_as_ordinary_grids(monkeypatch, head_dim):
+    """A contiguous cache of 8192+ positions, one split, eight-warp CTAs: an ordinary launch (no
+    dependent launch taken), the reference's result, and the same bits as the same kernel
+    launched as a dependent grid; ragged lengths, one of them 0, one past a 128-key block edge."""
+    import cupy
+
+    from cuattn import launch, replay
+    from cuattn.kernels import decode as plan
+
+    lengths = [8192, 0, 8321, 77]
+    replay.clear()
+    before = launch.taken
+    out, lse = _run(np.random.default_rng(head_dim + 5), lengths, 1, 16, 2, head_dim, "bfloat16", None, num_splits=1)
+    assert launch.taken == before
+    out_again, _ = _run(np.random.default_rng(head_dim + 5), lengths, 1, 16, 2, head_dim, "bfloat16", None, num_splits=1)  # replayed
+    assert launch.taken == before
+    np.testing.assert_array_equal(out_again.view(np.uint16), out.view(np.uint16))
+    monkeypatch.setattr(plan, "dependent_launch", lambda *a: True)
+    replay.clear()
+    dependent_out, dependent_lse = _run(np.random.default_rng(head_dim + 5), lengths, 1, 16, 2, head_dim, "bfloat16", None, num_splits=1)
+    assert launch.taken == before + (1 if launch.enabled() and launch.supported(cupy.cuda.Device().id) else 0)
+    np.testing.assert_array_equal(dependent_out.view(np.uint16), out.view(np.uint16))
+    np.testing.assert_array_equal(dependent_lse, lse)
 
 
 @gpu

@@ -40,6 +40,37 @@ def prefetch_blocks(paged: bool, dependent: bool, split_blocks: int = 0, wide: b
     if paged and not dependent:
         return 0
     return PREFETCH_BLOCKS_LONG if split_blocks >= LONG_SPLIT_BLOCKS and not wide else PREFETCH_BLOCKS
+
+
+# CTAs of 8 warps (128-key ring slots, still 16 keys a warp; 3 slots at head_dim 128, one CTA per
+# SM) for contiguous caches on grids within the SMs, where the 8-warp ring holds 3 slots or more
+# (head dims 96 and 128): twice the warps to take each block's math, which, done by 4, delays the
+# refills of their ring (H100, benchmarks/NOTES.md: b1 32k 2802-2809 -> 2865 GB/s, b4 8k 2760 ->
+# 2822, b16 32k with ordinary launches 3115-3123 -> 3130-3133).
+EIGHT_WARPS_MIN_STAGES = 3
+
+
+def cta_warps(bucket: int, paged: bool, wide: bool, smem_limit: int = MAX_SMEM_OPTIN) -> int:
+    """Warps of the decode CTA: 8 for a contiguous cache copying runs, on a grid within the SMs
+    (not ``wide``), where the 8-warp ring has EIGHT_WARPS_MIN_STAGES slots; else WARPS."""
+    if paged or wide or not takes_runs(bucket, None):
+        return WARPS
+    ring = stages(bucket, False, smem_limit, warps=8)
+    return 8 if ring is not None and ring >= EIGHT_WARPS_MIN_STAGES else WARPS
+
+
+# A decode grid whose CTAs each stream at least ORDINARY_LAUNCH_KEYS keys of a contiguous cache in
+# one split (no merge after it) is launched as an ordinary grid, not a programmatic dependent: back
+# to back, the dependent launch read b16 x 8k-128k 1-2% slower on the H100 (8-warp CTAs, b16 32k
+# 3100 against 3130-3133 GB/s; benchmarks/NOTES.md), where on short calls it gains up to 25%.
+ORDINARY_LAUNCH_KEYS = 8192
+
+
+def dependent_launch(paged: bool, warps_per_cta: int, splits: int, capacity: int) -> bool:
+    """Whether the decode kernel goes as a programmatic dependent launch (cuattn/launch.py)."""
+    return paged or warps_per_cta != 8 or splits > 1 or capacity < ORDINARY_LAUNCH_KEYS
+
+
 COMBINE_WARPS = 4  # one row per CTA, the splits dealt to the warps
 APPEND_WARPS = 8  # one (sequence, new row, KV head) per warp
 MAX_SPLITS = 128
@@ -50,28 +81,29 @@ PREFILL_SEQLEN_Q = 64
 SM_SMEM = 228 * 1024  # shared memory per SM that resident CTAs share (1 KB of it reserved per CTA)
 
 
-def smem_bytes_for(bucket: int, ring: int) -> int:
+def smem_bytes_for(bucket: int, ring: int, warps: int = WARPS) -> int:
     row = bucket if bucket % 64 == 0 else bucket + 8  # DecodeTraits: swizzled rows of whole 128-byte lines, else padded
-    return (ROWS * row + 2 * ring * BLOCK_N * row) * 2 + ring * BLOCK_N * 4  # + the table entries of a block per slot
+    block_n = 16 * warps
+    return (ROWS * row + 2 * ring * block_n * row) * 2 + ring * block_n * 4  # + the table entries of a block per slot
 
 
-def stages(bucket: int, paged: bool, smem_limit: int = MAX_SMEM_OPTIN, wide: bool = False) -> int | None:
+def stages(bucket: int, paged: bool, smem_limit: int = MAX_SMEM_OPTIN, wide: bool = False, warps: int = WARPS) -> int | None:
     """Ring slots: the table's (``wide``: a contiguous cache's grid of more CTAs than SMs;
     paged caches have one ring), fewer where the
     per-block shared memory is smaller (99 KB parts), None where even two slots do not fit
     (head_dim above 160 on those)."""
     ring = (PAGED_STAGES if paged else WIDE_STAGES if wide else STAGES)[bucket]
-    while ring >= 2 and smem_bytes_for(bucket, ring) > smem_limit:
+    while ring >= 2 and smem_bytes_for(bucket, ring, warps) > smem_limit:
         ring -= 1
     return ring if ring >= 2 else None
 
 
-def smem_bytes(bucket: int, paged: bool, smem_limit: int = MAX_SMEM_OPTIN, wide: bool = False) -> int:
-    return smem_bytes_for(bucket, stages(bucket, paged, smem_limit, wide))
+def smem_bytes(bucket: int, paged: bool, smem_limit: int = MAX_SMEM_OPTIN, wide: bool = False, warps: int = WARPS) -> int:
+    return smem_bytes_for(bucket, stages(bucket, paged, smem_limit, wide, warps), warps)
 
 
-def ctas_per_sm(bucket: int, paged: bool, smem_limit: int = MAX_SMEM_OPTIN, wide: bool = False) -> int:
-    return max(1, min(4, SM_SMEM // (smem_bytes(bucket, paged, smem_limit, wide) + 1024)))
+def ctas_per_sm(bucket: int, paged: bool, smem_limit: int = MAX_SMEM_OPTIN, wide: bool = False, warps: int = WARPS) -> int:
+    return max(1, min(4, SM_SMEM // (smem_bytes(bucket, paged, smem_limit, wide, warps) + 1024)))
 
 
 def wide_grid(batch: int, heads_kv: int, row_blocks: int, sm_count: int) -> bool:
@@ -93,6 +125,7 @@ def takes_runs(bucket: int, page_size: int | None) -> bool:
 @functools.cache
 def variant(
     c_type: str, bucket: int, paged: bool, softcap: bool, smem_limit: int = MAX_SMEM_OPTIN, wide: bool = False, runs: bool | None = None,
+    warps: int = WARPS,
 ) -> Variant:
     """The decode kernel with the ring that fits ``smem_limit`` bytes per block (callers check
     :func:`stages` is not None first); ``runs`` (:func:`takes_runs`; default: contiguous caches
@@ -100,23 +133,24 @@ def variant(
     runs = takes_runs(bucket, None) and not paged if runs is None else runs
     if runs and bucket < RUNS_MIN_BUCKET:
         raise ValueError(f"no decode kernel copying runs of positions at head_dim bucket {bucket}")
-    ring = stages(bucket, paged, smem_limit, wide)
-    traits = f"cuattn::DecodeTraits<{bucket}, {ring}>"
+    ring = stages(bucket, paged, smem_limit, wide, warps)
+    traits = f"cuattn::DecodeTraits<{bucket}, {ring}, {warps}>"
     return Variant(
         family=FAMILY, kernel="decode",
         expression=(f"cuattn::decode_kernel<{cxx_type(c_type)}, {bucket}, {ring}, {'true' if paged else 'false'}, {softcap_arg(softcap)}, "
-                    f"{'true' if runs else 'false'}>"),
-        uri=f"decode/{c_type}/d{bucket}/s{ring}" + ("/paged" if paged else "") + softcap_uri(softcap) + ("/runs" if runs and paged else ""),
+                    f"{'true' if runs else 'false'}" + ("" if warps == WARPS else f", {warps}") + ">"),
+        uri=f"decode/{c_type}/d{bucket}/s{ring}" + ("/paged" if paged else "") + softcap_uri(softcap) + ("/runs" if runs and paged else "")
+        + ("" if warps == WARPS else f"/w{warps}"),
         hot=True,
-        dynamic_smem=smem_bytes_for(bucket, ring),
-        threads=WARPS * 32,
+        dynamic_smem=smem_bytes_for(bucket, ring, warps),
+        threads=warps * 32,
         block_m=ROWS,
         # Every kernel of the family waits for the grid before it on the device (cuattn/launch.py):
         # its launch overlaps that grid's tail (H200, batch 1 x 1k tokens: 433 -> 479 GB/s).
         dependent=True,
         contract=(
-            (f"{traits}::kSmemBytes", smem_bytes_for(bucket, ring)), (f"{traits}::kThreads", WARPS * 32), ("cuattn::kDecodeRows", ROWS),
-            ("cuattn::kDecodeBlockN", BLOCK_N),
+            (f"{traits}::kSmemBytes", smem_bytes_for(bucket, ring, warps)), (f"{traits}::kThreads", warps * 32), ("cuattn::kDecodeRows", ROWS),
+            (f"{traits}::kBlockN", 16 * warps),
         ),
     )
 
@@ -151,7 +185,7 @@ def append_grid(rows: int) -> tuple[int, int, int]:
 
 
 def num_splits(bucket: int, paged: bool, batch: int, heads_kv: int, row_blocks: int, capacity: int, sm_count: int,
-               smem_limit: int = MAX_SMEM_OPTIN, wide: bool = False, resident: int | None = None) -> int:
+               smem_limit: int = MAX_SMEM_OPTIN, wide: bool = False, resident: int | None = None, warps: int = WARPS) -> int:
     """Key splits per (sequence, KV head, row block), from host shapes only (so that one CUDA
     graph serves any lengths): as many CTAs as fit on the SMs at once (never a partial second
     wave), and at most one
@@ -160,11 +194,11 @@ def num_splits(bucket: int, paged: bool, batch: int, heads_kv: int, row_blocks: 
     sequence. ``resident``: the CTAs per SM the loaded kernel's registers allow, where known
     (the shared-memory count alone overstates it for some variants)."""
     ctas = max(1, batch * heads_kv * row_blocks)
-    per_sm = ctas_per_sm(bucket, paged, smem_limit, wide)
+    per_sm = ctas_per_sm(bucket, paged, smem_limit, wide, warps)
     if resident is not None:
         per_sm = max(1, min(per_sm, resident))
     wanted = max(1, per_sm * sm_count // ctas)  # rounded down: no partial second wave
-    return max(1, min(wanted, -(-capacity // (MIN_BLOCKS_PER_SPLIT * BLOCK_N)), MAX_SPLITS))
+    return max(1, min(wanted, -(-capacity // (MIN_BLOCKS_PER_SPLIT * 16 * warps)), MAX_SPLITS))
 
 
 def prefill_by_forward(seqlen_q: int) -> bool:
@@ -198,6 +232,8 @@ def variants(arch: str | None = None) -> list[Variant]:
                         out.append(variant(c_type, bucket, paged, softcap, smem_limit, runs=True))
                     if not paged and stages(bucket, paged, smem_limit, True) != stages(bucket, paged, smem_limit):
                         out.append(variant(c_type, bucket, paged, softcap, smem_limit, True))
+                    if cta_warps(bucket, paged, False, smem_limit) != WARPS:
+                        out.append(variant(c_type, bucket, paged, softcap, smem_limit, warps=cta_warps(bucket, paged, False, smem_limit)))
             out.append(combine_variant(c_type, bucket))
         for paged in (False, True):
             out.append(append_variant(c_type, paged))
@@ -206,4 +242,5 @@ def variants(arch: str | None = None) -> list[Variant]:
 
 def common_variants() -> list[Variant]:
     return ([variant(c, 128, paged, False) for c in ("f16", "bf16") for paged in (False, True)]
+            + [variant(c, 128, False, False, warps=cta_warps(128, False, False)) for c in ("f16", "bf16")]
             + [variant(c, 128, True, False, runs=True) for c in ("f16", "bf16")] + [combine_variant(c, 128) for c in ("f16", "bf16")])

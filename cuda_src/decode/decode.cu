@@ -2,7 +2,8 @@
 // keys. One CTA per (key split, KV head x block of 16 packed query rows, sequence). The query
 // heads of one KV head are packed into the rows of the tile (row r of the block: new token
 // r / group, query head kv_head * group + r % group), so K and V are read once for the group.
-// Each of the 4 warps takes 16 keys of every 64-key block streamed through a cp.async ring; the
+// Each of the WARPS warps (4, or 8 for contiguous caches on grids within the SMs: the host's
+// choice) takes 16 keys of every 16 x WARPS-key block streamed through a cp.async ring; the
 // warps' softmax states are combined through shared memory at the end. With one split the CTA
 // writes out and lse; with several it writes its fp32 partial (normalized out and lse), which
 // decode_combine.cu merges by lse (launched as a dependent grid on Hopper: common/dependent_launch.cuh).
@@ -16,11 +17,12 @@ namespace cuattn {
 
 constexpr int kDecodeRows = 16;    // packed query rows per CTA
 constexpr int kDecodeWarps = 4;
-constexpr int kDecodeBlockN = 64;  // keys per stage, 16 per warp
 
-template <int HEAD_DIM, int STAGES>
+template <int HEAD_DIM, int STAGES, int WARPS = kDecodeWarps>
 struct DecodeTraits {
-  static constexpr int kThreads = kDecodeWarps * 32;
+  static constexpr int kWarps = WARPS;
+  static constexpr int kBlockN = 16 * WARPS;  // keys per stage, 16 per warp
+  static constexpr int kThreads = WARPS * 32;
   static constexpr int kStages = STAGES;           // K/V blocks in the cp.async ring
   // Shared rows of whole 128-byte lines (head_dim a multiple of 64) are unpadded, their 16-byte
   // chunks swizzled by the row (chunk c of row r at c ^ (r % 8)): ldmatrix's 8 rows then hit 8
@@ -33,12 +35,13 @@ struct DecodeTraits {
   __device__ static __forceinline__ int at(int r, int c) { return r * kRowStride + (kSwizzled ? ((c >> 3) ^ (r & 7)) << 3 : c); }
   static constexpr int kChunksPerRow = HEAD_DIM / 8;
   static constexpr int kSmemQ = kDecodeRows * kRowStride;
-  static constexpr int kSmemKV = kDecodeBlockN * kRowStride;
-  static constexpr int kSmemRows = STAGES * kDecodeBlockN * 4;  // paged: the block-table entries of blocks in flight, one buffer a slot
+  static constexpr int kSmemKV = kBlockN * kRowStride;
+  static constexpr int kSmemRows = STAGES * kBlockN * 4;  // paged: the block-table entries of blocks in flight, one buffer a slot
   static constexpr int kSmemBytes = (kSmemQ + 2 * STAGES * kSmemKV) * 2 + kSmemRows;
   static constexpr int kPartialStride = HEAD_DIM + 4;  // fp32 rows of the warps' outputs, in the ring
   static_assert(STAGES >= 2, "a ring");
-  static_assert(kDecodeWarps * kDecodeRows * kPartialStride * 4 <= 2 * STAGES * kSmemKV * 2, "partials fit the ring");
+  static_assert(WARPS * kDecodeRows * kPartialStride * 4 <= 2 * STAGES * kSmemKV * 2, "partials fit the ring");
+  static_assert(2 * WARPS * kDecodeRows * 4 <= kSmemQ * 2, "the warps' row shifts and sums fit Q's tile");
 };
 
 // The keys the new tokens of one sequence see: token t (of seqlen_q, bottom-right aligned to the
@@ -169,7 +172,7 @@ struct DecodeSpan {
   int b_begin, b_end;
 };
 
-__device__ __forceinline__ DecodeSpan decode_span(const DecodeParams& p, int seq, int split, int row0, int rows, int group) {
+__device__ __forceinline__ DecodeSpan decode_span(const DecodeParams& p, int seq, int split, int row0, int rows, int group, int block_n) {
   DecodeSpan d;
   d.length = cache_length(p, seq);
   d.band = CacheBand{d.length - p.seqlen_q, p.window_left, p.window_right, d.length};
@@ -178,7 +181,7 @@ __device__ __forceinline__ DecodeSpan decode_span(const DecodeParams& p, int seq
   d.common_first = d.band.first(token_last), d.common_last = d.band.last(token_first);
   d.b_begin = d.b_end = 0;
   if (d.key_last >= d.key_first) {
-    const int b_first = d.key_first / kDecodeBlockN, blocks = d.key_last / kDecodeBlockN - b_first + 1;
+    const int b_first = d.key_first / block_n, blocks = d.key_last / block_n - b_first + 1;
     const int per_split = (blocks + p.num_splits - 1) / p.num_splits;
     d.b_begin = b_first + min(split * per_split, blocks);
     d.b_end = b_first + min((split + 1) * per_split, blocks);
@@ -195,15 +198,15 @@ __device__ __forceinline__ DecodeSpan decode_span(const DecodeParams& p, int seq
 // it, as the loads' are), never a wrong value loaded; the loads that count come after the wait.
 // A paged cache's prefetch waits for its block-table reads, so the host asks for it only under a
 // dependent launch (cuattn/kernels/decode.py prefetch_blocks).
-template <typename T, bool PAGED>
+template <typename T, bool PAGED, int BLOCK_N, int THREADS>
 __device__ __forceinline__ void prefetch_first_blocks(const DecodeParams& p, int seq, int kv_head, const DecodeSpan& d) {
   const CacheRows<PAGED> cache(p, seq);  // its cache row (cache_batch_idx) read before the wait too: for prefetches only
   const i64 row = PAGED ? 0 : cache.row;
   const T* k = static_cast<const T*>(p.k) + (row * p.k_strides[0] + kv_head * p.k_strides[2]);
   const T* v = static_cast<const T*>(p.v) + (row * p.v_strides[0] + kv_head * p.v_strides[2]);
   const int lines = (p.head_dim * int(sizeof(T)) + 127) / 128;  // 128-byte lines of a key's row
-  const int n0 = d.b_begin * kDecodeBlockN, n_end = min(min(d.b_end, d.b_begin + p.prefetch_blocks) * kDecodeBlockN, d.length);
-  for (int i = threadIdx.x; i < (n_end - n0) * lines; i += kDecodeWarps * 32) {
+  const int n0 = d.b_begin * BLOCK_N, n_end = min(min(d.b_end, d.b_begin + p.prefetch_blocks) * BLOCK_N, d.length);
+  for (int i = threadIdx.x; i < (n_end - n0) * lines; i += THREADS) {
     const int j = n0 + i / lines, column = i % lines * (128 / int(sizeof(T)));
     const i64 page = PAGED ? cache.clamp_row(cache.table_entry(j)) : 0;
     const i64 pos = cache.pos_of(j);
@@ -212,10 +215,11 @@ __device__ __forceinline__ void prefetch_first_blocks(const DecodeParams& p, int
   }
 }
 
-template <typename T, int HEAD_DIM, int STAGES, bool PAGED, bool SOFTCAP, bool RUNS = false>
-__global__ void __launch_bounds__(kDecodeWarps * 32, 1) decode_kernel(const __grid_constant__ DecodeParams p) {
+template <typename T, int HEAD_DIM, int STAGES, bool PAGED, bool SOFTCAP, bool RUNS = false, int WARPS = kDecodeWarps>
+__global__ void __launch_bounds__(WARPS * 32, 1) decode_kernel(const __grid_constant__ DecodeParams p) {
   static_assert(!RUNS || HEAD_DIM >= 96, "runs of copies from head_dim 96");
-  using Tr = DecodeTraits<HEAD_DIM, STAGES>;
+  using Tr = DecodeTraits<HEAD_DIM, STAGES, WARPS>;
+  constexpr int kBlockN = Tr::kBlockN;
   constexpr int kDTiles = HEAD_DIM / 8;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   if (dynamic_smem_bytes() < Tr::kSmemBytes) __trap();  // launch contract
@@ -229,7 +233,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, 1) decode_kernel(const __gr
   const int row0 = row_block * kDecodeRows;
   if (row0 >= rows) return;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
-  if (row_block == 0 && p.prefetch_blocks > 0) prefetch_first_blocks<T, PAGED>(p, seq, kv_head, decode_span(p, seq, split, row0, rows, group));
+  if (row_block == 0 && p.prefetch_blocks > 0) prefetch_first_blocks<T, PAGED, kBlockN, Tr::kThreads>(p, seq, kv_head, decode_span(p, seq, split, row0, rows, group, kBlockN));
 
   wait_for_previous_grid();  // the append (or the caller's kernel) wrote the cache, q and maybe the index arrays
   allow_next_grid();         // decode_combine may launch now; its CTAs wait for this grid to finish
@@ -238,7 +242,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, 1) decode_kernel(const __gr
   const i64 cache_row = PAGED ? 0 : cache.row;  // contiguous: the sequence's row, once
   const T* k_seq = static_cast<const T*>(p.k) + (cache_row * p.k_strides[0] + kv_head * p.k_strides[2]);
   const T* v_seq = static_cast<const T*>(p.v) + (cache_row * p.v_strides[0] + kv_head * p.v_strides[2]);
-  const DecodeSpan span = decode_span(p, seq, split, row0, rows, group);
+  const DecodeSpan span = decode_span(p, seq, split, row0, rows, group, kBlockN);
   const int length = span.length;
   const CacheBand band = span.band;
   const int key_first = span.key_first, key_last = span.key_last, common_first = span.common_first, common_last = span.common_last;
@@ -246,13 +250,13 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, 1) decode_kernel(const __gr
 
   const T* q = static_cast<const T*>(p.q) + seq * p.q_strides[0];
   int* s_entries = reinterpret_cast<int*>(sV_ring + STAGES * Tr::kSmemKV);  // paged: a block's table entries, by block % STAGES
-  const auto entries_of = [&](int n_block) { return s_entries + n_block % STAGES * kDecodeBlockN; };
+  const auto entries_of = [&](int n_block) { return s_entries + n_block % STAGES * kBlockN; };
   const auto copy_entries = [&](int n_block) {
-    if (PAGED && n_block < b_end) copy_table_entries<PAGED>(cache, n_block * kDecodeBlockN, length, entries_of(n_block));
+    if (PAGED && n_block < b_end) copy_table_entries<PAGED>(cache, n_block * kBlockN, length, entries_of(n_block));
   };
   const auto load_block = [&](int n_block, int slot) {
     load_kv_rows<T, HEAD_DIM, STAGES, PAGED, RUNS>(sK_ring + slot * Tr::kSmemKV, sV_ring + slot * Tr::kSmemKV, p, cache, k_seq, v_seq,
-                                             n_block * kDecodeBlockN, length, entries_of(n_block));
+                                             n_block * kBlockN, length, entries_of(n_block));
   };
 
   float acc[1][kDTiles][4];
@@ -315,7 +319,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, 1) decode_kernel(const __gr
     if (ahead < b_end) load_block(ahead, slot == 0 ? STAGES - 1 : slot - 1);
     copy_entries(ahead + STAGES - 1);  // into the slot of block ahead - 1, whose copies went an iteration ago
     cp_async_commit();
-    const int n0 = n_block * kDecodeBlockN + warp * 16;  // this warp's 16 keys
+    const int n0 = n_block * kBlockN + warp * 16;  // this warp's 16 keys
     if (n0 > key_last || n0 + 16 <= key_first) continue;
     const T* sK = sK_ring + slot * Tr::kSmemKV + warp * 16 * Tr::kRowStride;
     const T* sV = sV_ring + slot * Tr::kSmemKV + warp * 16 * Tr::kRowStride;
@@ -375,8 +379,8 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, 1) decode_kernel(const __gr
   cp_async_wait<0>();
   __syncthreads();
   float* sO = reinterpret_cast<float*>(sK_ring);
-  float* s_shift = reinterpret_cast<float*>(sQ);  // kDecodeWarps x 16, then the sums
-  float* s_sum = s_shift + kDecodeWarps * kDecodeRows;
+  float* s_shift = reinterpret_cast<float*>(sQ);  // WARPS x 16, then the sums
+  float* s_sum = s_shift + WARPS * kDecodeRows;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float l = row_sum[0][h];
@@ -399,11 +403,11 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, 1) decode_kernel(const __gr
     const int r = i / HEAD_DIM, c = i % HEAD_DIM;
     float shift = neg_inf();
 #pragma unroll
-    for (int w = 0; w < kDecodeWarps; ++w) shift = fmaxf(shift, s_shift[w * kDecodeRows + r]);
+    for (int w = 0; w < WARPS; ++w) shift = fmaxf(shift, s_shift[w * kDecodeRows + r]);
     float l = 0.f, o = 0.f;
     if (shift != neg_inf()) {
 #pragma unroll
-      for (int w = 0; w < kDecodeWarps; ++w) {
+      for (int w = 0; w < WARPS; ++w) {
         const float wshift = s_shift[w * kDecodeRows + r];
         const float f = wshift == neg_inf() ? 0.f : exp2f(wshift - shift);
         l += f * s_sum[w * kDecodeRows + r];
