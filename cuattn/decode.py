@@ -162,7 +162,7 @@ def _launch_decode(ctx, c_type: str, a: dict, dst, lse, options: AttnOptions, ca
         partial_out = ctx.empty((splits, batch, seqlen_q, heads_q, head_dim), np.float32)
         partial_lse = ctx.empty((splits, batch, heads_q, seqlen_q), np.float32)
     fields = options.kernel_fields(seqlen_q, cache["capacity"])
-    split_blocks = -(-(-(-cache["capacity"] // plan.BLOCK_N)) // splits)  # in 64-key blocks
+    split_blocks = plan.split_blocks(cache["capacity"], splits)
     dependent = plan.dependent_launch(paged, warps, splits, cache["capacity"])
     prefetch = ctx.decide("decode_prefetch", lambda: plan.prefetch_blocks(
         paged, dependent and attend.dependent and launch.enabled() and launch.supported(device), split_blocks, wide))

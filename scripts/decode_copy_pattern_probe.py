@@ -32,7 +32,7 @@ SOURCE = r"""
 typedef unsigned long long u64;
 template <int WARPS, int STAGES, int MODE>
 __global__ void __launch_bounds__(WARPS * 32, 1)
-stream(const unsigned short* k, const unsigned short* v, int seqlen, int heads, int splits, unsigned* sink, int spin) {
+stream(const unsigned short* k, const unsigned short* v, int seqlen, int heads, int splits, unsigned* sink, int spin, int tlb_ahead) {
   extern __shared__ uint4 smem[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, seq = blockIdx.y;
   uint4* ring = smem + warp * STAGES * 512;  // a slot: 16 K rows then 16 V rows of 256 bytes
@@ -49,7 +49,17 @@ stream(const unsigned short* k, const unsigned short* v, int seqlen, int heads, 
   const unsigned short* vh = v + long(seq) * seqlen * row_stride + head * 128 + (lane % 16) * 8;
   u64 policy;
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+  u64 last_page = ~0ull;
   auto issue = [&](int i) {
+    if (tlb_ahead > 0 && lane == 0) {  // touch the 2 MB page tlb_ahead rows on, once a page
+      const long row = long(first + i * step) * 16 + tlb_ahead;
+      const u64 page = u64(kh + row * row_stride) >> 21;
+      if (row < seqlen && page != last_page) {
+        asm volatile("prefetch.global.L2 [%0];\n" ::"l"(kh + row * row_stride));
+        asm volatile("prefetch.global.L2 [%0];\n" ::"l"(vh + row * row_stride));
+        last_page = page;
+      }
+    }
     if (i < count) {
       const long row0 = long(first + i * step) * 16 + lane / 16;
       uint4* slot = ring + (i % STAGES) * 512;
@@ -86,6 +96,7 @@ PATTERNS = [
     ("head w4 s4", 0, 4, 4),
     ("head w4 s3", 0, 4, 3),
     ("head w8 s2", 0, 8, 2),
+    ("head w8 s3", 0, 8, 3),
     ("warp_heads w8 s2", 1, 8, 2),
     ("warp_heads w8 s3", 1, 8, 3),
     ("warp_heads w4 s4", 1, 4, 4),
@@ -100,6 +111,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", default="16x32768,16x131072,4x8192")
     parser.add_argument("--ctas", type=int, default=0, help="CTAs of the warp_heads grid (0: as many as the head grid)")
+    parser.add_argument("--tlb-ahead", type=int, default=0, help="rows ahead whose 2 MB page each warp touches, once a page (0: none)")
     parser.add_argument("--spin", default="0", help="cycles each warp spends on a chunk after touching it (comma list: a table each)")
     args = parser.parse_args()
     names = [f"stream<{w}, {s}, {m}>" for _, m, w, s in PATTERNS]
@@ -124,7 +136,7 @@ def main() -> None:
             def launch(i, kernel=kernel, grid=grid, warps=warps, smem=smem, splits=splits):
                 with cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
                     kernel(grid, (warps * 32,), (kv[i][0].data_ptr(), kv[i][1].data_ptr(), cp.int32(seqlen), cp.int32(HEADS_KV),
-                                                 cp.int32(splits), sink, cp.int32(spin)), shared_mem=smem)
+                                                 cp.int32(splits), sink, cp.int32(spin), cp.int32(args.tlb_ahead)), shared_mem=smem)
 
             cells.append(_gbs(nbytes, launch, sets))
         cells.append(_gbs(nbytes, lambda i: cuattn.attention_with_kvcache(q[i], *kv[i], cache_seqlens=lengths), sets))

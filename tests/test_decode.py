@@ -111,6 +111,7 @@ def test_long_splits_on_one_wave_prefetch_more_blocks():
     assert plan.prefetch_blocks(False, True, 32, False) == plan.prefetch_blocks(True, True, 16, False) == 4
     assert plan.prefetch_blocks(False, True, 4, False) == plan.prefetch_blocks(True, True, 16, True) == 2
     assert plan.prefetch_blocks(False, False, 32, False) == 4 and plan.prefetch_blocks(True, False, 32, False) == 0
+    assert (plan.split_blocks(8192, 4), plan.split_blocks(8193, 4), plan.split_blocks(1, 3)) == (32, 33, 1)
 
 
 def test_contiguous_caches_on_one_wave_take_eight_warps_and_long_single_splits_an_ordinary_launch():

@@ -33,6 +33,11 @@ PREFETCH_BLOCKS = 2
 PREFETCH_BLOCKS_LONG, LONG_SPLIT_BLOCKS = 4, 16
 
 
+def split_blocks(capacity: int, splits: int) -> int:
+    """BLOCK_N-key blocks of the capacity per split, at most (the unit of prefetch_blocks)."""
+    return -(-(-(-capacity // BLOCK_N)) // splits)
+
+
 def prefetch_blocks(paged: bool, dependent: bool, split_blocks: int = 0, wide: bool = False) -> int:
     """DecodeParams::prefetch_blocks of a decode launch (``dependent``: a programmatic
     dependent launch, cuattn/launch.py; ``split_blocks``: key blocks of the capacity per split;

@@ -108,7 +108,7 @@ __device__ __forceinline__ void load_kv_rows(T* sK, T* sV, const DecodeParams& p
   // Paged without RUNS (pages whose size is not a multiple of 16, from head_dim 96): lanes 0-15
   // each work out one row's K and V addresses (its table entry and position) and each round's
   // lanes take their row's by shuffle, so the 64-bit address math is done once a row, not once
-  // a 16-byte column of it (~12 instructions a round where the loop below takes ~45). Below
+  // a 16-byte column of it (~16 instructions a round in the SASS where the loop below takes ~45). Below
   // head_dim 96 the unrolled rounds cost a CTA per SM in registers (d64: 105 -> 137).
   if constexpr (PAGED && !RUNS && HEAD_DIM >= 96) {
     constexpr int kCopyingLanes = kRowsPerRound * Tr::kChunksPerRow;
