@@ -2,7 +2,9 @@
 stream is still running, through the driver's ``cuLaunchKernelEx`` (CuPy's launch has no launch
 attributes). The kernel waits for the earlier grid itself (``common/dependent_launch.cuh``), so
 only its launch latency and prologue overlap that grid's tail. Variants marked ``dependent``
-take this launch on devices of compute capability 9.0 and newer; ``CUATTN_PDL=0`` turns it off
+take this launch on devices of compute capability 9.0 and newer, unless their plan launches
+them as ordinary grids (``CallContext.launch(..., dependent=False)``: the decode kernel over
+long single splits, ``cuattn/kernels/decode.py dependent_launch``); ``CUATTN_PDL=0`` turns it off
 (to compare; read when a call is planned, and part of a replayed plan's key; a refused launch
 drops the replayed plans, but not the plans a JAX trace holds). Any failure of the driver call launches that kernel the
 ordinary way (which raises if the error was real; a thread without a current CUDA context gets

@@ -69,7 +69,7 @@ def _run(rng, lengths, seqlen_q, heads_q, heads_kv, head_dim, dtype, page_size=N
 
 CASES = [  # (lengths, seqlen_q, heads_q, heads_kv, head_dim, dtype, page_size)
     ([0, 1, 700, 1500], 1, 8, 1, 128, "bfloat16", None),
-    ([2100, 0, 129, 4000], 1, 12, 4, 96, "float16", None),  # eight-warp CTAs at head_dim 96
+    ([2100, 0, 129, 4000], 1, 12, 4, 96, "float16", None),
     ([300, 5000], 3, 8, 2, 128, "float16", None),
     ([0, 1, 700, 1500], 1, 8, 1, 128, "bfloat16", 16),
     ([3, 0, 640, 1029], 1, 4, 4, 64, "float16", 1),
@@ -116,20 +116,27 @@ def test_long_splits_on_one_wave_prefetch_more_blocks():
 
 def test_contiguous_caches_on_one_wave_take_eight_warps_and_long_single_splits_an_ordinary_launch():
     """CTAs of 8 warps (128-key ring slots) for contiguous caches copying runs on grids within the
-    SMs where that ring holds 3 slots (head dims 96 and 128), 4 elsewhere; a decode grid of one
+    SMs where that ring holds 3 slots (head dims 96 and 128) and each split of the capacity 1024
+    positions or more, 4 elsewhere; a decode grid of one
     split over 8192+ positions of such a cache is launched as an ordinary grid, every other as a
     programmatic dependent."""
     from cuattn.kernels import decode as plan
-    from cuattn.kernels.variant import MAX_SMEM_OPTIN
+    from cuattn.kernels.variant import MAX_SMEM_OPTIN, arch_smem_limit
 
-    assert plan.cta_warps(128, False, False) == plan.cta_warps(96, False, False) == 8
+    assert plan.cta_warps(128, False, False) == plan.cta_warps(96, False, False) == plan.cta_warps(128, False, False, split_keys=1024) == 8
     assert {plan.cta_warps(128, True, False), plan.cta_warps(128, False, True), plan.cta_warps(64, False, False),
-            plan.cta_warps(160, False, False), plan.cta_warps(256, False, False), plan.cta_warps(128, False, False, 99 * 1024)} == {4}
+            plan.cta_warps(160, False, False), plan.cta_warps(256, False, False), plan.cta_warps(128, False, False, 99 * 1024),
+            plan.cta_warps(128, False, False, split_keys=1023)} == {4}
+    sm80 = arch_smem_limit("sm_80")  # 8 warps at head_dim 96 (3 slots), not at 128 (2 would fit)
+    assert plan.cta_warps(96, False, False, sm80) == 8 and plan.cta_warps(128, False, False, sm80) == 4
+    assert plan.variant("bf16", 96, False, False, sm80, warps=8) in plan.variants("sm_80")
     eight = plan.variant("bf16", 128, False, False, warps=8)
     assert eight.threads == 256 and eight.uri == "decode/bf16/d128/s3/w8" and eight.dynamic_smem <= MAX_SMEM_OPTIN
     assert eight.expression.endswith(", true, 8>") and ("cuattn::DecodeTraits<128, 3, 8>::kBlockN", 128) in eight.contract
+    assert ("cuattn::kDecodeWarps", plan.WARPS) in eight.contract
     assert eight in plan.variants() and eight in plan.common_variants()
     assert plan.num_splits(128, False, 16, 8, 1, 32768, 132, warps=8) == 1 and plan.num_splits(128, False, 1, 8, 1, 32768, 132, warps=8) == 16
+    assert plan.num_splits(128, False, 1, 8, 1, 1024, 132, warps=8) == 8 and plan.num_splits(128, False, 1, 8, 1, 1024, 132) == 16
     assert not plan.dependent_launch(False, 8, 1, 8192)
     assert all(plan.dependent_launch(*a) for a in ((False, 8, 2, 1 << 17), (False, 8, 1, 8191), (True, 4, 1, 1 << 17), (False, 4, 1, 1 << 17)))
 
@@ -334,19 +341,47 @@ def test_default_splits_fill_one_wave_of_resident_ctas(monkeypatch, head_dim, pa
     from cuattn.loader import device_sm_count, device_smem_limit, resident_ctas
 
     replay.clear()  # the call plans afresh (a saved plan would not ask for the grid)
-    grids = []
-    grid = plan.grid
+    grids, variants = [], []
+    grid, variant_of = plan.grid, plan.variant
     monkeypatch.setattr(plan, "grid", lambda *a: grids.append(grid(*a)) or grids[-1])
+    monkeypatch.setattr(plan, "variant", lambda *a, **k: variants.append(variant_of(*a, **k)) or variants[-1])
     _run(np.random.default_rng(15), [8000], 1, 32, 8, head_dim, "bfloat16", 16 if paged else None, **({} if softcap is None else {"softcap": softcap}))
-    variant = plan.variant("bf16", head_dim, paged, softcap is not None, device_smem_limit(0), False, plan.takes_runs(head_dim, 16 if paged else None),
-                           plan.cta_warps(head_dim, paged, False, device_smem_limit(0)))
+    variant = variants[0]
+    assert variant.family == "decode" and variant.kernel == "decode" and not device_smem_limit(0) < variant.dynamic_smem
     ctas, fit = int(np.prod(grids[0])), resident_ctas(variant, cupy.cuda.runtime.getDevice()) * device_sm_count(0)
     assert fit // 2 < ctas <= fit, (grids, fit)
 
 
+EIGHT_WARP_CASES = [  # lengths, seqlen_q, heads_q, heads_kv, head_dim, dtype, num_splits, options
+    ([2100, 0, 129, 4000], 1, 12, 4, 96, "float16", 2, {}),
+    ([300, 5000], 3, 8, 2, 128, "float16", 3, {}),
+    ([1, 400, 2100], 4, 8, 2, 128, "bfloat16", 1, dict(window=(100, 0))),
+    ([1, 400, 2100], 4, 8, 2, 128, "bfloat16", 2, dict(softcap=20.0)),
+    ([1, 400, 2100], 4, 8, 2, 96, "bfloat16", 1, dict(causal=False)),
+    ([1, 400, 2100], 4, 8, 2, 128, "bfloat16", 2, dict(window=(64, 3), causal=False, scale=0.05)),
+]
+
+
 @gpu
+@pytest.mark.parametrize("lengths, seqlen_q, heads_q, heads_kv, head_dim, dtype, splits, kw", EIGHT_WARP_CASES)
+def test_eight_warp_ctas_match_the_reference(monkeypatch, lengths, seqlen_q, heads_q, heads_kv, head_dim, dtype, splits, kw):
+    """Contiguous caches whose splits hold 1024+ positions take 8-warp CTAs (asserted): ragged
+    lengths with a 0, several new tokens, windows, softcap, no causal mask, several splits."""
+    from cuattn import replay
+    from cuattn.kernels import decode as plan
+
+    replay.clear()  # the call plans afresh (a saved plan would not choose)
+    chosen = []
+    cta_warps = plan.cta_warps
+    monkeypatch.setattr(plan, "cta_warps", lambda *a, **k: chosen.append(cta_warps(*a, **k)) or chosen[-1])
+    _run(np.random.default_rng(sum(lengths) + splits), lengths, seqlen_q, heads_q, heads_kv, head_dim, dtype, None, num_splits=splits, **kw)
+    assert chosen and chosen[-1] == plan.EIGHT_WARPS, chosen
+
+
+@gpu
+@pytest.mark.parametrize("fast_path", [False, True])
 @pytest.mark.parametrize("head_dim", [96, 128])
-def test_eight_warp_ctas_in_one_long_split_launch_as_ordinary_grids(monkeypatch, head_dim):
+def test_eight_warp_ctas_in_one_long_split_launch_as_ordinary_grids(monkeypatch, head_dim, fast_path):
     """A contiguous cache of 8192+ positions, one split, eight-warp CTAs: an ordinary launch (no
     dependent launch taken), the reference's result, and the same bits as the same kernel
     launched as a dependent grid; ragged lengths, one of them 0, one past a 128-key block edge."""
@@ -356,11 +391,12 @@ def test_eight_warp_ctas_in_one_long_split_launch_as_ordinary_grids(monkeypatch,
     from cuattn.kernels import decode as plan
 
     lengths = [8192, 0, 8321, 77]
+    monkeypatch.setattr(replay, "enabled", fast_path)
     replay.clear()
     before = launch.taken
     out, lse = _run(np.random.default_rng(head_dim + 5), lengths, 1, 16, 2, head_dim, "bfloat16", None, num_splits=1)
     assert launch.taken == before
-    out_again, _ = _run(np.random.default_rng(head_dim + 5), lengths, 1, 16, 2, head_dim, "bfloat16", None, num_splits=1)  # replayed
+    out_again, _ = _run(np.random.default_rng(head_dim + 5), lengths, 1, 16, 2, head_dim, "bfloat16", None, num_splits=1)  # replayed if fast_path
     assert launch.taken == before
     np.testing.assert_array_equal(out_again.view(np.uint16), out.view(np.uint16))
     monkeypatch.setattr(plan, "dependent_launch", lambda *a: True)
@@ -886,7 +922,7 @@ def test_prefetch_before_the_wait_changes_no_bit(monkeypatch, paged):
         for _ in range(3):
             kd *= 1  # a kernel that writes the cache just ahead of the call
             results.append(cuattn.attention_with_kvcache(q, kd, vd, **kw, return_lse=True))
-    assert seen and set(seen) == {plan.PREFETCH_BLOCKS if dependent or not paged else 0}  # 3000 keys, 6 splits: 8 blocks a split
+    assert seen and set(seen) == {plan.PREFETCH_BLOCKS if dependent or not paged else 0}  # 3000 keys, 6 splits: 500 keys a split
     first_out, first_lse = (x.get() for x in results[0])
     for out, lse in results[1:]:
         np.testing.assert_array_equal(out.get().view(np.uint16), first_out.view(np.uint16))

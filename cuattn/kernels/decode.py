@@ -10,7 +10,7 @@ from cuattn.dtypes import cxx_type
 from cuattn.kernels.variant import HEAD_DIM_BUCKETS, MAX_GRID_YZ, MAX_SMEM_OPTIN, Variant, arch_smem_limit, softcap_arg, softcap_uri
 
 FAMILY = "decode"
-ROWS, WARPS, BLOCK_N = 16, 4, 64  # packed query rows per CTA, warps, keys per ring slot
+ROWS, WARPS, BLOCK_N = 16, 4, 64  # packed query rows per CTA, warps and keys per ring slot (but for EIGHT_WARPS CTAs, below)
 # Ring slots per head-dim bucket (scripts/tune_decode.py, H100, d128): a contiguous cache streams
 # best from deep rings (4 slots, one CTA per SM); a paged one from more CTAs per SM (3 slots, two
 # CTAs), whose block-table loads then overlap (page 16 against 2 slots and three CTAs: b1 8k
@@ -34,7 +34,9 @@ PREFETCH_BLOCKS_LONG, LONG_SPLIT_BLOCKS = 4, 16
 
 
 def split_blocks(capacity: int, splits: int) -> int:
-    """BLOCK_N-key blocks of the capacity per split, at most (the unit of prefetch_blocks)."""
+    """BLOCK_N-key (64-key) blocks of the capacity per split, at most: what prefetch_blocks'
+    rule counts. The kernel prefetches blocks of its own ring slot (block_n(warps) keys): the
+    long rule's 4 are 512 keys on 8-warp CTAs, as measured."""
     return -(-(-(-capacity // BLOCK_N)) // splits)
 
 
@@ -47,33 +49,44 @@ def prefetch_blocks(paged: bool, dependent: bool, split_blocks: int = 0, wide: b
     return PREFETCH_BLOCKS_LONG if split_blocks >= LONG_SPLIT_BLOCKS and not wide else PREFETCH_BLOCKS
 
 
-# CTAs of 8 warps (128-key ring slots, still 16 keys a warp; 3 slots at head_dim 128, one CTA per
-# SM) for contiguous caches on grids within the SMs, where the 8-warp ring holds 3 slots or more
-# (head dims 96 and 128): twice the warps to take each block's math, which, done by 4, delays the
-# refills of their ring (H100, benchmarks/NOTES.md: b1 32k 2802-2809 -> 2865 GB/s, b4 8k 2760 ->
-# 2822, b16 32k with ordinary launches 3115-3123 -> 3130-3133).
-EIGHT_WARPS_MIN_STAGES = 3
+# CTAs of EIGHT_WARPS warps (128-key ring slots, still 16 keys a warp; 3 slots at head_dim 128,
+# one CTA per SM) for contiguous caches on grids within the SMs, where the 8-warp ring holds 3
+# slots or more (head dims 96 and 128) and each split of the capacity holds 1024 positions or
+# more: twice the warps to take each block's math, which, done by 4, delays the refills of their
+# ring (H100, benchmarks/NOTES.md: b1 32k 2776-2781 -> 2842 GB/s, b4 8k 2751-2776 -> 2819-2822,
+# b16 32k with ordinary launches 3115-3123 -> 3130-3133). On shorter splits 8 warps lost: b4 1k
+# 1385 -> 1270 GB/s, b1 8k 2003 -> 1920 (their prefetch a whole split or half of one).
+EIGHT_WARPS, EIGHT_WARPS_MIN_STAGES, EIGHT_WARPS_MIN_SPLIT_KEYS = 8, 3, 1024
 
 
-def cta_warps(bucket: int, paged: bool, wide: bool, smem_limit: int = MAX_SMEM_OPTIN) -> int:
-    """Warps of the decode CTA: 8 for a contiguous cache copying runs, on a grid within the SMs
-    (not ``wide``), where the 8-warp ring has EIGHT_WARPS_MIN_STAGES slots; else WARPS."""
-    if paged or wide or not takes_runs(bucket, None):
+def block_n(warps: int) -> int:
+    """Keys per ring slot of a decode CTA of ``warps`` warps (16 a warp; the kernel's kBlockN)."""
+    return 16 * warps
+
+
+def cta_warps(bucket: int, paged: bool, wide: bool, smem_limit: int = MAX_SMEM_OPTIN, split_keys: int | None = None) -> int:
+    """Warps of the decode CTA: EIGHT_WARPS for a contiguous cache copying runs, on a grid within
+    the SMs (not ``wide``), where that ring has EIGHT_WARPS_MIN_STAGES slots and, where given,
+    ``split_keys`` (positions of the capacity per split of the 8-warp grid) reach
+    EIGHT_WARPS_MIN_SPLIT_KEYS; else WARPS."""
+    if paged or wide or not takes_runs(bucket, None) or (split_keys is not None and split_keys < EIGHT_WARPS_MIN_SPLIT_KEYS):
         return WARPS
-    ring = stages(bucket, False, smem_limit, warps=8)
-    return 8 if ring is not None and ring >= EIGHT_WARPS_MIN_STAGES else WARPS
+    ring = stages(bucket, False, smem_limit, warps=EIGHT_WARPS)
+    return EIGHT_WARPS if ring is not None and ring >= EIGHT_WARPS_MIN_STAGES else WARPS
 
 
-# A decode grid whose CTAs each stream at least ORDINARY_LAUNCH_KEYS keys of a contiguous cache in
-# one split (no merge after it) is launched as an ordinary grid, not a programmatic dependent: back
-# to back, the dependent launch read b16 x 8k-128k 1-2% slower on the H100 (8-warp CTAs, b16 32k
-# 3100 against 3130-3133 GB/s; benchmarks/NOTES.md), where on short calls it gains up to 25%.
+# A decode grid of 8-warp CTAs in one split (no merge after it) over a capacity of
+# ORDINARY_LAUNCH_KEYS positions or more goes as an ordinary grid, not a programmatic dependent:
+# back to back, the dependent launch read b16 x 8k-128k 1-2% slower on the H100 (b16 32k 3100
+# against 3130-3133 GB/s; benchmarks/NOTES.md). The capacity stands in for the lengths (the launch
+# is a host choice): a large cache holding few positions loses the dependent launch's overlap
+# with the grid ahead, ~2 us a call (b16 1k on a 1k cache: 2755 GB/s dependent, 2536 ordinary).
 ORDINARY_LAUNCH_KEYS = 8192
 
 
-def dependent_launch(paged: bool, warps_per_cta: int, splits: int, capacity: int) -> bool:
+def dependent_launch(paged: bool, warps: int, splits: int, capacity: int) -> bool:
     """Whether the decode kernel goes as a programmatic dependent launch (cuattn/launch.py)."""
-    return paged or warps_per_cta != 8 or splits > 1 or capacity < ORDINARY_LAUNCH_KEYS
+    return paged or warps != EIGHT_WARPS or splits > 1 or capacity < ORDINARY_LAUNCH_KEYS
 
 
 COMBINE_WARPS = 4  # one row per CTA, the splits dealt to the warps
@@ -88,8 +101,7 @@ SM_SMEM = 228 * 1024  # shared memory per SM that resident CTAs share (1 KB of i
 
 def smem_bytes_for(bucket: int, ring: int, warps: int = WARPS) -> int:
     row = bucket if bucket % 64 == 0 else bucket + 8  # DecodeTraits: swizzled rows of whole 128-byte lines, else padded
-    block_n = 16 * warps
-    return (ROWS * row + 2 * ring * block_n * row) * 2 + ring * block_n * 4  # + the table entries of a block per slot
+    return (ROWS * row + 2 * ring * block_n(warps) * row) * 2 + ring * block_n(warps) * 4  # + the table entries of a block per slot
 
 
 def stages(bucket: int, paged: bool, smem_limit: int = MAX_SMEM_OPTIN, wide: bool = False, warps: int = WARPS) -> int | None:
@@ -134,7 +146,7 @@ def variant(
 ) -> Variant:
     """The decode kernel with the ring that fits ``smem_limit`` bytes per block (callers check
     :func:`stages` is not None first); ``runs`` (:func:`takes_runs`; default: contiguous caches
-    from RUNS_MIN_BUCKET) copies runs of positions."""
+    from RUNS_MIN_BUCKET) copies runs of positions; CTAs of ``warps`` warps (:func:`cta_warps`)."""
     runs = takes_runs(bucket, None) and not paged if runs is None else runs
     if runs and bucket < RUNS_MIN_BUCKET:
         raise ValueError(f"no decode kernel copying runs of positions at head_dim bucket {bucket}")
@@ -151,11 +163,12 @@ def variant(
         threads=warps * 32,
         block_m=ROWS,
         # Every kernel of the family waits for the grid before it on the device (cuattn/launch.py):
-        # its launch overlaps that grid's tail (H200, batch 1 x 1k tokens: 433 -> 479 GB/s).
+        # its launch overlaps that grid's tail (H200, batch 1 x 1k tokens: 433 -> 479 GB/s), but
+        # where dependent_launch says an ordinary grid.
         dependent=True,
         contract=(
             (f"{traits}::kSmemBytes", smem_bytes_for(bucket, ring, warps)), (f"{traits}::kThreads", warps * 32), ("cuattn::kDecodeRows", ROWS),
-            (f"{traits}::kBlockN", 16 * warps),
+            (f"{traits}::kBlockN", block_n(warps)), ("cuattn::kDecodeWarps", WARPS),
         ),
     )
 
@@ -203,7 +216,7 @@ def num_splits(bucket: int, paged: bool, batch: int, heads_kv: int, row_blocks: 
     if resident is not None:
         per_sm = max(1, min(per_sm, resident))
     wanted = max(1, per_sm * sm_count // ctas)  # rounded down: no partial second wave
-    return max(1, min(wanted, -(-capacity // (MIN_BLOCKS_PER_SPLIT * 16 * warps)), MAX_SPLITS))
+    return max(1, min(wanted, -(-capacity // (MIN_BLOCKS_PER_SPLIT * block_n(warps))), MAX_SPLITS))
 
 
 def prefill_by_forward(seqlen_q: int) -> bool:
