@@ -11,7 +11,7 @@ touches what landed. Two ways to hand chunks to warps:
 
 Beside them, cuattn's decode call and SDPA's cuDNN backend on the same cache, in the same run.
 
-    PYTHONPATH=. python scripts/decode_copy_pattern_probe.py --rows 16x32768,16x131072,4x8192 [--spin 0,1000]
+    PYTHONPATH=. python scripts/decode_copy_pattern_probe.py --rows 16x32768,16x131072,4x8192 [--spin 0,1000] [--pdl]
 
 ``--spin``: each warp also spins that many cycles per chunk after touching it, standing in for
 the attention math (rows labelled batch x seqlen / spin).
@@ -20,10 +20,13 @@ the attention math (rows labelled batch x seqlen / spin).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import pathlib
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
 
 import cuattn  # noqa: E402
 from benchmarks.bench_decode import HEAD_DIM, HEADS_KV, HEADS_Q, _gbs, rotated_row  # noqa: E402
@@ -34,6 +37,10 @@ template <int WARPS, int STAGES, int MODE>
 __global__ void __launch_bounds__(WARPS * 32, 1)
 stream(const unsigned short* k, const unsigned short* v, int seqlen, int heads, int splits, unsigned* sink, int spin, int tlb_ahead) {
   extern __shared__ uint4 smem[];
+#if __CUDA_ARCH__ >= 900  // no-ops unless launched as a programmatic dependent (--pdl)
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, seq = blockIdx.y;
   uint4* ring = smem + warp * STAGES * 512;  // a slot: 16 K rows then 16 V rows of 256 bytes
   int head, first, step, count;
@@ -104,6 +111,23 @@ PATTERNS = [
 ]
 
 
+def _dependent(kernel, grid, threads: int, smem: int, values):
+    """``kernel`` launched as a programmatic dependent of the grid before it (cuattn.launch), with
+    ``values`` (device pointers as ints or CuPy arrays, CuPy int32 scalars) as its arguments."""
+    from cuattn.launch import DependentLaunch
+
+    holders = [ctypes.c_void_p(v.data.ptr) if hasattr(v, "data") and hasattr(v.data, "ptr") else
+               ctypes.c_int(int(v)) if isinstance(v, np.integer) else ctypes.c_void_p(v) for v in values]
+    argv = (ctypes.c_void_p * len(holders))(*[ctypes.addressof(h) for h in holders])
+    dependent = DependentLaunch(kernel.kernel, (*grid, 1), (threads, 1, 1), smem)
+
+    def launch(stream: int) -> bool:
+        return dependent(stream, ctypes.addressof(argv))
+
+    launch.arguments = holders, argv  # alive as long as the launch
+    return launch
+
+
 def main() -> None:
     import cupy as cp
     import torch
@@ -112,6 +136,7 @@ def main() -> None:
     parser.add_argument("--rows", default="16x32768,16x131072,4x8192")
     parser.add_argument("--ctas", type=int, default=0, help="CTAs of the warp_heads grid (0: as many as the head grid)")
     parser.add_argument("--tlb-ahead", type=int, default=0, help="rows ahead whose 2 MB page each warp touches, once a page (0: none)")
+    parser.add_argument("--pdl", action="store_true", help="launch the copy kernels as programmatic dependents (as decode.cu is)")
     parser.add_argument("--spin", default="0", help="cycles each warp spends on a chunk after touching it (comma list: a table each)")
     args = parser.parse_args()
     names = [f"stream<{w}, {s}, {m}>" for _, m, w, s in PATTERNS]
@@ -133,10 +158,19 @@ def main() -> None:
                 splits = max(1, ctas // batch // (HEADS_KV // warps))
                 grid = (splits * (HEADS_KV // warps), batch)
 
-            def launch(i, kernel=kernel, grid=grid, warps=warps, smem=smem, splits=splits):
-                with cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
-                    kernel(grid, (warps * 32,), (kv[i][0].data_ptr(), kv[i][1].data_ptr(), cp.int32(seqlen), cp.int32(HEADS_KV),
-                                                 cp.int32(splits), sink, cp.int32(spin), cp.int32(args.tlb_ahead)), shared_mem=smem)
+            def arguments(i, splits=splits):
+                return (kv[i][0].data_ptr(), kv[i][1].data_ptr(), cp.int32(seqlen), cp.int32(HEADS_KV), cp.int32(splits), sink,
+                        cp.int32(spin), cp.int32(args.tlb_ahead))
+
+            if args.pdl:
+                dependents = [_dependent(kernel, grid, warps * 32, smem, arguments(i)) for i in range(sets)]
+
+                def launch(i, dependents=dependents):
+                    assert dependents[i](torch.cuda.current_stream().cuda_stream), "the driver refused the dependent launch"
+            else:
+                def launch(i, kernel=kernel, grid=grid, warps=warps, smem=smem, arguments=arguments):
+                    with cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+                        kernel(grid, (warps * 32,), arguments(i), shared_mem=smem)
 
             cells.append(_gbs(nbytes, launch, sets))
         cells.append(_gbs(nbytes, lambda i: cuattn.attention_with_kvcache(q[i], *kv[i], cache_seqlens=lengths), sets))
