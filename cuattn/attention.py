@@ -273,8 +273,8 @@ def launch_forward(ctx, c_type, p, rows, heads_q, batch, layout="dense", sparse=
         if forward.tma_serves(c_type, head_dim, arch, wgmma_enabled() and tma_enabled(), layout, fold, dropout, sparse):
             planned = tma_plan(c_type, p, rows, heads_q, batch, sparse, layout, ctx.device.id, fold)
             if planned[0].dynamic_smem <= device_smem_limit(ctx.device.id):
-                variant, plan, several = planned
-                tp = tma_params(c_type, p, sparse, several)
+                variant, plan, several, page_copy = planned
+                tp = tma_params(c_type, p, sparse, several, page_copy)
         if tp is not None:
             args, attn = tp, tp["attn"]
         else:
@@ -289,15 +289,16 @@ def launch_forward(ctx, c_type, p, rows, heads_q, batch, layout="dense", sparse=
 
 
 def tma_plan(c_type: str, p: np.void, rows: int, heads_q: int, batch: int, sparse: bool, layout: str, device_id: int, fold: bool = False):
-    """The TMA forward's variant, its launches, and whether it is the SEVERAL form (CTAs taking
+    """The TMA forward's variant, its launches, whether it is the SEVERAL form (CTAs taking
     two row blocks each where :func:`cuattn.kernels.forward.tma_row_blocks_per_cta` says so),
-    else one CTA per row block (always when it ``fold``s into an accumulator); a paged cache's
-    K and V come by TMA boxes or by the producer's copies (:func:`cuattn.kernels.forward.tma_page_copy`)."""
+    else one CTA per row block (always when it ``fold``s into an accumulator), and whether a
+    paged cache's K and V come by the producer's copies (:func:`cuattn.kernels.forward.tma_page_copy`)
+    rather than TMA boxes."""
     tile, softcap = forward.tma_tile(int(p["head_dim"])), p["softcap"] > 0
     page_copy = layout == "paged_cache" and forward.tma_page_copy(tile, softcap, int(p["page_size"]))  # else by boxes
     if layout != "dense" or fold:
         variant = forward.tma_variant(c_type, tile, softcap, layout=layout, fold=fold, page_copy=page_copy)
-        return variant, forward.tma_launches(variant, rows, heads_q, batch, 1), False
+        return variant, forward.tma_launches(variant, rows, heads_q, batch, 1), False, page_copy
     per_cta = 1
     if forward.tma_takes_several(tile, softcap, sparse):
         block_m = 64 * forward.tma_tiling(tile, softcap, several=True)[2]  # the SEVERAL form's rows per tile
@@ -306,20 +307,21 @@ def tma_plan(c_type: str, p: np.void, rows: int, heads_q: int, batch: int, spars
         per_cta = forward.tma_row_blocks_per_cta(rows, block_m, heads_q * batch, device_sm_count(device_id), kv_bytes, banded, tile)
     several = per_cta > 1
     variant = forward.tma_variant(c_type, tile, softcap, sparse, several)
-    return variant, forward.tma_launches(variant, rows, heads_q, batch, per_cta), several
+    return variant, forward.tma_launches(variant, rows, heads_q, batch, per_cta), several, False
 
 
-def tma_params(c_type: str, p: np.void, sparse: bool = False, several: bool = False) -> np.void | None:
+def tma_params(c_type: str, p: np.void, sparse: bool = False, several: bool = False, page_copy: bool = False) -> np.void | None:
     """``p`` with the tensor maps of q, k and v (forward/forward_tma.cu), or None where one of
-    them cannot be described (cuattn/tensor_map.py). A paged cache whose producer copies has
-    q's map alone (its 16-byte copies need the alignment attention_with_kvcache checks)."""
+    them cannot be described (cuattn/tensor_map.py). A paged cache whose producer copies
+    (``page_copy``, :func:`tma_plan`'s choice) has q's map alone (its 16-byte copies need the
+    alignment attention_with_kvcache checks)."""
     tp = params.new(params.TMA_ATTN_PARAMS)
     tp["attn"] = p
     tile = forward.tma_tile(int(p["head_dim"]))
     block_n, _, consumers = forward.tma_tiling(tile, p["softcap"] > 0, sparse, several)
     q_shape, k_shape = tensor_map.query_shape(p), tensor_map.key_shape(p)
     q_entry = ("q", p["q"], p["q_strides"], q_shape, 64 * consumers)
-    if p["block_table"] and forward.tma_page_copy(tile, p["softcap"] > 0, int(p["page_size"])):
+    if page_copy:
         return tp if tensor_map.put_maps(c_type, tp, (q_entry,)) else None
     kv_rows = forward.tma_page_boxes(int(p["page_size"]), block_n) if p["block_table"] else block_n
     if kv_rows is None:

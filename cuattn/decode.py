@@ -152,10 +152,7 @@ def _launch_decode(ctx, c_type: str, a: dict, dst, lse, options: AttnOptions, ca
         )
     wide = plan.wide_grid(batch, heads_kv, row_blocks, sm_count)
     runs = plan.takes_runs(bucket, cache["page_size"] if paged else None)
-    warps = plan.cta_warps(bucket, paged, wide, smem_limit)
-    if warps != plan.WARPS:  # where each split of the 8-warp grid is long enough
-        eight = splits or plan.num_splits(bucket, paged, batch, heads_kv, row_blocks, cache["capacity"], sm_count, smem_limit, wide, warps=warps)
-        warps = plan.cta_warps(bucket, paged, wide, smem_limit, split_keys=-(-cache["capacity"] // eight))
+    warps = plan.decode_warps(bucket, paged, batch, heads_kv, row_blocks, cache["capacity"], sm_count, smem_limit, splits)
     attend = plan.variant(c_type, bucket, paged, options.softcap > 0, smem_limit, wide, runs, warps)
     splits = ctx.decide("decode_splits", lambda: splits or plan.num_splits(
         bucket, paged, batch, heads_kv, row_blocks, cache["capacity"], sm_count, smem_limit, wide, resident_ctas(attend, device), warps))

@@ -71,10 +71,16 @@ class Uncacheable(Exception):
     """Raised while recording by an op whose launches depend on more than the signature."""
 
 
+generation = 0  # bumped by clear(): the plans JAX's traces keep (run_preallocated) are keyed by it
+
+
 def clear() -> None:
     """Forgets every recorded plan (after changing what plans depend on besides the
-    signature, such as a monkeypatched device limit in a test)."""
+    signature, such as a monkeypatched device limit in a test, or a refused dependent launch),
+    the cache here and the plans of JAX's traces alike."""
+    global generation
     _plans.clear()
+    generation += 1
 
 
 @dataclasses.dataclass
@@ -612,7 +618,7 @@ def run_preallocated(plans: dict, call, sources: list, outputs: list, device: in
     pointers = [0 if x is None else int(x.__cuda_array_interface__["data"][0]) for x in sources]  # None: an absent optional array
     out_pointers = [int(x.__cuda_array_interface__["data"][0]) for x in outputs]
     aligned = not any(p & 15 for p in pointers + out_pointers)
-    key = (device, aligned, _ENV.get(_WGMMA), _ENV.get(_TMA), _ENV.get(_SMALL), _ENV.get(_PDL))
+    key = (device, aligned, _ENV.get(_WGMMA), _ENV.get(_TMA), _ENV.get(_SMALL), _ENV.get(_PDL), generation)
     plan = plans.get(key, MISS)
     if plan is MISS:
         plan = None

@@ -1,8 +1,9 @@
 """Forward TFLOP/s of cuattn next to cuDNN (SDPA), one line per config, for A/B runs of two trees
-in one lease (bf16, 16k tokens, heads = 2048 / head_dim, seqlens 1k-16k, causal and not):
+in one lease (bf16, 16k tokens, heads = 2048 / head_dim, seqlens 1k-16k or the third argument's,
+causal and not):
 
     PYTHONPATH=<old tree> python scripts/ab_forward.py old 64,128,256 >> ab.txt
-    PYTHONPATH=. python scripts/ab_forward.py new 64,128,256 >> ab.txt
+    PYTHONPATH=. python scripts/ab_forward.py new 64,128,256 512,1024 >> ab.txt
 """
 
 import sys
@@ -17,8 +18,9 @@ from benchmarks.timing import torch_tflops
 
 def main() -> None:
     tag, dims = sys.argv[1], sys.argv[2]
+    seqlens = tuple(map(int, sys.argv[3].split(","))) if len(sys.argv) > 3 else (1024, 2048, 4096, 16384)
     for d in map(int, dims.split(",")):
-        for s in (1024, 2048, 4096, 16384):
+        for s in seqlens:
             for causal in (False, True):
                 b, h = 16384 // s, 2048 // d
                 q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))

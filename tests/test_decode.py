@@ -138,6 +138,11 @@ def test_contiguous_caches_on_one_wave_take_eight_warps_and_long_single_splits_a
     assert plan.num_splits(128, False, 16, 8, 1, 32768, 132, warps=8) == 1 and plan.num_splits(128, False, 1, 8, 1, 32768, 132, warps=8) == 16
     assert plan.num_splits(128, False, 1, 8, 1, 1024, 132, warps=8) == 8 and plan.num_splits(128, False, 1, 8, 1, 1024, 132) == 16
     assert not plan.dependent_launch(False, 8, 1, 8192)
+    # A call's choice (decode_warps): b16 x 32k one split of 32k keys, 8 warps; b4 x 1k and b1 x 8k
+    # splits of 256 and 512 keys, 4; the caller's one split of 1024 keys, 8; pages and wide grids, 4.
+    assert plan.decode_warps(128, False, 16, 8, 1, 32768, 132) == plan.decode_warps(128, False, 1, 8, 1, 1024, 132, splits=1) == 8
+    assert {plan.decode_warps(128, False, 4, 8, 1, 1024, 132), plan.decode_warps(128, False, 1, 8, 1, 8192, 132),
+            plan.decode_warps(128, True, 16, 8, 1, 32768, 132), plan.decode_warps(128, False, 64, 8, 1, 32768, 132)} == {4}
     assert all(plan.dependent_launch(*a) for a in ((False, 8, 2, 1 << 17), (False, 8, 1, 8191), (True, 4, 1, 1 << 17), (False, 4, 1, 1 << 17)))
 
 

@@ -657,6 +657,24 @@ def test_a_plan_is_recorded_again_when_dependent_launches_change(fake, monkeypat
     assert not replay._plans
 
 
+def test_a_cleared_cache_invalidates_the_plans_of_jax_traces(monkeypatch):
+    """Each JAX trace keeps its own plans (replay.run_preallocated); replay.clear() (a refused
+    dependent launch) must reach them too: they are keyed by its generation, so the next call
+    records afresh instead of replaying a plan made for dependent launches."""
+
+    class Buffer:  # an XLA buffer as the callback sees it; misaligned, so no recording is tried
+        __cuda_array_interface__ = {"data": (4097, False)}
+
+    plans = {}
+    calls = []
+    assert not replay.run_preallocated(plans, lambda: calls.append(1), [Buffer()], [Buffer()], 0, 0, ())
+    assert not replay.run_preallocated(plans, lambda: calls.append(1), [Buffer()], [Buffer()], 0, 0, ())
+    assert len(plans) == 1 and not calls
+    replay.clear()
+    assert not replay.run_preallocated(plans, lambda: calls.append(1), [Buffer()], [Buffer()], 0, 0, ())
+    assert len(plans) == 2 and not calls
+
+
 def test_split_sums_are_sized_where_the_fused_kernel_does_not_run(monkeypatch):
     """A JAX call traced on a Hopper GPU sized the TMA backward's split dK / dV sums; run on a
     device that takes the unfused kernels (decisions replayed), the op must allocate the same

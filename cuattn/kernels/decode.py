@@ -75,6 +75,19 @@ def cta_warps(bucket: int, paged: bool, wide: bool, smem_limit: int = MAX_SMEM_O
     return EIGHT_WARPS if ring is not None and ring >= EIGHT_WARPS_MIN_STAGES else WARPS
 
 
+def decode_warps(bucket: int, paged: bool, batch: int, heads_kv: int, row_blocks: int, capacity: int, sm_count: int,
+                 smem_limit: int = MAX_SMEM_OPTIN, splits: int | None = None) -> int:
+    """Warps of a call's decode CTAs: :func:`cta_warps` on its grid, the length of each split
+    taken from the 8-warp grid's split count (``splits``: the caller's, else :func:`num_splits`'
+    for that grid)."""
+    wide = wide_grid(batch, heads_kv, row_blocks, sm_count)
+    warps = cta_warps(bucket, paged, wide, smem_limit)
+    if warps == WARPS:
+        return warps
+    eight = splits or num_splits(bucket, paged, batch, heads_kv, row_blocks, capacity, sm_count, smem_limit, wide, warps=warps)
+    return cta_warps(bucket, paged, wide, smem_limit, split_keys=-(-capacity // eight))
+
+
 # A decode grid of 8-warp CTAs in one split (no merge after it) over a capacity of
 # ORDINARY_LAUNCH_KEYS positions or more goes as an ordinary grid, not a programmatic dependent:
 # back to back, the dependent launch read b16 x 8k-128k 1-2% slower on the H100 (b16 32k 3100
@@ -250,8 +263,9 @@ def variants(arch: str | None = None) -> list[Variant]:
                         out.append(variant(c_type, bucket, paged, softcap, smem_limit, runs=True))
                     if not paged and stages(bucket, paged, smem_limit, True) != stages(bucket, paged, smem_limit):
                         out.append(variant(c_type, bucket, paged, softcap, smem_limit, True))
-                    if cta_warps(bucket, paged, False, smem_limit) != WARPS:
-                        out.append(variant(c_type, bucket, paged, softcap, smem_limit, warps=cta_warps(bucket, paged, False, smem_limit)))
+                    warps = cta_warps(bucket, paged, False, smem_limit)
+                    if warps != WARPS:
+                        out.append(variant(c_type, bucket, paged, softcap, smem_limit, warps=warps))
             out.append(combine_variant(c_type, bucket))
         for paged in (False, True):
             out.append(append_variant(c_type, paged))

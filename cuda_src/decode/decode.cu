@@ -20,7 +20,7 @@ constexpr int kDecodeWarps = 4;
 
 template <int HEAD_DIM, int STAGES, int WARPS = kDecodeWarps>
 struct DecodeTraits {
-  static constexpr int kWarps = WARPS;
+  static constexpr int kHeadDim = HEAD_DIM;
   static constexpr int kBlockN = 16 * WARPS;  // keys per stage, 16 per warp
   static constexpr int kThreads = WARPS * 32;
   static constexpr int kStages = STAGES;           // K/V blocks in the cp.async ring
@@ -60,10 +60,9 @@ struct CacheBand {
 // entry in `rows`, copied there by copy_table_entries STAGES - 1 blocks ahead, and clamped
 // into the cache here). The general row loop (last) is not unrolled: unrolled, the compiler keeps
 // every row's address of a contiguous cache live across the key loop.
-template <typename T, int HEAD_DIM, int STAGES, bool PAGED, bool RUNS>
+template <typename T, typename Tr, bool PAGED, bool RUNS>
 __device__ __forceinline__ void load_kv_rows(T* sK, T* sV, const DecodeParams& p, const CacheRows<PAGED>& cache, const T* k, const T* v,
                                              int n0, int end, const int* rows) {
-  using Tr = DecodeTraits<HEAD_DIM, STAGES>;
   static_assert(Tr::kChunksPerRow <= 32, "a row per round at least");
   constexpr int kRowsPerRound = 32 / Tr::kChunksPerRow;
   const int lane = threadIdx.x % 32, first = threadIdx.x / 32 * 16;
@@ -110,7 +109,7 @@ __device__ __forceinline__ void load_kv_rows(T* sK, T* sV, const DecodeParams& p
   // lanes take their row's by shuffle, so the 64-bit address math is done once a row, not once
   // a 16-byte column of it (~16 instructions a round in the SASS where the loop below takes ~45). Below
   // head_dim 96 the unrolled rounds cost a CTA per SM in registers (d64: 105 -> 137).
-  if constexpr (PAGED && !RUNS && HEAD_DIM >= 96) {
+  if constexpr (PAGED && !RUNS && Tr::kHeadDim >= 96) {
     constexpr int kCopyingLanes = kRowsPerRound * Tr::kChunksPerRow;
     constexpr u32 kCopying = kCopyingLanes == 32 ? 0xffffffffu : (1u << kCopyingLanes) - 1;
     static_assert(kCopyingLanes >= 16, "lanes 0-15 hold the rows' addresses");
@@ -255,7 +254,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) decode_kernel(const __grid_cons
     if (PAGED && n_block < b_end) copy_table_entries<PAGED>(cache, n_block * kBlockN, length, entries_of(n_block));
   };
   const auto load_block = [&](int n_block, int slot) {
-    load_kv_rows<T, HEAD_DIM, STAGES, PAGED, RUNS>(sK_ring + slot * Tr::kSmemKV, sV_ring + slot * Tr::kSmemKV, p, cache, k_seq, v_seq,
+    load_kv_rows<T, Tr, PAGED, RUNS>(sK_ring + slot * Tr::kSmemKV, sV_ring + slot * Tr::kSmemKV, p, cache, k_seq, v_seq,
                                              n_block * kBlockN, length, entries_of(n_block));
   };
 
