@@ -3,7 +3,7 @@ each (variant, arch)'s PTX, so that a change meant to leave a kernel alone (a te
 off, a struct field appended) can be checked without a GPU (same PTX, same ptxas: same SASS).
 Left out of the digest: the kernel parameter's size and the offsets of its loads (a field
 appended to AttnParams changes the first, and shifts BackwardParams' fields after it), and
-global constants.
+global constants that no code names.
 
     PYTHONPATH=<tree> python scripts/ptx_identity.py [uri-substring ...] > digests.txt
 
@@ -31,13 +31,14 @@ def ptx(variant, arch: str) -> str:
     finally:
         nvrtc.destroyProgram(prog)
     text = text.decode() if isinstance(text, bytes) else text
-    # The kernel's own code: comments, .global constants (static constexpr members that device
-    # code names, which NVRTC emits whether or not the code reads them; a load of one still
-    # shows in the code) and the parameter's byte count left out, and mangled names
-    # (which spell every template argument, defaulted ones too, and the file's hash) numbered in
-    # order of appearance.
-    lines = [line for line in text.splitlines()
-             if line.strip() and not line.lstrip().startswith("//") and not re.match(r"\.global \.align \d+ \.\w+ \w+(\[\d*\])?( = .*)?;$", line)]
+    # The kernel's own code: comments, .global constants that no code names (static constexpr
+    # members, which NVRTC declares whether or not the code reads them) and the parameter's byte
+    # count left out, and mangled names (which spell every template argument, defaulted ones
+    # too, and the file's hash) numbered in order of appearance.
+    lines = [line for line in text.splitlines() if line.strip() and not line.lstrip().startswith("//")]
+    declared = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"\.global \.align \d+ \.\w+ (\w+)(\[\d*\])?( = .*)?;$", line))}
+    named = {name for name in declared if any(name in line for j, line in enumerate(lines) if j != declared[name])}
+    lines = [line for i, line in enumerate(lines) if i not in {declared[name] for name in declared.keys() - named}]
     names: dict[str, str] = {}
     lines = [re.sub(r"_Z\w+", lambda m: names.setdefault(m.group(0), f"sym{len(names)}"), line) for line in lines]
     lines = [re.sub(r"\.b8 (\w+)\[\d+\]", r".b8 \1[]", line) for line in lines]

@@ -216,6 +216,24 @@ def test_tma_kernels_that_do_not_fit_the_devices_shared_memory_give_way(fake, mo
     assert "forward_wgmma" in kernels and not {"forward_tma", "backward_tma"} & set(kernels), kernels
 
 
+@pytest.mark.parametrize("page_size, copies", [(16, True), (64, False)])
+def test_a_paged_prefill_maps_k_and_v_only_where_its_producer_loads_boxes(fake, monkeypatch, page_size, copies):
+    """Chunked prefill over a paged cache on the TMA forward: pages under TMA_BOX_MIN_PAGE rows
+    are copied by the producer (the `/copies` form, whose parameters carry q's tensor map alone),
+    larger ones come as TMA boxes (k and v mapped with boxes of min(page size, BLOCK_N) rows).
+    tma_plan decides and tma_params follows that decision."""
+    monkeypatch.setattr(decode_module, "device_smem_limit", lambda device_id: 232448)
+    monkeypatch.setattr(decode_module, "device_arch", lambda device_id=None: "sm_90a")
+    batch, pages_per_seq = 2, 4
+    q, k_cache, v_cache = _arrays(fake, (batch, 64, 8, 128), (batch * pages_per_seq, page_size, 2, 128), (batch * pages_per_seq, page_size, 2, 128))
+    table, lengths = _arrays(fake, (batch, pages_per_seq), (batch,), dtype="int32")
+    cuattn.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, block_table=table)
+    uri, *_, struct = fake["launched"][-1]
+    assert uri.startswith("forward_tma/") and "/paged_cache" in uri and uri.endswith("/copies") == copies, uri
+    tp = np.frombuffer(struct, dtype=params.TMA_ATTN_PARAMS, count=1)[0]
+    assert any(bytes(tp["q_map"])) and any(bytes(tp["k_map"])) != copies and any(bytes(tp["v_map"])) != copies
+
+
 def test_grouped_queries_split_the_tma_backwards_key_blocks(fake, monkeypatch):
     """GQA 16:2 at 1k tokens: four CTAs per key block of the TMA backward (kernels.backward.
     tma_query_splits) add dK / dV into fp32 sums zeroed by a launch, rounded into dk and dv by
@@ -659,8 +677,9 @@ def test_a_plan_is_recorded_again_when_dependent_launches_change(fake, monkeypat
 
 def test_a_cleared_cache_invalidates_the_plans_of_jax_traces(monkeypatch):
     """Each JAX trace keeps its own plans (replay.run_preallocated); replay.clear() (a refused
-    dependent launch) must reach them too: they are keyed by its generation, so the next call
-    records afresh instead of replaying a plan made for dependent launches."""
+    dependent launch) reaches them too: they are keyed by its generation, so the next call
+    records its plan afresh (launches no longer dependent). Choices the trace made and sized
+    its buffers by (traced.decisions, the decode's prefetch among them) are replayed as traced."""
 
     class Buffer:  # an XLA buffer as the callback sees it; misaligned, so no recording is tried
         __cuda_array_interface__ = {"data": (4097, False)}
